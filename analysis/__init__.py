@@ -11,7 +11,17 @@ from typing import Any
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
     # --- meta profiler (issue 3) ---
-    # "MetaTensorMode": "analysis.meta",
+    "MetaTensorMode": "analysis.meta",
+    "symbolic_trace": "analysis.trace",
+    "register_shape_impl": "analysis.trace",
+    "MetaTraceError": "analysis.trace",
+    "symbolic_profile": "analysis.profile",
+    "profile_table": "analysis.profile",
+    "measure_saved_bytes": "analysis.profile",
+    "NodeProfile": "analysis.profile",
+    "ProfileSummary": "analysis.profile",
+    "FlopCounter": "analysis.flops",
+    "register_flop_formula": "analysis.flops",
     # --- memory simulator / scheduler (issue 4) ---
     # "DataflowGraph": "analysis.dataflow",
 }
