@@ -353,7 +353,12 @@ class FlopCounter:
     def _add(self, packet: Any, flops: int) -> None:
         bw = in_backward()
         phase = "backward" if bw else "forward"
-        parents = {GLOBAL, *self._fw_stack, *(self._bw_stack if bw else ())}
+        # in backward, ops of a checkpoint recomputation belong to the modules being re-run
+        stack = self._fw_stack if (self._fw_stack or not bw) else self._bw_stack
+        parents = {GLOBAL}
+        for name in stack:
+            parts = name.split(".")
+            parents.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
         for p in parents:
             self.counts[p][phase][packet] += flops
 
