@@ -1,0 +1,141 @@
+"""``add_tvm_dispatch``: run a module's forward and backward through TVM for one call signature.
+
+The module's ``forward`` is replaced by a guard: a call whose signature matches the compiled one
+(tensor shapes, dtypes, device, non-tensor arguments, parameter layout, training mode) runs the
+compiled halves; any other call runs the original forward, unchanged.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .convert import canonical_call
+from .errors import ConversionError
+from .function import TVMFunction
+from .passes.dropout import draw_masks
+from .pipeline import TORCH_DTYPES, CompiledModule, compile_training
+
+_MISSING = object()
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+class Dispatcher:
+    """Holds the compiled module and decides, per call, whether it applies."""
+
+    def __init__(self, module: torch.nn.Module, compiled: CompiledModule, original_forward: Any) -> None:
+        self.module = module
+        self.compiled = compiled
+        self.original_forward = original_forward
+        self.signature = inspect.signature(original_forward)
+        traced = compiled.traced
+        self.in_spec = traced.in_spec
+        self.constants = traced.constant_leaves
+        self.training = module.training
+        self.params = [module.get_parameter(n) for n in traced.param_targets]
+        self.param_keys = [(_tensor_key(p), p.requires_grad) for p in self.params]
+        self.input_keys: list[tuple] | None = None
+        self.calls_tvm = 0
+        self.calls_fallback = 0
+
+    def matches(self, leaves: list[Any], spec: pytree.TreeSpec) -> bool:
+        if spec != self.in_spec or self.module.training != self.training:
+            return False
+        keys = [_tensor_key(x) for x in leaves if isinstance(x, torch.Tensor)]
+        if keys != self.input_keys:
+            return False
+        for i, c in self.constants.items():
+            if leaves[i] is not c and leaves[i] != c:
+                return False
+        return [(_tensor_key(p), p.requires_grad) for p in self.params] == self.param_keys
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            cargs, ckwargs = canonical_call(self.signature, args, kwargs)
+        except ConversionError:
+            return self.fallback(args, kwargs)
+        leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+        if not self.matches(leaves, spec):
+            return self.fallback(args, kwargs)
+        self.calls_tvm += 1
+        compiled = self.compiled
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        masks = draw_masks(compiled.dropout_sites, compiled.device, TORCH_DTYPES)
+        outs = TVMFunction.apply(compiled, masks, *tensors, *self.params)
+        return pytree.tree_unflatten(list(outs), compiled.traced.out_spec)
+
+    def fallback(self, args: tuple, kwargs: dict) -> Any:
+        self.calls_fallback += 1
+        return self.original_forward(*args, **kwargs)
+
+
+def add_tvm_dispatch(
+    module: torch.nn.Module,
+    sample_inputs: Any,
+    sample_kwargs: dict | None = None,
+    *,
+    capture: str = "all",
+    fallback: bool = False,
+    verbose: bool = False,
+) -> torch.nn.Module:
+    """Compile ``module``'s forward and backward for the signature of the sample call and route
+    matching calls through TVM. Returns ``module`` (patched in place).
+
+    Args:
+        sample_inputs: positional arguments of a sample call (a tensor or a tuple).
+        sample_kwargs: keyword arguments of the sample call.
+        capture: capture-set policy for the forward/backward split (``"all"``).
+        fallback: on a conversion error, warn once and keep PyTorch instead of raising.
+        verbose: print a one-line summary of the compiled module.
+    """
+    if getattr(module, "_tvm_dispatch", None) is not None:
+        raise RuntimeError("module already has a TVM dispatch; call module.remove_tvm_dispatch() first")
+    args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    try:
+        _check_devices(module, args, sample_kwargs)
+        compiled = compile_training(module, args, sample_kwargs, capture=capture)
+    except ConversionError as exc:
+        if not fallback:
+            raise
+        warnings.warn(f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", stacklevel=2)
+        return module
+    original = module.__dict__.get("forward", _MISSING)
+    dispatcher = Dispatcher(module, compiled, module.forward)
+    dispatcher.input_keys = [_tensor_key(t) for t in pytree.tree_leaves(canonical_call(module.forward, args, sample_kwargs)) if isinstance(t, torch.Tensor)]
+    module._tvm_dispatch = dispatcher
+    module.forward = dispatcher
+
+    def remove_tvm_dispatch(self: torch.nn.Module) -> torch.nn.Module:
+        if original is _MISSING:
+            self.__dict__.pop("forward", None)
+        else:
+            self.forward = original
+        self.__dict__.pop("remove_tvm_dispatch", None)
+        self._tvm_dispatch = None
+        return self
+
+    module.remove_tvm_dispatch = types.MethodType(remove_tvm_dispatch, module)
+    if verbose:
+        print(f"tvmbridge: {type(module).__name__}: {compiled.summary()}")
+    return module
+
+
+def _check_devices(module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
+    tensors = [x for x in pytree.tree_leaves((args, kwargs or {})) if isinstance(x, torch.Tensor)]
+    tensors += list(module.parameters())
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ConversionError(
+            "inputs", f"inputs and parameters are on different devices ({', '.join(sorted(map(str, devices)))}); "
+            "move them to one device before add_tvm_dispatch"
+        )
+    for d in devices:
+        if d.type not in ("cpu", "cuda"):
+            raise ConversionError("inputs", f"device {d} is not supported by TVM dispatch (cpu, cuda, rocm)")

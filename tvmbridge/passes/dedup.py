@@ -1,0 +1,74 @@
+"""Dedup: remove duplicated layout work and duplicated values.
+
+The frontend emits a reshape/permute around every linear and attention op, and ``Gradient`` adds
+their transposes; chains of them are common. This pass folds permute-of-permute (dropping identity
+permutations), reshape-of-reshape and reshape-to-the-same-shape, then TVM's CSE (duplicate shape
+constants and duplicate calls) and dead-code elimination.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ._rewrite import is_op, rewrite_module, same_tensor_type, static_shape
+
+
+def _lookup(expr: relax.Expr, bound: dict) -> relax.Expr:
+    return bound.get(expr, expr) if isinstance(expr, relax.Var) else expr
+
+
+def _axes(call: relax.Call, ndim: int) -> list[int]:
+    axes = call.attrs.axes
+    return [int(a) for a in axes] if axes is not None else list(reversed(range(ndim)))
+
+
+def fold_permutes(value: relax.Expr, bound: dict) -> relax.Expr | None:
+    if not is_op(value, "relax.permute_dims"):
+        return None
+    x = value.args[0]
+    shape = static_shape(x)
+    if shape is None:
+        return None
+    outer = _axes(value, len(shape))
+    if outer == list(range(len(shape))):
+        return x
+    inner_call = _lookup(x, bound)
+    if is_op(inner_call, "relax.permute_dims"):
+        base = inner_call.args[0]
+        bshape = static_shape(base)
+        if bshape is None:
+            return None
+        inner = _axes(inner_call, len(bshape))
+        composed = [inner[a] for a in outer]
+        if composed == list(range(len(bshape))):
+            return base
+        return relax.op.permute_dims(base, composed)
+    return None
+
+
+def fold_reshapes(value: relax.Expr, bound: dict) -> relax.Expr | None:
+    if not is_op(value, "relax.reshape"):
+        return None
+    x = value.args[0]
+    if same_tensor_type(value, x) if getattr(value, "ty", None) is not None else False:
+        return x
+    inner = _lookup(x, bound)
+    if is_op(inner, "relax.reshape"):
+        base = inner.args[0]
+        target = static_shape(value) if getattr(value, "ty", None) is not None else None
+        if target is None:
+            return None
+        if static_shape(base) == target:
+            return base
+        return relax.op.reshape(base, target)
+    return None
+
+
+def dedup(mod: tvm.IRModule) -> tvm.IRModule:
+    mod = relax.transform.Normalize()(mod)
+    mod = rewrite_module(mod, [fold_permutes, fold_reshapes])
+    mod = relax.transform.CanonicalizeBindings()(mod)
+    mod = relax.transform.EliminateCommonSubexpr()(mod)
+    mod = relax.transform.CanonicalizeBindings()(mod)
+    mod = relax.transform.DeadCodeElimination()(mod)
+    return mod
