@@ -37,6 +37,8 @@ from analysis.flops import _METADATA_OPS, dispatch_and_count
 from analysis.meta import find_fake_mode, to_fake
 from analysis.units import human_bytes, human_flops
 
+aten = torch.ops.aten
+
 __all__ = ["NodeProfile", "ProfileSummary", "symbolic_profile", "profile_table",
            "measure_saved_bytes"]
 
@@ -260,6 +262,8 @@ class _Profiler:
             prof.bwd_flops_by_op = dict(d.flops)
             prof.bwd_flops = sum(d.flops.values())
 
+        self._count_grad_accumulation(grad_live)
+
         fwd: dict[Any, int] = defaultdict(int)
         bwd: dict[Any, int] = defaultdict(int)
         for n in nodes:
@@ -271,6 +275,24 @@ class _Profiler:
             fwd_flops=sum(fwd.values()), bwd_flops=sum(bwd.values()), peak_activation_bytes=peak,
             backward_bytes=sum(n.meta["profile"].backward_bytes for n in nodes),
             param_bytes=self.param_bytes, fwd_flops_by_op=dict(fwd), bwd_flops_by_op=dict(bwd))
+
+    def _count_grad_accumulation(self, grad_live: set[Node]) -> None:
+        """A tensor used by k differentiable consumers gets k gradients: k - 1 adds (the
+        autograd engine's buffer accumulation, which no single node's backward contains)."""
+        for node in grad_live:
+            v = self.env.get(node)
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                continue
+            edges = 0
+            for u in node.users:
+                if u in grad_live or u.op == "output":
+                    flat = tree_flatten((u.args, u.kwargs))[0]
+                    edges += sum(1 for a in flat if a is node)
+            if edges > 1:
+                prof = node.meta["profile"]
+                flops = (edges - 1) * v.numel()
+                prof.bwd_flops_by_op[aten.add] = prof.bwd_flops_by_op.get(aten.add, 0) + flops
+                prof.bwd_flops += flops
 
     def _grad_live(self, nodes: list[Node]) -> set[Node]:
         """Nodes whose outputs receive a gradient when the graph outputs are differentiated."""

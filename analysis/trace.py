@@ -67,10 +67,13 @@ class MetaProxy(Proxy):
         return len(self.meta_value)
 
     def __index__(self) -> int:
-        return operator.index(self.meta_value)
+        return operator.index(_concrete(self, "index"))
 
     def __int__(self) -> int:
-        return int(self.meta_value)
+        return int(_concrete(self, "int"))
+
+    def __float__(self) -> float:
+        return float(_concrete(self, "float"))
 
     def dim(self) -> int:
         return self.meta_value.dim()
@@ -178,13 +181,23 @@ class MetaTracer(torch.fx.Tracer):
         return obj
 
     def to_bool(self, obj: Proxy) -> bool:
-        return bool(_meta_of(obj))
+        return bool(_concrete(obj, "bool"))
 
     def iter(self, obj: Proxy) -> Iterator:
         return iter([obj[i] for i in range(len(_meta_of(obj)))])
 
     def keys(self, obj: Proxy) -> Any:
         return _meta_of(obj).keys()
+
+
+def _concrete(p: Proxy, what: str) -> Any:
+    """A Python value from the meta value, refusing values that depend on tensor data."""
+    val = _meta_of(p)
+    if isinstance(val, torch.Tensor):
+        raise MetaTraceError(
+            f"{what}() of tensor {p.node.name} depends on its data, which tracing on fake tensors "
+            "cannot know; make the function doing it a leaf with analysis.register_shape_impl")
+    return val
 
 
 def _meta_of(p: Proxy) -> Any:
@@ -240,6 +253,11 @@ def symbolic_trace(model: torch.nn.Module, meta_args: dict[str, Any] | None = No
     tracer = MetaTracer(mode, fake_args, defaults)
     graph = tracer.trace(model, concrete_args=concrete_args or None)
     name = type(model).__name__
+    for n in graph.nodes:  # fx keeps the signature default on specialised inputs: use the value
+        if n.op == "placeholder" and str(n.target).rsplit("_", 1)[0] in concrete_args:
+            value = concrete_args[str(n.target).rsplit("_", 1)[0]]
+            if value is None or isinstance(value, (bool, int, float, str)):
+                n.args = (value,)
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     gm.meta["fake_mode"] = mode
     return gm
