@@ -1,0 +1,279 @@
+"""The bridge against PyTorch autograd: outputs and every gradient, same seed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tvmbridge import ConversionError, UnsupportedOpError, add_tvm_dispatch
+
+from .conftest import bert_layer, clone_module, max_errors, run_step
+
+
+def _is_tvm(out: torch.Tensor) -> bool:
+    return out.grad_fn is not None and type(out.grad_fn).__name__ == "TVMFunctionBackward"
+
+
+def _bert_inputs(dtype, batch=1, seq=14, hidden=768):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(batch, seq, hidden, generator=gen, dtype=dtype)
+    mask = torch.zeros(batch, 1, 1, seq, dtype=dtype)
+    mask[..., seq - 4:] = torch.finfo(dtype).min  # last positions masked
+    return x, mask
+
+
+@pytest.fixture(scope="module")
+def bert32():
+    torch.manual_seed(0)
+    layer = bert_layer(torch.float32)
+    ref = clone_module(layer)
+    inputs = _bert_inputs(torch.float32)
+    add_tvm_dispatch(layer, inputs)
+    return layer, ref, inputs
+
+
+def test_bert_layer_float32_matches_pytorch(bert32):
+    layer, ref, inputs = bert32
+    got, want = run_step(layer, inputs), run_step(ref, inputs)
+    assert _is_tvm(got[0][0])
+    errs = max_errors(got, want)
+    assert len(errs) == 1 + 2 + 16  # output, both inputs, all 16 parameters
+    assert max(errs.values()) <= 1e-4, errs
+
+
+def test_dropout_is_active_and_matches_under_seed(bert32):
+    layer, ref, inputs = bert32
+    torch.manual_seed(5)
+    train_out = layer(*inputs)
+    assert _is_tvm(train_out)
+    ref.eval()
+    try:
+        eval_out = ref(*inputs)
+    finally:
+        ref.train()
+    assert (train_out - eval_out).abs().max().item() > 1e-2  # dropout changed the result
+    torch.manual_seed(5)
+    again = layer(*inputs)
+    assert torch.equal(train_out, again)  # same seed, same masks
+    torch.manual_seed(6)
+    assert not torch.equal(train_out, layer(*inputs))  # another seed, other masks
+
+
+def test_other_signature_falls_back_and_remove_restores(bert32):
+    layer, ref, _ = bert32
+    x2, m2 = _bert_inputs(torch.float32, batch=2)
+    out = layer(x2.requires_grad_(), m2)
+    assert out.grad_fn is not None and not _is_tvm(out)
+    torch.manual_seed(1)
+    a = layer(x2, m2)
+    torch.manual_seed(1)
+    assert torch.equal(a, ref(x2, m2))
+    # keyword form of the compiled signature still dispatches
+    x, m = _bert_inputs(torch.float32)
+    assert _is_tvm(layer(hidden_states=x.requires_grad_(), attention_mask=m))
+    assert layer._tvm_dispatch.calls_fallback >= 2
+
+
+def test_eval_mode_runs_pytorch(bert32):
+    layer, ref, inputs = bert32
+    layer.eval(); ref.eval()
+    try:
+        out = layer(*inputs)
+        assert not _is_tvm(out)
+        assert torch.equal(out, ref(*inputs))
+    finally:
+        layer.train(); ref.train()
+
+
+def test_remove_restores_original_forward():
+    layer = bert_layer(small=True)
+    before = layer.forward
+    assert "forward" not in layer.__dict__
+    add_tvm_dispatch(layer, _bert_inputs(torch.float32, seq=5, hidden=64))
+    assert "forward" in layer.__dict__
+    layer.remove_tvm_dispatch()
+    assert "forward" not in layer.__dict__ and layer.forward == before
+    assert not hasattr(layer, "remove_tvm_dispatch")
+    out = layer(*(t.requires_grad_(t.is_floating_point()) for t in _bert_inputs(torch.float32, seq=5, hidden=64)))
+    assert not _is_tvm(out)
+
+
+def test_bert_layer_float64_matches_pytorch():
+    torch.manual_seed(0)
+    layer = bert_layer(torch.float64)
+    ref = clone_module(layer)
+    inputs = _bert_inputs(torch.float64)
+    add_tvm_dispatch(layer, inputs)
+    got, want = run_step(layer, inputs), run_step(ref, inputs)
+    assert _is_tvm(got[0][0])
+    errs = max_errors(got, want)
+    assert max(errs.values()) <= 1e-10, errs
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=32, h=64):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, h)
+        self.act = torch.nn.GELU()
+        self.norm = torch.nn.LayerNorm(h)
+        self.drop = torch.nn.Dropout(0.25)
+        self.fc2 = torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.norm(self.act(self.fc1(x)))))
+
+
+class TwoOutputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 8)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x, scale: float = 2.0):
+        h = torch.tanh(self.a(x))
+        return h * scale, torch.nn.functional.gelu(self.b(x), approximate="tanh").softmax(-1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_mlp_matches_pytorch(dtype, tol):
+    torch.manual_seed(0)
+    m = MLP().train().to(dtype)
+    ref = clone_module(m)
+    x = torch.randn(4, 32, dtype=dtype)
+    add_tvm_dispatch(m, (x,))
+    got, want = run_step(m, (x,)), run_step(ref, (x,))
+    assert _is_tvm(got[0][0])
+    errs = max_errors(got, want)
+    assert max(errs.values()) <= tol, errs
+
+
+def test_tuple_outputs_and_unused_output():
+    torch.manual_seed(0)
+    m = TwoOutputs()
+    ref = clone_module(m)
+    x = torch.randn(3, 16)
+    add_tvm_dispatch(m, (x,), {"scale": 3.0})
+    got, want = run_step(m, (x, 3.0)), run_step(ref, (x, 3.0))
+    assert isinstance(m(x, scale=3.0), tuple)
+    errs = max_errors(got, want)
+    assert max(errs.values()) <= 1e-5, errs
+    # another constant is another signature: PyTorch runs it
+    assert not _is_tvm(m(x.requires_grad_(), scale=2.0)[0])
+    # a loss on one output only: the other's gradient is zero, not an error
+    xa = x.detach().clone().requires_grad_()
+    xb = x.detach().clone().requires_grad_()
+    m(xa, 3.0)[1].sum().backward()
+    ref(xb, 3.0)[1].sum().backward()
+    assert (xa.grad - xb.grad).abs().max().item() <= 1e-6
+    assert (m.a.weight.grad is None or m.a.weight.grad.abs().max().item() == 0.0)
+
+
+def test_frozen_parameter_and_input_without_grad():
+    torch.manual_seed(0)
+    m = MLP()
+    m.fc1.weight.requires_grad_(False)
+    ref = clone_module(m)
+    x = torch.randn(4, 32)
+    add_tvm_dispatch(m, (x,))
+    torch.manual_seed(2); out = m(x)
+    torch.manual_seed(2); exp = ref(x)
+    assert _is_tvm(out)
+    out.sum().backward(); exp.sum().backward()
+    assert m.fc1.weight.grad is None
+    assert (m.fc2.weight.grad - ref.fc2.weight.grad).abs().max().item() <= 1e-5
+
+
+def test_non_contiguous_and_unaligned_inputs():
+    torch.manual_seed(0)
+    m = MLP()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(4, 32),))
+    base = torch.randn(33 * 4 + 1)
+    unaligned = base[1:129].view(4, 32)  # storage offset of 4 bytes
+    transposed = torch.randn(32, 4).t()  # non-contiguous
+    for x in (unaligned, transposed):
+        torch.manual_seed(3); a = m(x)
+        torch.manual_seed(3); b = ref(x)
+        assert _is_tvm(a)
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_sgd_loop_matches_pytorch_step_by_step():
+    torch.manual_seed(0)
+    layer = bert_layer(small=True)
+    ref = clone_module(layer)
+    x, mask = _bert_inputs(torch.float32, batch=2, seq=6, hidden=64)
+    target = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(9))
+    add_tvm_dispatch(layer, (x, mask))
+    opt_a = torch.optim.SGD(layer.parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(ref.parameters(), lr=0.05)
+    losses = []
+    for step in range(20):
+        pair = []
+        for mod, opt in ((layer, opt_a), (ref, opt_b)):
+            torch.manual_seed(100 + step)
+            opt.zero_grad()
+            out = mod(x, mask)
+            loss = torch.nn.functional.mse_loss(out, target)
+            loss.backward()
+            opt.step()
+            pair.append(loss.item())
+        losses.append(pair)
+    assert layer._tvm_dispatch.calls_tvm == 20
+    rel = [abs(a - b) / abs(b) for a, b in losses]
+    assert max(rel) <= 1e-4, losses
+    assert losses[-1][0] < losses[0][0]  # it trained
+
+
+# --- bad input ----------------------------------------------------------------------------------
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot trace it
+            return self.lin(x)
+        return -self.lin(x)
+
+
+class Unsupported(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.special.i0(self.lin(x))  # no Relax converter
+
+
+def test_untraceable_module_names_the_stage():
+    m = DataDependent()
+    with pytest.raises(ConversionError) as err:
+        add_tvm_dispatch(m, (torch.randn(2, 4),))
+    assert err.value.stage == "trace" and "DataDependent" in str(err.value)
+    assert "forward" not in m.__dict__
+
+
+def test_unsupported_op_names_the_op_and_fallback_warns():
+    m = Unsupported()
+    with pytest.raises(UnsupportedOpError) as err:
+        add_tvm_dispatch(m, (torch.randn(2, 4),))
+    assert err.value.stage == "convert" and "i0" in str(err.value)
+    with pytest.warns(UserWarning, match="keeping PyTorch.*i0"):
+        add_tvm_dispatch(m, (torch.randn(2, 4),), fallback=True)
+    x = torch.randn(2, 4)
+    assert torch.equal(m(x), torch.special.i0(m.lin(x)))
+
+
+def test_wrong_device_is_rejected():
+    m = MLP()
+    with pytest.raises(ConversionError) as err:
+        add_tvm_dispatch(m, (torch.randn(4, 32, device="meta"),))
+    assert err.value.stage == "inputs" and "meta" in str(err.value)
+
+
+def test_dispatch_twice_is_an_error():
+    m = MLP()
+    add_tvm_dispatch(m, (torch.randn(4, 32),))
+    with pytest.raises(RuntimeError, match="already"):
+        add_tvm_dispatch(m, (torch.randn(4, 32),))
+
