@@ -23,7 +23,18 @@ _EXPORTS: dict[str, str] = {
     "FlopCounter": "analysis.flops",
     "register_flop_formula": "analysis.flops",
     # --- memory simulator / scheduler (issue 4) ---
-    # "DataflowGraph": "analysis.dataflow",
+    "DataflowGraph": "analysis.dataflow",
+    "GraphError": "analysis.dataflow",
+    "import_training_step": "analysis.importer",
+    "import_eval_step": "analysis.importer",
+    "fx_to_dataflow": "analysis.importer",
+    "peak_memory": "analysis.simulate",  # (not "simulate": it would clash with the module)
+    "MemoryProfile": "analysis.simulate",
+    "measure_fx_peak": "analysis.simulate",
+    "optimal_order": "analysis.schedule",
+    "ilp_order": "analysis.schedule",
+    "optimizer_rewrite": "analysis.schedule",
+    "ScheduleResult": "analysis.schedule",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -68,3 +68,11 @@ def test_bad_orders_are_rejected():
         simulate(g, ["a", "b", "b", "c"])
     with pytest.raises(GraphError, match="unknown"):
         simulate(g, ["a", "b", "q", "c"])
+
+
+def test_lazy_exports_resolve():
+    import analysis
+
+    for name in ["DataflowGraph", "peak_memory", "optimal_order", "import_training_step"]:
+        assert callable(getattr(analysis, name))
+    assert analysis.peak_memory(chain()) == 30
