@@ -133,13 +133,16 @@ class TwoOutputs(torch.nn.Module):
         return h * scale, torch.nn.functional.gelu(self.b(x), approximate="tanh").softmax(-1)
 
 
+@pytest.mark.parametrize("offload", [True, False], ids=["torch-matmul", "tvm-matmul"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
-def test_mlp_matches_pytorch(dtype, tol):
+def test_mlp_matches_pytorch(dtype, tol, offload):
     torch.manual_seed(0)
     m = MLP().train().to(dtype)
     ref = clone_module(m)
     x = torch.randn(4, 32, dtype=dtype)
-    add_tvm_dispatch(m, (x,))
+    add_tvm_dispatch(m, (x,), offload_matmul=offload)
+    fwd = m._tvm_dispatch.compiled.stages["forward_built"].script()
+    assert ("R.matmul" in fwd) != offload  # the option decides who runs the matmuls
     got, want = run_step(m, (x,)), run_step(ref, (x,))
     assert _is_tvm(got[0][0])
     errs = max_errors(got, want)

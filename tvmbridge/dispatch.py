@@ -83,6 +83,7 @@ def add_tvm_dispatch(
     *,
     capture: str = "all",
     fallback: bool = False,
+    offload_matmul: bool | None = None,
     verbose: bool = False,
 ) -> torch.nn.Module:
     """Compile ``module``'s forward and backward for the signature of the sample call and route
@@ -93,6 +94,8 @@ def add_tvm_dispatch(
         sample_kwargs: keyword arguments of the sample call.
         capture: capture-set policy for the forward/backward split (``"all"``).
         fallback: on a conversion error, warn once and keep PyTorch instead of raising.
+        offload_matmul: run dense matmuls with PyTorch's BLAS via ``call_dps_packed`` (zero-copy);
+            default: on for CPU, where untuned TVM matmuls are naive loops.
         verbose: print a one-line summary of the compiled module.
     """
     if getattr(module, "_tvm_dispatch", None) is not None:
@@ -100,7 +103,9 @@ def add_tvm_dispatch(
     args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     try:
         _check_devices(module, args, sample_kwargs)
-        compiled = compile_training(module, args, sample_kwargs, capture=capture)
+        compiled = compile_training(
+            module, args, sample_kwargs, capture=capture, offload_matmul=offload_matmul
+        )
     except ConversionError as exc:
         if not fallback:
             raise

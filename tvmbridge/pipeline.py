@@ -19,6 +19,7 @@ from .convert import TracedModule, to_relax, trace
 from .errors import ConversionError
 from .passes import build_adjoint, decompose_for_training, dedup, externalize_dropout, simplify
 from .passes.dropout import DropoutSite
+from .passes.offload import offload_matmuls
 from .split import SplitResult, joint_graph, split
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -82,6 +83,7 @@ def compile_training(
     *,
     capture: str | CapturePolicy = "all",
     device: torch.device | None = None,
+    offload_matmul: bool | None = None,
 ) -> CompiledModule:
     """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``."""
     t0 = time.perf_counter()
@@ -131,6 +133,11 @@ def compile_training(
     if device is None:
         device = next((a.device for a in traced_tensors(args, kwargs)), torch.device("cpu"))
     target = build_mod.target_for(device)
+    if offload_matmul is None:
+        offload_matmul = device.type == "cpu"
+    if offload_matmul:
+        fwd_mod, bwd_mod = offload_matmuls(fwd_mod), offload_matmuls(bwd_mod)
+    stages["forward_built"], stages["backward_built"] = fwd_mod, bwd_mod
     fwd_exec = build_mod.compile_module(fwd_mod, target)
     bwd_exec = build_mod.compile_module(bwd_mod, target)
     fvm = build_mod.load(fwd_exec, device).vm
