@@ -35,6 +35,11 @@ _EXPORTS: dict[str, str] = {
     "ilp_order": "analysis.schedule",
     "optimizer_rewrite": "analysis.schedule",
     "ScheduleResult": "analysis.schedule",
+    # --- capture set: min-cut partition (issue 5) ---
+    "PartitionGraph": "analysis.partition",
+    "PartitionNode": "analysis.partition",
+    "min_cut": "analysis.partition",
+    "min_cut_with_budget": "analysis.partition",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,16 +1,93 @@
 """Which forward values the backward keeps (captures) and which it recomputes.
 
 A policy is a function ``JointGraph -> list of primal value names``; ``split`` carries it out.
-``"all"`` keeps every tensor the backward reads (the 2020 experiment's choice). The
-memory-informed default comes with the capture-set issue and plugs in here.
+
+* ``"min-cut"`` (default): the AOTAutograd-style min-cut of ``analysis.partition`` over the joint
+  graph, with tensor bytes from Relax types and op cost classes below: only cheap ops (elementwise,
+  layout, broadcasts, reductions that read no more than 4x what they write) may be recomputed;
+  matmuls, convolutions and anything else never are. Dropout masks are inputs, so recomputation
+  stays exact. ``memory_budget`` (bytes, or a fraction of the save-all bytes) then trades more
+  recomputation, cheapest FLOPs per byte first, for fewer bytes.
+* ``"all"``: keep every tensor the backward reads (the 2020 experiment's choice).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
-from .split import JointGraph
+from analysis.partition import Partition, PartitionGraph, PartitionNode, min_cut_with_budget
+
+from .split import JointGraph, JointNode
 
 CapturePolicy = Callable[[JointGraph], list[str]]
+
+ELEMENTWISE = {
+    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.power", "relax.negative",
+    "relax.exp", "relax.log", "relax.erf", "relax.tanh", "relax.sigmoid", "relax.sqrt", "relax.rsqrt",
+    "relax.abs", "relax.maximum", "relax.minimum", "relax.clip", "relax.where", "relax.astype",
+    "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.relu", "relax.nn.silu", "relax.square",
+    "relax.equal", "relax.not_equal", "relax.greater", "relax.greater_equal", "relax.less",
+    "relax.less_equal", "relax.zeros", "relax.ones", "relax.full", "relax.zeros_like", "relax.ones_like",
+    "relax.full_like",
+}
+LAYOUT = {
+    "relax.reshape", "relax.permute_dims", "relax.broadcast_to", "relax.expand_dims", "relax.squeeze",
+    "relax.flatten", "relax.strided_slice", "relax.concat", "relax.split", "tuple", "getitem", "var", "const",
+}
+REDUCTIONS = {"relax.nn.softmax", "relax.nn.log_softmax", "relax.sum", "relax.mean", "relax.variance", "relax.max", "relax.min"}
+READ_WRITE_LIMIT = 4  # a recomputed op may read at most this many times the bytes it writes
+
+
+def _numel(node: JointNode) -> int:
+    n = 1
+    for s in node.shape or ():
+        n *= s
+    return n
+
+
+def op_flops(joint: JointGraph, node: JointNode) -> float:
+    """Rough FLOPs (2 per multiply-add) by cost class."""
+    if node.op == "relax.matmul":
+        a = joint.nodes[node.inputs[0]]
+        k = a.shape[-1] if a.shape else 1
+        return 2.0 * _numel(node) * k
+    if node.op in REDUCTIONS:
+        return float(sum(_numel(joint.nodes[i]) for i in node.inputs))
+    if node.op in LAYOUT:
+        return 0.0
+    return float(_numel(node))
+
+
+def recomputable(joint: JointGraph, node: JointNode) -> bool:
+    """Cheap ops only: elementwise and layout always, reductions that read at most
+    ``READ_WRITE_LIMIT`` times what they write (softmax yes, a LayerNorm mean no)."""
+    if node.op in ELEMENTWISE or node.op in LAYOUT:
+        return True
+    if node.op in REDUCTIONS:
+        read = sum(joint.nodes[i].nbytes for i in node.inputs)
+        return read <= READ_WRITE_LIMIT * max(node.nbytes, 1)
+    return False
+
+
+def partition_graph(joint: JointGraph) -> PartitionGraph:
+    """The primal part of the joint graph in ``analysis.partition``'s terms."""
+    nodes: dict[str, PartitionNode] = {}
+    for name, node in joint.nodes.items():
+        if not node.is_forward:
+            continue
+        nodes[name] = PartitionNode(
+            name=name,
+            inputs=[i for i in node.inputs if joint.nodes[i].is_forward],
+            nbytes=node.nbytes,
+            recomputable=node.is_param or recomputable(joint, node),
+            flops=op_flops(joint, node) if not node.is_param else 0.0,
+            is_input=node.is_param,
+        )
+    return PartitionGraph(nodes=nodes, backward_reads=joint.backward_reads())
+
+
+def save_all_bytes(joint: JointGraph) -> int:
+    return sum(joint.nodes[n].nbytes for n in capture_all(joint))
 
 
 def capture_all(joint: JointGraph) -> list[str]:
@@ -19,13 +96,35 @@ def capture_all(joint: JointGraph) -> list[str]:
     return [n for n, node in joint.nodes.items() if n in reads and node.shape is not None]
 
 
-POLICIES: dict[str, CapturePolicy] = {"all": capture_all}
+@dataclass
+class MinCut:
+    """The min-cut policy; ``memory_budget`` in bytes (int) or as a fraction of save-all (float)."""
+
+    memory_budget: int | float | None = None
+    last: Partition | None = None
+
+    def __call__(self, joint: JointGraph) -> list[str]:
+        budget = self.memory_budget
+        if isinstance(budget, float):
+            if not 0 < budget <= 1:
+                raise ValueError(f"memory_budget as a fraction must be in (0, 1], got {budget}")
+            budget = int(budget * save_all_bytes(joint))
+        self.last = min_cut_with_budget(partition_graph(joint), budget)
+        return self.last.saved
 
 
-def choose_captures(joint: JointGraph, policy: str | CapturePolicy = "all") -> list[str]:
+POLICIES: dict[str, Callable[[], CapturePolicy]] = {"all": lambda: capture_all, "min-cut": MinCut}
+
+
+def choose_captures(
+    joint: JointGraph, policy: str | CapturePolicy = "min-cut", memory_budget: int | float | None = None
+) -> list[str]:
     if callable(policy):
         return list(policy(joint))
-    try:
-        return POLICIES[policy](joint)
-    except KeyError:
-        raise ValueError(f"unknown capture policy {policy!r}; choose one of {sorted(POLICIES)}") from None
+    if policy not in POLICIES:
+        raise ValueError(f"unknown capture policy {policy!r}; choose one of {sorted(POLICIES)}")
+    if policy == "min-cut":
+        return MinCut(memory_budget)(joint)
+    if memory_budget is not None:
+        raise ValueError("memory_budget applies to capture='min-cut' only")
+    return POLICIES[policy]()(joint)

@@ -71,6 +71,14 @@ class Dispatcher:
         outs = TVMFunction.apply(compiled, masks, *tensors, *self.params)
         return pytree.tree_unflatten(list(outs), compiled.traced.out_spec)
 
+    def report(self) -> "CaptureReport":
+        """Captured bytes, PyTorch's saved bytes for the same call, recompute cost (runs the
+        original forward once for real to measure PyTorch)."""
+        from .report import capture_report
+
+        args, kwargs = self.sample
+        return capture_report(self.compiled, self.original_forward, self.module, args, kwargs, self.policy)
+
     def fallback(self, args: tuple, kwargs: dict) -> Any:
         self.calls_fallback += 1
         return self.original_forward(*args, **kwargs)
@@ -81,7 +89,8 @@ def add_tvm_dispatch(
     sample_inputs: Any,
     sample_kwargs: dict | None = None,
     *,
-    capture: str = "all",
+    capture: str = "min-cut",
+    memory_budget: int | float | None = None,
     fallback: bool = False,
     offload_matmul: bool | None = None,
     verbose: bool = False,
@@ -92,7 +101,10 @@ def add_tvm_dispatch(
     Args:
         sample_inputs: positional arguments of a sample call (a tensor or a tuple).
         sample_kwargs: keyword arguments of the sample call.
-        capture: capture-set policy for the forward/backward split (``"all"``).
+        capture: capture-set policy for the forward/backward split: ``"min-cut"`` (keep the
+            fewest bytes, recompute only cheap ops) or ``"all"`` (keep everything the backward reads).
+        memory_budget: with min-cut, bytes (int) or a fraction of the save-all bytes (float) to keep
+            at most; more is recomputed (matmuls included) to meet it.
         fallback: on a conversion error, warn once and keep PyTorch instead of raising.
         offload_matmul: run dense matmuls with PyTorch's BLAS via ``call_dps_packed`` (zero-copy);
             default: on for CPU, where untuned TVM matmuls are naive loops.
@@ -104,7 +116,8 @@ def add_tvm_dispatch(
     try:
         _check_devices(module, args, sample_kwargs)
         compiled = compile_training(
-            module, args, sample_kwargs, capture=capture, offload_matmul=offload_matmul
+            module, args, sample_kwargs, capture=capture, memory_budget=memory_budget,
+            offload_matmul=offload_matmul,
         )
     except ConversionError as exc:
         if not fallback:
@@ -113,6 +126,8 @@ def add_tvm_dispatch(
         return module
     original = module.__dict__.get("forward", _MISSING)
     dispatcher = Dispatcher(module, compiled, module.forward)
+    dispatcher.sample = (args, dict(sample_kwargs or {}))
+    dispatcher.policy = capture if isinstance(capture, str) else getattr(capture, "__name__", "custom")
     dispatcher.input_keys = [_tensor_key(t) for t in pytree.tree_leaves(canonical_call(module.forward, args, sample_kwargs)) if isinstance(t, torch.Tensor)]
     module._tvm_dispatch = dispatcher
     module.forward = dispatcher

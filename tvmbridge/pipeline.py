@@ -14,7 +14,7 @@ import tvm
 from tvm import relax
 
 from . import build as build_mod
-from .capture import CapturePolicy, choose_captures
+from .capture import CapturePolicy, MinCut, capture_all, choose_captures, op_flops
 from .convert import TracedModule, to_relax, trace
 from .errors import ConversionError
 from .passes import build_adjoint, decompose_for_training, dedup, externalize_dropout, simplify
@@ -55,7 +55,22 @@ class CompiledModule:
         return self.split.captures
 
     def captured_bytes(self) -> int:
+        """Bytes of the forward values TVM keeps for the backward (masks not included)."""
         return sum(self.split.joint.nodes[c].nbytes for c in self.split.captures)
+
+    def mask_bytes(self) -> int:
+        """Bytes of the dropout masks the backward reads (kept alongside the captures)."""
+        joint = self.split.joint
+        names = [joint.params[i] for i in self.split.backward_param_indices]
+        return sum(joint.nodes[n].nbytes for n in names if n.startswith("dropout_mask"))
+
+    def save_all_bytes(self) -> int:
+        joint = self.split.joint
+        return sum(joint.nodes[n].nbytes for n in capture_all(joint))
+
+    def recompute_flops(self) -> float:
+        joint = self.split.joint
+        return sum(op_flops(joint, joint.nodes[n]) for n in self.split.recomputed)
 
     def summary(self) -> str:
         t = self.compile_seconds
@@ -81,7 +96,8 @@ def compile_training(
     args: tuple,
     kwargs: dict | None = None,
     *,
-    capture: str | CapturePolicy = "all",
+    capture: str | CapturePolicy = "min-cut",
+    memory_budget: int | float | None = None,
     device: torch.device | None = None,
     offload_matmul: bool | None = None,
 ) -> CompiledModule:
@@ -123,7 +139,12 @@ def compile_training(
     t = mark("gradient", t)
 
     joint = joint_graph(grad, _count_primal(primal, grad.adjoint))
-    captures = choose_captures(joint, capture)
+    policy: str | CapturePolicy = capture
+    if capture == "min-cut":
+        policy = MinCut(memory_budget)
+    elif memory_budget is not None:
+        raise ValueError("memory_budget applies to capture='min-cut' only")
+    captures = choose_captures(joint, policy)
     halves = split(grad, joint, captures)
     fwd_mod = dedup(tvm.IRModule({"forward": halves.forward}))
     bwd_mod = simplify(dedup(tvm.IRModule({"backward": halves.backward})))
