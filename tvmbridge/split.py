@@ -116,6 +116,22 @@ def _dtype_bytes(dtype: str) -> int:
     return max(1, dt.bits * dt.lanes // 8)
 
 
+def value_keys(func: relax.Function) -> dict[relax.Var, str]:
+    """A unique key per value of a one-block function: its name, suffixed ``#k`` where the name
+    was taken already (params first, then bindings in order)."""
+    keys: dict[relax.Var, str] = {}
+    taken: set[str] = set()
+    block_vars = [b.var for b in func.body.blocks[0].bindings] if func.body.blocks else []
+    for var in list(func.params) + block_vars:
+        k, n = var.name, 1
+        while k in taken:
+            n += 1
+            k = f"{var.name}#{n}"
+        taken.add(k)
+        keys[var] = k
+    return keys
+
+
 def joint_graph(grad: GradientResult, num_primal_bindings: int) -> JointGraph:
     """Describe the adjoint for a capture policy.
 
@@ -126,25 +142,16 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int) -> JointGraph:
     adj = grad.adjoint
     block = adj.body.blocks[0]
     nodes: dict[str, JointNode] = {}
-    keys: dict[relax.Var, str] = {}
-
-    def key(var: relax.Var) -> str:
-        k = var.name
-        n = 1
-        while k in nodes:
-            n += 1
-            k = f"{var.name}#{n}"
-        keys[var] = k
-        return k
+    keys = value_keys(adj)
 
     for p in adj.params:
         shape, dtype, nbytes = _tensor_info(p)
-        k = key(p)
+        k = keys[p]
         nodes[k] = JointNode(k, "param", [], shape, dtype, nbytes, is_forward=True, is_param=True)
     for i, b in enumerate(block.bindings):
         shape, dtype, nbytes = _tensor_info(b.var)
         inputs = [keys[v] for v in _free_vars(b.value)]
-        k = key(b.var)
+        k = keys[b.var]
         nodes[k] = JointNode(
             k, _op_name(b.value), inputs, shape, dtype, nbytes, is_forward=i < num_primal_bindings
         )
