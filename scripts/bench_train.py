@@ -1,20 +1,30 @@
-"""One training step (forward + backward) of a BertLayer: TVM dispatch vs PyTorch eager, side by side.
+"""One training step (forward + backward, dropout on) of a BertLayer: TVM dispatch vs PyTorch.
 
-Same process, same inputs, same seeds; median over --runs steps after --warmup; reports the ratio
-TVM/eager and the compile time, and writes JSON and a markdown table (--out).
+Same process, same inputs; medians over --runs steps after --warmup, as ratios to PyTorch eager.
+Variants per shape:
+  tvm           the default: min-cut capture set, dense matmuls offloaded to PyTorch's BLAS
+  tvm-all       capture="all" (keep everything the backward reads)
+  tvm-no-offload  TVM's own (untuned) matmul kernels; only for --no-offload-shapes (very slow)
+  eager         PyTorch eager
+  compile       torch.compile (inductor), unless --no-compile
+Also: compile times, bytes kept for the backward per capture policy next to PyTorch's saved bytes,
+forward-only inference time, and a per-kernel breakdown of the default TVM step (VM instrument).
+Writes JSON and a markdown table (--out).
 
     python scripts/bench_train.py                     # shapes (1,14) and (8,128)
-    python scripts/bench_train.py --shapes 1x14 --runs 30
+    python scripts/bench_train.py --shapes 1x14 --runs 30 --no-compile
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import os
 import platform
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -22,62 +32,144 @@ from tvmbridge import add_tvm_dispatch
 from tvmbridge.demo import bert_layer
 
 
-def step_time(module, x, mask, runs: int, warmup: int) -> list[float]:
+def timed(step: Callable[[int], None], runs: int, warmup: int) -> list[float]:
     out = []
     for i in range(warmup + runs):
-        torch.manual_seed(i)
-        xi = x.detach().requires_grad_()
         t = time.perf_counter()
-        y = module(xi, mask)
-        y.sum().backward()
+        step(i)
         dt = time.perf_counter() - t
-        for p in module.parameters():
-            p.grad = None
         if i >= warmup:
             out.append(dt)
     return out
 
 
-def bench(batch: int, seq: int, runs: int, warmup: int, capture: str) -> dict:
+def train_step(module, x, mask) -> Callable[[int], None]:
+    params = list(module.parameters())
+
+    def step(i: int) -> None:
+        torch.manual_seed(i)
+        xi = x.detach().requires_grad_()
+        module(xi, mask).sum().backward()
+        for p in params:
+            p.grad = None
+
+    return step
+
+
+def infer_step(module, x, mask) -> Callable[[int], None]:
+    def step(i: int) -> None:
+        with torch.no_grad():
+            module(x, mask)
+
+    return step
+
+
+def kernel_breakdown(layer, x, mask, steps: int = 5, top: int = 10) -> list[tuple[str, float]]:
+    """Per-kernel time of the TVM step (ms per step), from the VMs' instrument hook."""
+    compiled = layer._tvm_dispatch.compiled
+    acc: dict[str, float] = collections.defaultdict(float)
+    start: dict[str, float] = {}
+
+    def instrument(func, name, before, ret, *args):
+        if before:
+            start[name] = time.perf_counter()
+        else:
+            acc[name] += time.perf_counter() - start.pop(name)
+        return 0
+
+    for vm in (compiled.forward_vm, compiled.backward_vm):
+        vm.set_instrument(instrument)
+    try:
+        step = train_step(layer, x, mask)
+        for i in range(steps):
+            step(i)
+    finally:
+        for vm in (compiled.forward_vm, compiled.backward_vm):
+            vm.set_instrument(lambda *a: 0)
+    rows = sorted(((k, v / steps * 1e3) for k, v in acc.items()), key=lambda kv: -kv[1])
+    return rows[:top] + [("(all kernels)", sum(v for _, v in rows))]
+
+
+def bench_shape(batch: int, seq: int, args) -> dict:
     torch.manual_seed(0)
-    layer = bert_layer()
-    eager = copy.deepcopy(layer)
+    base = bert_layer()
     x = torch.randn(batch, seq, 768)
     mask = torch.zeros(batch, 1, 1, seq)
-    t0 = time.perf_counter()
-    add_tvm_dispatch(layer, (x, mask), capture=capture)
-    compile_s = time.perf_counter() - t0
-    tvm_t = step_time(layer, x, mask, runs, warmup)
-    assert layer._tvm_dispatch.calls_tvm == runs + warmup
-    eager_t = step_time(eager, x, mask, runs, warmup)
-    tvm_ms, eager_ms = statistics.median(tvm_t) * 1e3, statistics.median(eager_t) * 1e3
-    return {
-        "shape": f"({batch},{seq},768)", "capture": capture, "runs": runs,
-        "tvm_ms": tvm_ms, "eager_ms": eager_ms, "ratio": tvm_ms / eager_ms,
-        "compile_s": compile_s, "captured_MiB": layer._tvm_dispatch.compiled.captured_bytes() / 2**20,
-    }
+    mask[..., seq - max(1, seq // 4):] = -1e4
+    res: dict = {"shape": f"({batch},{seq},768)", "train_ms": {}, "infer_ms": {}, "compile_s": {}, "bytes": {}}
+    variants = [("tvm", {}), ("tvm-all", {"capture": "all"})]
+    if f"{batch}x{seq}" in args.no_offload_shapes.split(","):
+        variants.append(("tvm-no-offload", {"offload_matmul": False}))
+    layers = {}
+    for name, opts in variants:
+        m = copy.deepcopy(base)
+        t = time.perf_counter()
+        add_tvm_dispatch(m, (x, mask), **opts)
+        res["compile_s"][name] = time.perf_counter() - t
+        layers[name] = m
+        report = m._tvm_dispatch.report()
+        res["bytes"][name] = {"tvm_kept": report.tvm_bytes, "captured": report.captured_bytes,
+                              "pytorch_saved": report.pytorch_saved_bytes, "recompute_MFLOP": report.recompute_flops / 1e6}
+    eager = copy.deepcopy(base)
+    layers["eager"] = eager
+    if not args.no_compile:
+        compiled = torch.compile(copy.deepcopy(base))
+        t = time.perf_counter()
+        train_step(compiled, x, mask)(0)
+        res["compile_s"]["compile"] = time.perf_counter() - t
+        layers["compile"] = compiled
+    for name, m in layers.items():
+        runs = args.runs if name != "tvm-no-offload" else max(3, args.runs // 5)
+        res["train_ms"][name] = statistics.median(timed(train_step(m, x, mask), runs, args.warmup)) * 1e3
+        print(f"  {name:15s} train step {res['train_ms'][name]:9.2f} ms", flush=True)
+    for name in ("tvm", "eager"):
+        m = layers[name]
+        res["infer_ms"][name] = statistics.median(timed(infer_step(m, x, mask), args.runs, args.warmup)) * 1e3
+    assert layers["tvm"]._tvm_dispatch.calls_tvm > 0
+    res["kernels_ms"] = kernel_breakdown(layers["tvm"], x, mask)
+    return res
+
+
+def markdown(rows: list[dict], machine: str, args) -> str:
+    out = [f"machine: {machine}", f"median of {args.runs} runs after {args.warmup} warm-up (tvm-no-offload: fewer)", ""]
+    out += ["| shape | variant | train step ms | vs eager | compile s | kept for backward MiB | PyTorch saved MiB |",
+            "|---|---|---|---|---|---|---|"]
+    mib = 2**20
+    for r in rows:
+        eager = r["train_ms"]["eager"]
+        for name, ms in r["train_ms"].items():
+            b = r["bytes"].get(name, {})
+            kept = f"{b['tvm_kept'] / mib:.2f}" if b else ""
+            saved = f"{b['pytorch_saved'] / mib:.2f}" if b else ""
+            comp = f"{r['compile_s'][name]:.1f}" if name in r["compile_s"] else ""
+            out.append(f"| {r['shape']} | {name} | {ms:.2f} | {ms / eager:.2f}x | {comp} | {kept} | {saved} |")
+    out += ["", "| shape | inference (no_grad) tvm ms | eager ms | tvm/eager |", "|---|---|---|---|"]
+    for r in rows:
+        t, e = r["infer_ms"]["tvm"], r["infer_ms"]["eager"]
+        out.append(f"| {r['shape']} | {t:.2f} | {e:.2f} | {t / e:.2f}x |")
+    for r in rows:
+        out += ["", f"per-kernel time of the default TVM step at {r['shape']} (ms per step, instrumented):", ""]
+        out += [f"    {ms:8.2f}  {k}" for k, ms in r["kernels_ms"]]
+    return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x14,8x128")
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--capture", default="all")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-offload-shapes", default="1x14", help="shapes at which to also time TVM's own matmuls")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--out", default="bench_results/bench_train")
     args = ap.parse_args()
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+               f"{torch.get_num_threads()} torch threads")
     rows = []
     for spec in args.shapes.split(","):
         b, s = (int(v) for v in spec.split("x"))
-        print(f"benchmarking ({b},{s},768) ...", flush=True)
-        rows.append(bench(b, s, args.runs, args.warmup, args.capture))
-        print(json.dumps(rows[-1]), flush=True)
-    table = ["| shape | capture | TVM step ms | eager step ms | TVM/eager | compile s | captured MiB |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        table.append(f"| {r['shape']} | {r['capture']} | {r['tvm_ms']:.1f} | {r['eager_ms']:.1f} | {r['ratio']:.2f}x | {r['compile_s']:.1f} | {r['captured_MiB']:.2f} |")
-    text = f"machine: {machine}\nmedian of {args.runs} runs after {args.warmup} warm-up\n\n" + "\n".join(table)
+        print(f"BertLayer training step at ({b},{s},768):", flush=True)
+        rows.append(bench_shape(b, s, args))
+    text = markdown(rows, machine, args)
     print(text)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
