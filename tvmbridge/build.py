@@ -58,6 +58,10 @@ def lower(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     ]
     with target:
         mod = tvm.ir.transform.Sequential(seq)(mod)
+        if target.kind.name == "llvm" and os.environ.get("TVMBRIDGE_CPU_SCHEDULES", "1") != "0":
+            from .cpu_schedule import apply_cpu_schedules
+
+            mod = apply_cpu_schedules(mod, target)
         if target.kind.name in ("cuda", "rocm"):
             from tvm.s_tir import dlight
 

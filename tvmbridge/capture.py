@@ -3,29 +3,35 @@
 A policy is a function ``JointGraph -> list of primal value names``; ``split`` carries it out.
 
 * ``"min-cut"`` (default): the AOTAutograd-style min-cut of ``analysis.partition`` over the joint
-  graph, with tensor bytes from Relax types and op cost classes below: only cheap ops (elementwise,
+  graph, with tensor bytes from Relax types and op cost classes below: only cheap ops (arithmetic,
   layout, broadcasts, reductions that read no more than 4x what they write) may be recomputed;
-  matmuls, convolutions and anything else never are. Dropout masks are inputs, so recomputation
+  transcendental ops (GELU, erf, exp, softmax) only under a memory budget; matmuls, convolutions
+  and anything else never. Dropout masks are inputs, so recomputation
   stays exact. ``memory_budget`` (bytes, or a fraction of the save-all bytes) then trades more
   recomputation, cheapest FLOPs per byte first, for fewer bytes.
 * ``"all"``: keep every tensor the backward reads (the 2020 experiment's choice).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
-from analysis.partition import Partition, PartitionGraph, PartitionNode, min_cut_with_budget
+from analysis.partition import PartitionGraph, PartitionNode, min_cut_with_budget
 
 from .split import JointGraph, JointNode
 
 CapturePolicy = Callable[[JointGraph], list[str]]
 
+# Transcendental elementwise ops are cheap in FLOPs but not in time on CPU (scalar libm calls in
+# untuned loops): recomputing an exact GELU costs as much as keeping it saves. They are kept
+# unless a memory budget asks for more (then they are the first to be recomputed).
+TRANSCENDENTAL = {
+    "relax.exp", "relax.log", "relax.erf", "relax.tanh", "relax.sigmoid", "relax.nn.gelu",
+    "relax.nn.gelu_tanh", "relax.nn.silu", "relax.nn.softmax", "relax.nn.log_softmax",
+}
 ELEMENTWISE = {
     "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.power", "relax.negative",
-    "relax.exp", "relax.log", "relax.erf", "relax.tanh", "relax.sigmoid", "relax.sqrt", "relax.rsqrt",
-    "relax.abs", "relax.maximum", "relax.minimum", "relax.clip", "relax.where", "relax.astype",
-    "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.relu", "relax.nn.silu", "relax.square",
+    "relax.sqrt", "relax.rsqrt", "relax.abs", "relax.maximum", "relax.minimum", "relax.clip",
+    "relax.where", "relax.astype", "relax.nn.relu", "relax.square",
     "relax.equal", "relax.not_equal", "relax.greater", "relax.greater_equal", "relax.less",
     "relax.less_equal", "relax.zeros", "relax.ones", "relax.full", "relax.zeros_like", "relax.ones_like",
     "relax.full_like",
@@ -34,7 +40,7 @@ LAYOUT = {
     "relax.reshape", "relax.permute_dims", "relax.broadcast_to", "relax.expand_dims", "relax.squeeze",
     "relax.flatten", "relax.strided_slice", "relax.concat", "relax.split", "tuple", "getitem", "var", "const",
 }
-REDUCTIONS = {"relax.nn.softmax", "relax.nn.log_softmax", "relax.sum", "relax.mean", "relax.variance", "relax.max", "relax.min"}
+REDUCTIONS = {"relax.sum", "relax.mean", "relax.variance", "relax.max", "relax.min"}
 READ_WRITE_LIMIT = 4  # a recomputed op may read at most this many times the bytes it writes
 
 
@@ -96,35 +102,29 @@ def capture_all(joint: JointGraph) -> list[str]:
     return [n for n, node in joint.nodes.items() if n in reads and node.shape is not None]
 
 
-@dataclass
-class MinCut:
+def capture_min_cut(joint: JointGraph, memory_budget: int | float | None = None) -> list[str]:
     """The min-cut policy; ``memory_budget`` in bytes (int) or as a fraction of save-all (float)."""
-
-    memory_budget: int | float | None = None
-    last: Partition | None = None
-
-    def __call__(self, joint: JointGraph) -> list[str]:
-        budget = self.memory_budget
-        if isinstance(budget, float):
-            if not 0 < budget <= 1:
-                raise ValueError(f"memory_budget as a fraction must be in (0, 1], got {budget}")
-            budget = int(budget * save_all_bytes(joint))
-        self.last = min_cut_with_budget(partition_graph(joint), budget)
-        return self.last.saved
+    budget = memory_budget
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise ValueError(f"memory_budget as a fraction must be in (0, 1], got {budget}")
+        budget = int(budget * save_all_bytes(joint))
+    return min_cut_with_budget(partition_graph(joint), budget).saved
 
 
-POLICIES: dict[str, Callable[[], CapturePolicy]] = {"all": lambda: capture_all, "min-cut": MinCut}
+POLICIES = ("min-cut", "all")
 
 
 def choose_captures(
     joint: JointGraph, policy: str | CapturePolicy = "min-cut", memory_budget: int | float | None = None
 ) -> list[str]:
+    """Run a policy by name (``"min-cut"``, ``"all"``) or a callable one."""
+    if memory_budget is not None and policy != "min-cut":
+        raise ValueError("memory_budget applies to capture='min-cut' only")
     if callable(policy):
         return list(policy(joint))
-    if policy not in POLICIES:
-        raise ValueError(f"unknown capture policy {policy!r}; choose one of {sorted(POLICIES)}")
     if policy == "min-cut":
-        return MinCut(memory_budget)(joint)
-    if memory_budget is not None:
-        raise ValueError("memory_budget applies to capture='min-cut' only")
-    return POLICIES[policy]()(joint)
+        return capture_min_cut(joint, memory_budget)
+    if policy == "all":
+        return capture_all(joint)
+    raise ValueError(f"unknown capture policy {policy!r}; choose one of {list(POLICIES)}")

@@ -30,8 +30,13 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 class Dispatcher:
     """Holds the compiled module and decides, per call, whether it applies."""
 
-    def __init__(self, module: torch.nn.Module, compiled: CompiledModule, original_forward: Any) -> None:
+    def __init__(
+        self, module: torch.nn.Module, compiled: CompiledModule, original_forward: Any,
+        sample: tuple[tuple, dict], policy: str,
+    ) -> None:
         self.module = module
+        self.sample = sample
+        self.policy = policy
         self.compiled = compiled
         self.original_forward = original_forward
         self.signature = inspect.signature(original_forward)
@@ -41,7 +46,10 @@ class Dispatcher:
         self.training = module.training
         self.params = [module.get_parameter(n) for n in traced.param_targets]
         self.param_keys = [(_tensor_key(p), p.requires_grad) for p in self.params]
-        self.input_keys: list[tuple] | None = None
+        self.input_keys = [
+            _tensor_key(t) for t in pytree.tree_leaves(canonical_call(self.signature, *sample))
+            if isinstance(t, torch.Tensor)
+        ]
         self.calls_tvm = 0
         self.calls_fallback = 0
 
@@ -125,10 +133,8 @@ def add_tvm_dispatch(
         warnings.warn(f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", stacklevel=2)
         return module
     original = module.__dict__.get("forward", _MISSING)
-    dispatcher = Dispatcher(module, compiled, module.forward)
-    dispatcher.sample = (args, dict(sample_kwargs or {}))
-    dispatcher.policy = capture if isinstance(capture, str) else getattr(capture, "__name__", "custom")
-    dispatcher.input_keys = [_tensor_key(t) for t in pytree.tree_leaves(canonical_call(module.forward, args, sample_kwargs)) if isinstance(t, torch.Tensor)]
+    policy = capture if isinstance(capture, str) else getattr(capture, "__name__", "custom")
+    dispatcher = Dispatcher(module, compiled, module.forward, (args, dict(sample_kwargs or {})), policy)
     module._tvm_dispatch = dispatcher
     module.forward = dispatcher
 

@@ -14,7 +14,7 @@ import tvm
 from tvm import relax
 
 from . import build as build_mod
-from .capture import CapturePolicy, MinCut, capture_all, choose_captures, op_flops
+from .capture import CapturePolicy, capture_all, choose_captures, op_flops
 from .convert import TracedModule, to_relax, trace
 from .errors import ConversionError
 from .passes import build_adjoint, decompose_for_training, dedup, externalize_dropout, simplify
@@ -139,12 +139,7 @@ def compile_training(
     t = mark("gradient", t)
 
     joint = joint_graph(grad, _count_primal(primal, grad.adjoint))
-    policy: str | CapturePolicy = capture
-    if capture == "min-cut":
-        policy = MinCut(memory_budget)
-    elif memory_budget is not None:
-        raise ValueError("memory_budget applies to capture='min-cut' only")
-    captures = choose_captures(joint, policy)
+    captures = choose_captures(joint, capture, memory_budget)
     halves = split(grad, joint, captures)
     fwd_mod = dedup(tvm.IRModule({"forward": halves.forward}))
     bwd_mod = simplify(dedup(tvm.IRModule({"backward": halves.backward})))
