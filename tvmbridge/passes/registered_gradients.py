@@ -74,26 +74,30 @@ def squeeze_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBui
     return [relax.op.reshape(output_grad, orig_call.args[0].ty.shape)]
 
 
+def _ints(expr: Expr) -> list[int]:
+    """Integers of a Relax tuple of PrimValues/IntImms (how strided_slice holds axes and bounds)."""
+    fields = expr.fields if hasattr(expr, "fields") else expr
+    return [int(getattr(f, "value", f)) for f in fields]
+
+
 def strided_slice_grad(
     orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder
 ) -> list[Expr]:
-    """Scatter the gradient back into zeros of the input's shape, one axis at a time, with a
-    ``take``'s transpose done by padding: for unit strides this is a concat of zeros around the
-    slice. Strided (step != 1) slices are rejected rather than approximated."""
+    """Pad the gradient with zeros back to the input's shape, one sliced axis at a time (a concat
+    of zeros before and after the slice). Strided (step != 1) slices are rejected rather than approximated; the bounds follow
+    Python slicing (negative begins wrap, ends clip)."""
     op = relax.op
     x = orig_call.args[0]
     shape = [int(s) for s in x.ty.shape]
-    attrs = orig_call.attrs
-    axes = [int(a) for a in orig_call.args[1].values] if len(orig_call.args) > 1 else []
-    begins = [int(b) for b in orig_call.args[2].values]
-    ends = [int(e) for e in orig_call.args[3].values]
-    strides = [int(s) for s in orig_call.args[4].values] if len(orig_call.args) > 4 and orig_call.args[4] is not None else [1] * len(axes)
-    del attrs
+    axes = _ints(orig_call.args[1])
+    begins = _ints(orig_call.args[2])
+    strides = _ints(orig_call.args[4]) if len(orig_call.args) > 4 else [1] * len(axes)
     grad: Expr = output_grad
     cur = [int(s) for s in orig_var.ty.shape]
-    for axis, b, e, s in zip(axes, begins, ends, strides):
+    for axis, b, s in zip(axes, begins, strides):
         if s != 1:
             raise NotImplementedError("gradient of strided_slice with a step other than 1")
+        axis = axis % len(shape)
         n = shape[axis]
         b = b + n if b < 0 else b
         b = min(max(b, 0), n)
