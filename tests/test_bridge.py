@@ -143,10 +143,23 @@ def test_mlp_matches_pytorch(dtype, tol, offload):
     add_tvm_dispatch(m, (x,), offload_matmul=offload)
     fwd = m._tvm_dispatch.compiled.stages["forward_built"].script()
     assert ("R.matmul" in fwd) != offload  # the option decides who runs the matmuls
+    assert ("torch_addmm" in fwd) == offload  # fc1's bias rides in addmm
+    assert ("_gelu_fast" in fwd) == (dtype == torch.float32)  # fast erf for float32 only
     got, want = run_step(m, (x,)), run_step(ref, (x,))
     assert _is_tvm(got[0][0])
     errs = max_errors(got, want)
     assert max(errs.values()) <= tol, errs
+
+
+def test_exact_libm_math_matches_too():
+    torch.manual_seed(0)
+    m = MLP()
+    ref = clone_module(m)
+    x = torch.randn(4, 32)
+    add_tvm_dispatch(m, (x,), fast_math=False)
+    assert "_gelu_fast" not in m._tvm_dispatch.compiled.stages["forward_built"].script()
+    errs = max_errors(run_step(m, (x,)), run_step(ref, (x,)))
+    assert max(errs.values()) <= 1e-5, errs
 
 
 def test_tuple_outputs_and_unused_output():

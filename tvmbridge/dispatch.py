@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import types
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,6 +19,9 @@ from .errors import ConversionError
 from .function import TVMFunction
 from .passes.dropout import draw_masks
 from .pipeline import TORCH_DTYPES, CompiledModule, compile_training
+
+if TYPE_CHECKING:
+    from .report import CaptureReport
 
 _MISSING = object()
 
@@ -101,6 +104,7 @@ def add_tvm_dispatch(
     memory_budget: int | float | None = None,
     fallback: bool = False,
     offload_matmul: bool | None = None,
+    fast_math: bool = True,
     verbose: bool = False,
 ) -> torch.nn.Module:
     """Compile ``module``'s forward and backward for the signature of the sample call and route
@@ -116,6 +120,8 @@ def add_tvm_dispatch(
         fallback: on a conversion error, warn once and keep PyTorch instead of raising.
         offload_matmul: run dense matmuls with PyTorch's BLAS via ``call_dps_packed`` (zero-copy);
             default: on for CPU, where untuned TVM matmuls are naive loops.
+        fast_math: float32 only: vectorizable erf/exp/tanh (a few ulps from libm; see
+            ``passes/fast_math.py``). Float64 is never affected.
         verbose: print a one-line summary of the compiled module.
     """
     if getattr(module, "_tvm_dispatch", None) is not None:
@@ -125,7 +131,7 @@ def add_tvm_dispatch(
         _check_devices(module, args, sample_kwargs)
         compiled = compile_training(
             module, args, sample_kwargs, capture=capture, memory_budget=memory_budget,
-            offload_matmul=offload_matmul,
+            offload_matmul=offload_matmul, fast_math=fast_math,
         )
     except ConversionError as exc:
         if not fallback:

@@ -19,6 +19,7 @@ from .convert import TracedModule, to_relax, trace
 from .errors import ConversionError
 from .passes import build_adjoint, decompose_for_training, dedup, externalize_dropout, simplify
 from .passes.dropout import DropoutSite
+from .passes.fast_math import fast_math_float32
 from .passes.offload import offload_matmuls
 from .split import SplitResult, joint_graph, split
 
@@ -100,6 +101,7 @@ def compile_training(
     memory_budget: int | float | None = None,
     device: torch.device | None = None,
     offload_matmul: bool | None = None,
+    fast_math: bool = True,
 ) -> CompiledModule:
     """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``."""
     t0 = time.perf_counter()
@@ -153,6 +155,8 @@ def compile_training(
         offload_matmul = device.type == "cpu"
     if offload_matmul:
         fwd_mod, bwd_mod = offload_matmuls(fwd_mod), offload_matmuls(bwd_mod)
+    if fast_math:
+        fwd_mod, bwd_mod = fast_math_float32(fwd_mod), fast_math_float32(bwd_mod)
     stages["forward_built"], stages["backward_built"] = fwd_mod, bwd_mod
     fwd_exec = build_mod.compile_module(fwd_mod, target)
     bwd_exec = build_mod.compile_module(bwd_mod, target)

@@ -64,3 +64,13 @@ def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
 def same_tensor_type(a: relax.Expr, b: relax.Expr) -> bool:
     sa, sb = static_shape(a), static_shape(b)
     return sa is not None and sa == sb and str(a.ty.dtype) == str(b.ty.dtype)
+
+
+def rewrite_and_clean(mod: tvm.IRModule, rules: list[Rule]) -> tvm.IRModule:
+    """Apply ``rules``, then fold the aliases they leave, CSE and dead-code elimination."""
+    mod = relax.transform.Normalize()(mod)
+    mod = rewrite_module(mod, rules)
+    mod = relax.transform.CanonicalizeBindings()(mod)
+    mod = relax.transform.EliminateCommonSubexpr()(mod)
+    mod = relax.transform.CanonicalizeBindings()(mod)
+    return relax.transform.DeadCodeElimination()(mod)

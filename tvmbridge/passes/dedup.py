@@ -10,7 +10,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ._rewrite import is_op, rewrite_module, same_tensor_type, static_shape
+from ._rewrite import is_op, rewrite_and_clean, same_tensor_type, static_shape
 
 
 def _lookup(expr: relax.Expr, bound: dict) -> relax.Expr:
@@ -65,10 +65,4 @@ def fold_reshapes(value: relax.Expr, bound: dict) -> relax.Expr | None:
 
 
 def dedup(mod: tvm.IRModule) -> tvm.IRModule:
-    mod = relax.transform.Normalize()(mod)
-    mod = rewrite_module(mod, [fold_permutes, fold_reshapes])
-    mod = relax.transform.CanonicalizeBindings()(mod)
-    mod = relax.transform.EliminateCommonSubexpr()(mod)
-    mod = relax.transform.CanonicalizeBindings()(mod)
-    mod = relax.transform.DeadCodeElimination()(mod)
-    return mod
+    return rewrite_and_clean(mod, [fold_permutes, fold_reshapes])

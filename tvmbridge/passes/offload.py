@@ -19,9 +19,17 @@ MATMUL_FUNC = "tvmbridge.torch_matmul"
 _REGISTERED = False
 
 
-def _make(trans_a: bool, trans_b: bool):
-    """``out = op(a) @ op(b)`` with ``op`` a transpose of the last two dims where asked: the
-    transpose is a strided view for BLAS, so a ``permute_dims`` feeding a matmul costs nothing."""
+def _make(trans_a: bool, trans_b: bool, bias: bool):
+    """``out = op(a) @ op(b) (+ bias)`` with ``op`` a transpose of the last two dims where asked:
+    the transpose is a strided view for BLAS, so a ``permute_dims`` feeding a matmul costs
+    nothing, and a bias add rides along in ``addmm`` (one pass over the output, like nn.Linear)."""
+
+    if bias:
+        def addmm(a, b, c, out) -> None:
+            ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+            torch.addmm(torch.from_dlpack(c), ta.mT if trans_a else ta, tb.mT if trans_b else tb,
+                        out=torch.from_dlpack(out))
+        return addmm
 
     def matmul(a, b, out) -> None:
         ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
@@ -30,8 +38,9 @@ def _make(trans_a: bool, trans_b: bool):
     return matmul
 
 
-def func_name(trans_a: bool, trans_b: bool) -> str:
-    return f"{MATMUL_FUNC}_{'t' if trans_a else 'n'}{'t' if trans_b else 'n'}"
+def func_name(trans_a: bool, trans_b: bool, bias: bool = False) -> str:
+    kind = "addmm" if bias else "matmul"
+    return f"tvmbridge.torch_{kind}_{'t' if trans_a else 'n'}{'t' if trans_b else 'n'}"
 
 
 def register() -> None:
@@ -39,7 +48,8 @@ def register() -> None:
     if not _REGISTERED:
         for ta in (False, True):
             for tb in (False, True):
-                tvm_ffi.register_global_func(func_name(ta, tb), _make(ta, tb), override=True)
+                for bias in (False, True):
+                    tvm_ffi.register_global_func(func_name(ta, tb, bias), _make(ta, tb, bias), override=True)
         _REGISTERED = True
 
 
@@ -80,8 +90,54 @@ def _offload(value: relax.Expr, bound: dict) -> relax.Expr | None:
     )
 
 
+def _bias_add(uses: dict[relax.Var, int]):
+    """``add(bias, mm)`` over a 2-D offloaded matmul used only there, with a 1-D bias of the
+    output's last dim: one ``addmm``."""
+
+    def rule(value: relax.Expr, bound: dict) -> relax.Expr | None:
+        if not is_op(value, "relax.add") or getattr(value, "ty", None) is None:
+            return None
+        for mm, bias in (value.args, reversed(value.args)):
+            call = bound.get(mm) if isinstance(mm, relax.Var) else None
+            if (
+                isinstance(call, relax.Call) and uses.get(mm, 0) == 1
+                and str(call.op.name) == "relax.call_dps_packed"
+                and str(call.args[0].global_symbol).startswith("tvmbridge.torch_matmul_")
+            ):
+                out = static_shape(value)
+                bshape = static_shape(bias)
+                if out is None or len(out) != 2 or bshape != (out[1],) or static_shape(mm) != out:
+                    continue
+                if str(bias.ty.dtype) != str(value.ty.dtype):
+                    continue
+                flags = str(call.args[0].global_symbol)[-2:]
+                a, b = call.args[1].fields
+                return relax.op.call_dps_packed(
+                    func_name(flags[0] == "t", flags[1] == "t", True), relax.Tuple([a, b, bias]),
+                    relax.TensorType(out, str(value.ty.dtype)),
+                )
+        return None
+
+    return rule
+
+
+def _use_counts(mod: tvm.IRModule) -> dict[relax.Var, int]:
+    uses: dict[relax.Var, int] = {}
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            for block in func.body.blocks:
+                for b in block.bindings:
+                    for v in relax.analysis.free_vars(b.value):
+                        uses[v] = uses.get(v, 0) + 1
+            for v in relax.analysis.free_vars(func.body.body):
+                uses[v] = uses.get(v, 0) + 1
+    return uses
+
+
 def offload_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
-    """Replace every static-shape float32/float64 ``R.matmul`` with the torch matmul call."""
+    """Replace every static-shape float32/float64 ``R.matmul`` with the torch matmul call, and
+    fold a following bias add into ``addmm``."""
     register()
-    mod = rewrite_module(relax.transform.Normalize()(mod), [_offload])
+    mod = relax.transform.Normalize()(mod)
+    mod = rewrite_module(mod, [_offload, _bias_add(_use_counts(mod))])
     return relax.transform.DeadCodeElimination()(mod)

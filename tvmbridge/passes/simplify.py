@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ._rewrite import is_op, rewrite_module, same_tensor_type, static_shape
+from ._rewrite import is_op, rewrite_and_clean, same_tensor_type, static_shape
 
 
 def constant_value(expr: relax.Expr, bound: dict, depth: int = 0) -> float | None:
@@ -73,10 +73,4 @@ def like_to_shape(value: relax.Expr, bound: dict) -> relax.Expr | None:
 
 
 def simplify(mod: tvm.IRModule) -> tvm.IRModule:
-    mod = relax.transform.Normalize()(mod)
-    mod = rewrite_module(mod, [identities, like_to_shape])
-    mod = relax.transform.CanonicalizeBindings()(mod)
-    mod = relax.transform.EliminateCommonSubexpr()(mod)
-    mod = relax.transform.CanonicalizeBindings()(mod)
-    mod = relax.transform.DeadCodeElimination()(mod)
-    return mod
+    return rewrite_and_clean(mod, [identities, like_to_shape])
