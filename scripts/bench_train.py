@@ -33,13 +33,20 @@ from tvmbridge.demo import bert_layer
 
 
 def timed(step: Callable[[int], None], runs: int, warmup: int) -> list[float]:
-    out = []
+    return interleaved({"_": step}, runs, warmup)["_"]
+
+
+def interleaved(steps: dict[str, Callable[[int], None]], runs: int, warmup: int) -> dict[str, list[float]]:
+    """Round-robin: each round runs one step of every variant, so that machine drift (this is a
+    shared 2-core VM) hits all variants alike; medians are taken per variant."""
+    out: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(warmup + runs):
-        t = time.perf_counter()
-        step(i)
-        dt = time.perf_counter() - t
-        if i >= warmup:
-            out.append(dt)
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step(i)
+            dt = time.perf_counter() - t
+            if i >= warmup:
+                out[name].append(dt)
     return out
 
 
@@ -118,20 +125,24 @@ def bench_shape(batch: int, seq: int, args) -> dict:
         train_step(compiled, x, mask)(0)
         res["compile_s"]["compile"] = time.perf_counter() - t
         layers["compile"] = compiled
-    for name, m in layers.items():
-        runs = args.runs if name != "tvm-no-offload" else max(3, args.runs // 5)
-        res["train_ms"][name] = statistics.median(timed(train_step(m, x, mask), runs, args.warmup)) * 1e3
+    slow = {k: layers.pop(k) for k in list(layers) if k == "tvm-no-offload"}
+    for name, m in slow.items():  # minutes per run at large shapes: timed alone, fewer runs
+        res["train_ms"][name] = statistics.median(timed(train_step(m, x, mask), max(3, args.runs // 5), 1)) * 1e3
+    times = interleaved({k: train_step(m, x, mask) for k, m in layers.items()}, args.runs, args.warmup)
+    for name, ts in times.items():
+        res["train_ms"][name] = statistics.median(ts) * 1e3
         print(f"  {name:15s} train step {res['train_ms'][name]:9.2f} ms", flush=True)
-    for name in ("tvm", "eager"):
-        m = layers[name]
-        res["infer_ms"][name] = statistics.median(timed(infer_step(m, x, mask), args.runs, args.warmup)) * 1e3
+    times = interleaved({k: infer_step(layers[k], x, mask) for k in ("tvm", "eager")}, args.runs, args.warmup)
+    for name, ts in times.items():
+        res["infer_ms"][name] = statistics.median(ts) * 1e3
     assert layers["tvm"]._tvm_dispatch.calls_tvm > 0
     res["kernels_ms"] = kernel_breakdown(layers["tvm"], x, mask)
     return res
 
 
 def markdown(rows: list[dict], machine: str, args) -> str:
-    out = [f"machine: {machine}", f"median of {args.runs} runs after {args.warmup} warm-up (tvm-no-offload: fewer)", ""]
+    out = [f"machine: {machine}", f"median of {args.runs} interleaved runs after {args.warmup} warm-up "
+           "(tvm-no-offload: fewer, timed alone)", ""]
     out += ["| shape | variant | train step ms | vs eager | compile s | kept for backward MiB | PyTorch saved MiB |",
             "|---|---|---|---|---|---|---|"]
     mib = 2**20
@@ -156,7 +167,7 @@ def markdown(rows: list[dict], machine: str, args) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x14,8x128")
-    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-offload-shapes", default="1x14", help="shapes at which to also time TVM's own matmuls")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
