@@ -53,8 +53,29 @@ class Dispatcher:
             _tensor_key(t) for t in pytree.tree_leaves(canonical_call(self.signature, *sample))
             if isinstance(t, torch.Tensor)
         ]
+        # Fast path, decided once: a call of n positional tensors with no keywords has the same
+        # canonical form as the sample when the sample's leaves are exactly the first n
+        # (positional-or-keyword) parameters, all tensors, and no constants.
+        self.positional_fast = self._positional_form(sample)
         self.calls_tvm = 0
         self.calls_fallback = 0
+
+    def _positional_form(self, sample: tuple[tuple, dict]) -> int | None:
+        cargs, ckwargs = canonical_call(self.signature, *sample)
+        params = list(self.signature.parameters.values())
+        n = len(ckwargs)
+        if cargs or self.constants or n > len(params):
+            return None
+        if list(ckwargs) != [p.name for p in params[:n]]:
+            return None
+        if any(p.kind != inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:n]):
+            return None
+        if not all(isinstance(v, torch.Tensor) for v in ckwargs.values()):
+            return None
+        # omitted trailing parameters must be ones the canonical form drops (defaults)
+        if any(p.default is inspect.Parameter.empty for p in params[n:] if p.kind == p.POSITIONAL_OR_KEYWORD):
+            return None
+        return n
 
     def matches(self, leaves: list[Any], spec: pytree.TreeSpec) -> bool:
         if spec != self.in_spec or self.module.training != self.training:
@@ -67,17 +88,28 @@ class Dispatcher:
                 return False
         return [(_tensor_key(p), p.requires_grad) for p in self.params] == self.param_keys
 
+    def _fast_matches(self, args: tuple) -> bool:
+        return (
+            self.module.training == self.training
+            and all(isinstance(a, torch.Tensor) for a in args)
+            and [_tensor_key(a) for a in args] == self.input_keys
+            and [(_tensor_key(p), p.requires_grad) for p in self.params] == self.param_keys
+        )
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            cargs, ckwargs = canonical_call(self.signature, args, kwargs)
-        except ConversionError:
-            return self.fallback(args, kwargs)
-        leaves, spec = pytree.tree_flatten((cargs, ckwargs))
-        if not self.matches(leaves, spec):
-            return self.fallback(args, kwargs)
+        if not kwargs and len(args) == self.positional_fast and self._fast_matches(args):
+            tensors = list(args)
+        else:
+            try:
+                cargs, ckwargs = canonical_call(self.signature, args, kwargs)
+            except ConversionError:
+                return self.fallback(args, kwargs)
+            leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+            if not self.matches(leaves, spec):
+                return self.fallback(args, kwargs)
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         self.calls_tvm += 1
         compiled = self.compiled
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         masks = draw_masks(compiled.dropout_sites, compiled.device, TORCH_DTYPES)
         outs = TVMFunction.apply(compiled, masks, *tensors, *self.params)
         return pytree.tree_unflatten(list(outs), compiled.traced.out_spec)
