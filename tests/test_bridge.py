@@ -293,3 +293,20 @@ def test_dispatch_twice_is_an_error():
     with pytest.raises(RuntimeError, match="already"):
         add_tvm_dispatch(m, (torch.randn(4, 32),))
 
+
+
+def test_no_grad_call_runs_the_inference_function(bert32, monkeypatch):
+    layer, ref, inputs = bert32
+
+    def no_autograd(*a, **k):
+        raise AssertionError("a no_grad call must not build the autograd Function")
+
+    monkeypatch.setattr("tvmbridge.dispatch.TVMFunction.apply", no_autograd)
+    before = layer._tvm_dispatch.calls_tvm
+    with torch.no_grad():
+        torch.manual_seed(11)
+        got = layer(*inputs)
+        torch.manual_seed(11)
+        want = ref(*inputs)
+    assert layer._tvm_dispatch.calls_tvm == before + 1 and got.grad_fn is None
+    assert (got - want).abs().max().item() <= 1e-4

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from .convert import canonical_call
 from .errors import ConversionError
-from .function import TVMFunction
+from .function import TVMFunction, infer
 from .passes.dropout import draw_masks
 from .pipeline import TORCH_DTYPES, CompiledModule, compile_training
 
@@ -111,7 +111,12 @@ class Dispatcher:
         self.calls_tvm += 1
         compiled = self.compiled
         masks = draw_masks(compiled.dropout_sites, compiled.device, TORCH_DTYPES)
-        outs = TVMFunction.apply(compiled, masks, *tensors, *self.params)
+        if torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.params) or any(t.requires_grad for t in tensors)
+        ):
+            outs = TVMFunction.apply(compiled, masks, *tensors, *self.params)
+        else:
+            outs = infer(compiled, [*tensors, *self.params, *masks])
         return pytree.tree_unflatten(list(outs), compiled.traced.out_spec)
 
     def report(self) -> "CaptureReport":

@@ -46,12 +46,10 @@ class TVMFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         compiled: CompiledModule = ctx.compiled
         saved = ctx.saved_tensors
-        outs_ty = compiled.split.forward.ret_ty.fields[: compiled.num_outputs]
         grads_in = []
-        for g, ty in zip(grad_outputs, outs_ty):
+        for g, (shape, dtype) in zip(grad_outputs, compiled.output_meta):
             if g is None:  # an output that did not reach the loss
-                shape = [int(s) for s in ty.shape]
-                g = torch.zeros(shape, dtype=getattr(torch, str(ty.dtype)), device=compiled.device)
+                g = torch.zeros(shape, dtype=dtype, device=compiled.device)
             grads_in.append(g)
         args = [to_tvm(t) for t in saved] + [to_tvm(g) for g in grads_in]
         grads = compiled.backward_vm["backward"](*args)
@@ -61,3 +59,9 @@ class TVMFunction(torch.autograd.Function):
             if i < ctx.num_tensors and needs[i]:
                 result[i] = to_torch(g)
         return (None, None, *result)
+
+
+def infer(compiled: CompiledModule, primal: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Outputs only, through the forward executable's ``forward_infer`` (nothing captured)."""
+    result = compiled.forward_vm["forward_infer"](*[to_tvm(t) for t in primal])
+    return tuple(to_torch(r) for r in result)

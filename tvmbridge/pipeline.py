@@ -5,6 +5,7 @@ Each step takes and returns a value that can be printed or drawn; all of them ar
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,12 @@ class CompiledModule:
     backward_vm: relax.VirtualMachine
     compile_seconds: dict[str, float]
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def output_meta(self) -> list[tuple[list[int], torch.dtype]]:
+        """Shape and dtype of each output (for the zero gradient of an unused output)."""
+        fields = self.split.forward.ret_ty.fields[: self.num_outputs]
+        return [([int(d) for d in ty.shape], TORCH_DTYPES[str(ty.dtype)]) for ty in fields]
 
     @property
     def num_user_inputs(self) -> int:
@@ -143,7 +150,10 @@ def compile_training(
     joint = joint_graph(grad, _count_primal(primal, grad.adjoint))
     captures = choose_captures(joint, capture, memory_budget)
     halves = split(grad, joint, captures)
-    fwd_mod = dedup(tvm.IRModule({"forward": halves.forward}))
+    # "forward_infer": the primal function alone (outputs, no captures), for calls that need no
+    # gradient (no_grad, or nothing requires grad): nothing is kept for a backward that never comes.
+    infer = relax.utils.copy_with_new_vars(primal).with_attr("global_symbol", "forward_infer")
+    fwd_mod = dedup(tvm.IRModule({"forward": halves.forward, "forward_infer": infer}))
     bwd_mod = simplify(dedup(tvm.IRModule({"backward": halves.backward})))
     stages["forward"], stages["backward"] = fwd_mod, bwd_mod
     t = mark("split", t)
