@@ -4,6 +4,8 @@ Same process, same inputs; medians over --runs steps after --warmup, as ratios t
 Variants per shape:
   tvm           the default: min-cut capture set, dense matmuls offloaded to PyTorch's BLAS
   tvm-all       capture="all" (keep everything the backward reads)
+  tvm-no-fast-math  libm erf/exp/tanh instead of the float32 fast kernels
+  tvm-no-cpu-schedules  TVM's own kernels left as serial loops
   tvm-no-offload  TVM's own (untuned) matmul kernels; only for --no-offload-shapes (very slow)
   eager         PyTorch eager
   compile       torch.compile (inductor), unless --no-compile
@@ -104,7 +106,10 @@ def bench_shape(batch: int, seq: int, args) -> dict:
     mask = torch.zeros(batch, 1, 1, seq)
     mask[..., seq - max(1, seq // 4):] = -1e4
     res: dict = {"shape": f"({batch},{seq},768)", "train_ms": {}, "infer_ms": {}, "compile_s": {}, "bytes": {}}
-    variants = [("tvm", {}), ("tvm-all", {"capture": "all"})]
+    variants = [
+        ("tvm", {}), ("tvm-all", {"capture": "all"}),
+        ("tvm-no-fast-math", {"fast_math": False}), ("tvm-no-cpu-schedules", {"cpu_schedules": False}),
+    ]
     if f"{batch}x{seq}" in args.no_offload_shapes.split(","):
         variants.append(("tvm-no-offload", {"offload_matmul": False}))
     layers = {}

@@ -46,8 +46,9 @@ def tvm_device(device: torch.device) -> tvm.runtime.Device:
     return tvm.rocm(index) if torch.version.hip else tvm.cuda(index)
 
 
-def lower(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """The bridge's Relax pipeline up to (not including) code generation."""
+def lower(mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True) -> tvm.IRModule:
+    """The bridge's Relax pipeline up to (not including) code generation. ``schedule=False``
+    leaves TVM's own CPU kernels unscheduled (serial loops): for measuring what scheduling buys."""
     seq = [
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),
@@ -58,7 +59,7 @@ def lower(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     ]
     with target:
         mod = tvm.ir.transform.Sequential(seq)(mod)
-        if target.kind.name == "llvm" and os.environ.get("TVMBRIDGE_CPU_SCHEDULES", "1") != "0":
+        if target.kind.name == "llvm" and schedule:
             from .cpu_schedule import apply_cpu_schedules
 
             mod = apply_cpu_schedules(mod, target)
@@ -72,9 +73,11 @@ def lower(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     return mod
 
 
-def compile_module(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:
+def compile_module(
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True
+) -> tvm.runtime.Executable:
     try:
-        lowered = lower(mod, target)
+        lowered = lower(mod, target, schedule)
         return tvm.compile(lowered, target=target)
     except Exception as exc:  # noqa: BLE001
         raise ConversionError("build", f"compiling for {target.kind.name} failed: {type(exc).__name__}: {exc}") from exc

@@ -142,6 +142,7 @@ def add_tvm_dispatch(
     fallback: bool = False,
     offload_matmul: bool | None = None,
     fast_math: bool = True,
+    cpu_schedules: bool = True,
     verbose: bool = False,
 ) -> torch.nn.Module:
     """Compile ``module``'s forward and backward for the signature of the sample call and route
@@ -159,6 +160,7 @@ def add_tvm_dispatch(
             default: on for CPU, where untuned TVM matmuls are naive loops.
         fast_math: float32 only: vectorizable erf/exp/tanh (a few ulps from libm; see
             ``passes/fast_math.py``). Float64 is never affected.
+        cpu_schedules: parallel/vectorized schedules for TVM's own CPU kernels (``cpu_schedule.py``).
         verbose: print a one-line summary of the compiled module.
     """
     if getattr(module, "_tvm_dispatch", None) is not None:
@@ -168,7 +170,7 @@ def add_tvm_dispatch(
         _check_devices(module, args, sample_kwargs)
         compiled = compile_training(
             module, args, sample_kwargs, capture=capture, memory_budget=memory_budget,
-            offload_matmul=offload_matmul, fast_math=fast_math,
+            offload_matmul=offload_matmul, fast_math=fast_math, cpu_schedules=cpu_schedules,
         )
     except ConversionError as exc:
         if not fallback:

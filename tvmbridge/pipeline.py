@@ -109,6 +109,7 @@ def compile_training(
     device: torch.device | None = None,
     offload_matmul: bool | None = None,
     fast_math: bool = True,
+    cpu_schedules: bool = True,
 ) -> CompiledModule:
     """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``."""
     t0 = time.perf_counter()
@@ -168,8 +169,8 @@ def compile_training(
     if fast_math:
         fwd_mod, bwd_mod = fast_math_float32(fwd_mod), fast_math_float32(bwd_mod)
     stages["forward_built"], stages["backward_built"] = fwd_mod, bwd_mod
-    fwd_exec = build_mod.compile_module(fwd_mod, target)
-    bwd_exec = build_mod.compile_module(bwd_mod, target)
+    fwd_exec = build_mod.compile_module(fwd_mod, target, cpu_schedules)
+    bwd_exec = build_mod.compile_module(bwd_mod, target, cpu_schedules)
     fvm = build_mod.load(fwd_exec, device).vm
     bvm = build_mod.load(bwd_exec, device).vm
     t = mark("build", t)
