@@ -403,7 +403,6 @@ def _shape_of(node: Node) -> str:
 
 def profile_table(gm: torch.fx.GraphModule, skip_empty: bool = True) -> str:
     """The per-node table of a profiled GraphModule (human units) and a summary line."""
-    s: ProfileSummary = gm.meta["profile"]
     head = ("node", "op", "module", "shape", "output", "temp", "param", "backward",
             "accumulated", "incremental", "fwd FLOPs", "bwd FLOPs")
     rows = [head]
