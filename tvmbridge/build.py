@@ -8,7 +8,6 @@ kernel, and on GPU applies dlight's default schedules (untuned GPU kernels are n
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import tvm
@@ -83,11 +82,5 @@ def compile_module(
         raise ConversionError("build", f"compiling for {target.kind.name} failed: {type(exc).__name__}: {exc}") from exc
 
 
-@dataclass
-class Loaded:
-    vm: relax.VirtualMachine
-    executable: tvm.runtime.Executable
-
-
-def load(executable: tvm.runtime.Executable, device: torch.device) -> Loaded:
-    return Loaded(relax.VirtualMachine(executable, tvm_device(device)), executable)
+def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:
+    return relax.VirtualMachine(executable, tvm_device(device))

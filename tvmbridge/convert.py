@@ -11,7 +11,7 @@ The Relax frontend is built for inference. The bridge changes three things about
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,12 +37,10 @@ class TracedModule:
     exported: ExportedProgram
     in_spec: pytree.TreeSpec
     out_spec: pytree.TreeSpec
-    leaf_is_tensor: list[bool]
     constant_leaves: dict[int, Any]
     user_input_names: list[str]  # tensor placeholders in Relax parameter order
     param_targets: list[str]  # module parameter names in Relax parameter order
     num_outputs: int
-    dropouts: list[tuple[str, float]] = field(default_factory=list)  # (aten op, p) in graph order
 
 
 def canonical_call(
@@ -129,7 +127,6 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> T
             "statistics in train mode; only functional modules can be compiled",
         )
 
-    leaf_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
     constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
     user_input_names = [
         s.arg.name for s in sig.input_specs
@@ -137,9 +134,9 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> T
         and any(n.name == s.arg.name for n in ep.graph.find_nodes(op="placeholder"))
         and isinstance(_placeholder_val(ep, s.arg.name), torch.Tensor)
     ]
-    if len(user_input_names) != sum(leaf_is_tensor):
+    if len(user_input_names) != len(tensors):
         raise ConversionError(
-            "trace", f"expected {sum(leaf_is_tensor)} tensor inputs in the export, found "
+            "trace", f"expected {len(tensors)} tensor inputs in the export, found "
             f"{len(user_input_names)}"
         )
     param_targets = [
@@ -154,15 +151,9 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> T
                 "returned by a compiled module"
             )
     out_spec = ep.call_spec.out_spec
-    dropouts = [
-        (str(n.target), float(n.args[1]))
-        for n in ep.graph.nodes
-        if n.op == "call_function" and _is_train_dropout(n)
-    ]
     return TracedModule(
-        exported=ep, in_spec=in_spec, out_spec=out_spec, leaf_is_tensor=leaf_is_tensor,
-        constant_leaves=constants, user_input_names=user_input_names,
-        param_targets=param_targets, num_outputs=len(out_nodes), dropouts=dropouts,
+        exported=ep, in_spec=in_spec, out_spec=out_spec, constant_leaves=constants,
+        user_input_names=user_input_names, param_targets=param_targets, num_outputs=len(out_nodes),
     )
 
 
@@ -194,7 +185,7 @@ class BridgeImporter(ExportedProgramImporter):
         table.update({
             "dropout.default": self._dropout_value,
             "dropout_.default": self._dropout_value,
-            "native_dropout.default": self._dropout_tuple,
+            "native_dropout.default": self._dropout_expr,
             "matmul.default": self._matmul,
             "mm.default": self._matmul,
             "bmm.default": self._matmul,
@@ -223,9 +214,6 @@ class BridgeImporter(ExportedProgramImporter):
         if not _is_train_dropout(node):
             return relax.Tuple([x, x])
         return self.block_builder.emit(relax.op.nn.dropout(x, rate=float(node.args[1])))
-
-    def _dropout_tuple(self, node: torch.fx.Node) -> relax.Expr:
-        return self._dropout_expr(node)
 
     def _dropout_value(self, node: torch.fx.Node) -> relax.Expr:
         out = self._dropout_expr(node)

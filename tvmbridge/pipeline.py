@@ -51,16 +51,8 @@ class CompiledModule:
         return [([int(d) for d in ty.shape], TORCH_DTYPES[str(ty.dtype)]) for ty in fields]
 
     @property
-    def num_user_inputs(self) -> int:
-        return len(self.traced.user_input_names)
-
-    @property
     def num_outputs(self) -> int:
         return self.split.num_outputs
-
-    @property
-    def captures(self) -> list[str]:
-        return self.split.captures
 
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""
@@ -171,8 +163,8 @@ def compile_training(
     stages["forward_built"], stages["backward_built"] = fwd_mod, bwd_mod
     fwd_exec = build_mod.compile_module(fwd_mod, target, cpu_schedules)
     bwd_exec = build_mod.compile_module(bwd_mod, target, cpu_schedules)
-    fvm = build_mod.load(fwd_exec, device).vm
-    bvm = build_mod.load(bwd_exec, device).vm
+    fvm = build_mod.load(fwd_exec, device)
+    bvm = build_mod.load(bwd_exec, device)
     t = mark("build", t)
     times["total"] = t - t0
     return CompiledModule(

@@ -47,13 +47,6 @@ class JointGraph:
     grad_out_params: list[str]
     keys: dict[relax.Var, str] = field(default_factory=dict, repr=False)  # var -> node name
 
-    def consumers(self) -> dict[str, list[str]]:
-        users: dict[str, list[str]] = {n: [] for n in self.nodes}
-        for node in self.nodes.values():
-            for i in node.inputs:
-                users[i].append(node.name)
-        return users
-
     def backward_reads(self) -> set[str]:
         """Forward values (primal bindings, not params) that some adjoint binding reads."""
         reads: set[str] = set()
