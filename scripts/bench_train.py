@@ -2,7 +2,9 @@
 
 Same process, same inputs; medians over --runs steps after --warmup, as ratios to PyTorch eager.
 Variants per shape:
-  tvm           the default: min-cut capture set, dense matmuls offloaded to PyTorch's BLAS
+  tvm           the default: min-cut capture set, dense matmuls offloaded (offload_matmul="auto":
+                oneDNN for float32 weight GEMMs, torch.matmul for the batched attention ones)
+  tvm-torch-gemm  every offloaded matmul on torch.matmul (MKL on x86), as eager PyTorch runs them
   tvm-all       capture="all" (keep everything the backward reads)
   tvm-no-fast-math  libm erf/exp/tanh instead of the float32 fast kernels
   tvm-no-cpu-schedules  TVM's own kernels left as serial loops
@@ -99,6 +101,42 @@ def kernel_breakdown(layer, x, mask, steps: int = 5, top: int = 10) -> list[tupl
     return rows[:top] + [("(all kernels)", sum(v for _, v in rows))]
 
 
+def gemm_table(layer, runs: int = 10) -> list[dict]:
+    """Each distinct offloaded GEMM of the compiled step (forward and backward), timed alone on
+    both backends through the same packed functions the VM calls: which library wins where."""
+    import tvm_ffi
+
+    from tvmbridge.passes import offload
+
+    compiled = layer._tvm_dispatch.compiled
+    seen: dict[tuple, int] = collections.Counter()
+    for stage, func in (("forward_built", "forward"), ("backward_built", "backward")):
+        for name, shapes in offload.offloaded_gemms(compiled.stages[stage][func]):
+            seen[(name.split("_", 1)[1], tuple(map(tuple, shapes)))] += 1
+    rows = []
+    for (kind, shapes), count in seen.items():
+        flags = kind.rsplit("_", 1)[1]
+        ops = [tvm_ffi.from_dlpack(torch.randn(*s)) for s in shapes]
+        a, b = shapes[0], shapes[1]
+        m, k = (a[-1], a[-2]) if flags[0] == "t" else (a[-2], a[-1])
+        n = b[-2] if flags[1] == "t" else b[-1]
+        batch = 1
+        for d in a[:-2]:
+            batch *= d
+        gflop = 2 * batch * m * k * n / 1e9
+        row = {"gemm": kind, "shapes": shapes, "per_step": count, "GFLOP": gflop}
+        for backend in ("torch", "onednn"):
+            if backend == "onednn" and not (offload.onednn_available() and len(b) == 2
+                                            and (len(a) == 2 or flags[0] == "n")):
+                continue
+            f = tvm_ffi.get_global_func(f"tvmbridge.{backend}_{kind}")
+            ts = timed(lambda i: f(*ops), runs, 2)
+            row[f"{backend}_ms"] = statistics.median(ts) * 1e3
+            row[f"{backend}_GFLOPs"] = gflop / statistics.median(ts)
+        rows.append(row)
+    return rows
+
+
 def bench_shape(batch: int, seq: int, args) -> dict:
     torch.manual_seed(0)
     base = bert_layer()
@@ -107,7 +145,7 @@ def bench_shape(batch: int, seq: int, args) -> dict:
     mask[..., seq - max(1, seq // 4):] = -1e4
     res: dict = {"shape": f"({batch},{seq},768)", "train_ms": {}, "infer_ms": {}, "compile_s": {}, "bytes": {}}
     variants = [
-        ("tvm", {}), ("tvm-all", {"capture": "all"}),
+        ("tvm", {}), ("tvm-torch-gemm", {"offload_matmul": "torch"}), ("tvm-all", {"capture": "all"}),
         ("tvm-no-fast-math", {"fast_math": False}), ("tvm-no-cpu-schedules", {"cpu_schedules": False}),
     ]
     if f"{batch}x{seq}" in args.no_offload_shapes.split(","):
@@ -142,6 +180,8 @@ def bench_shape(batch: int, seq: int, args) -> dict:
         res["infer_ms"][name] = statistics.median(ts) * 1e3
     assert layers["tvm"]._tvm_dispatch.calls_tvm > 0
     res["kernels_ms"] = kernel_breakdown(layers["tvm"], x, mask)
+    if args.gemm_table:
+        res["gemms"] = gemm_table(layers["tvm"])
     return res
 
 
@@ -166,6 +206,17 @@ def markdown(rows: list[dict], machine: str, args) -> str:
     for r in rows:
         out += ["", f"per-kernel time of the default TVM step at {r['shape']} (ms per step, instrumented):", ""]
         out += [f"    {ms:8.2f}  {k}" for k, ms in r["kernels_ms"]]
+    for r in rows:
+        if "gemms" not in r:
+            continue
+        out += ["", f"GEMMs of the step at {r['shape']}, each timed alone (median of 10):", "",
+                "| GEMM | operand shapes | per step | GFLOP | torch.matmul GFLOP/s | oneDNN GFLOP/s |",
+                "|---|---|---|---|---|---|"]
+        for g in r["gemms"]:
+            one = f"{g['onednn_GFLOPs']:.0f}" if "onednn_GFLOPs" in g else "n/a"
+            shapes = " x ".join(str(tuple(s)) for s in g["shapes"])
+            out.append(f"| {g['gemm']} | {shapes} | {g['per_step']} | {g['GFLOP']:.3f} | "
+                       f"{g['torch_GFLOPs']:.0f} | {one} |")
     return "\n".join(out)
 
 
@@ -176,6 +227,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-offload-shapes", default="1x14", help="shapes at which to also time TVM's own matmuls")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--gemm-table", action="store_true",
+                    help="also time each distinct GEMM of the step alone on torch.matmul (MKL) and oneDNN")
     ap.add_argument("--out", default="bench_results/bench_train")
     args = ap.parse_args()
     machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -140,7 +140,7 @@ def add_tvm_dispatch(
     capture: str = "min-cut",
     memory_budget: int | float | None = None,
     fallback: bool = False,
-    offload_matmul: bool | None = None,
+    offload_matmul: bool | str | None = None,
     fast_math: bool = True,
     cpu_schedules: bool = True,
     verbose: bool = False,
@@ -156,8 +156,11 @@ def add_tvm_dispatch(
         memory_budget: with min-cut, bytes (int) or a fraction of the save-all bytes (float) to keep
             at most; more is recomputed (matmuls included) to meet it.
         fallback: on a conversion error, warn once and keep PyTorch instead of raising.
-        offload_matmul: run dense matmuls with PyTorch's BLAS via ``call_dps_packed`` (zero-copy);
-            default: on for CPU, where untuned TVM matmuls are naive loops.
+        offload_matmul: run dense matmuls in a GEMM library PyTorch ships, via
+            ``call_dps_packed`` on zero-copy views: ``"auto"`` (or True; oneDNN's inner product
+            for float32 weight-like matmuls, ``torch.matmul`` for the rest), ``"torch"``
+            (``torch.matmul`` only, MKL on x86), ``"onednn"``, or False (TVM's own kernels).
+            Default: ``"auto"`` on CPU, where untuned TVM matmuls are naive loops.
         fast_math: float32 only: vectorizable erf/exp/tanh (a few ulps from libm; see
             ``passes/fast_math.py``). Float64 is never affected.
         cpu_schedules: parallel/vectorized schedules for TVM's own CPU kernels (``cpu_schedule.py``).

@@ -99,7 +99,7 @@ def compile_training(
     capture: str | CapturePolicy = "min-cut",
     memory_budget: int | float | None = None,
     device: torch.device | None = None,
-    offload_matmul: bool | None = None,
+    offload_matmul: bool | str | None = None,
     fast_math: bool = True,
     cpu_schedules: bool = True,
 ) -> CompiledModule:
@@ -157,7 +157,8 @@ def compile_training(
     if offload_matmul is None:
         offload_matmul = device.type == "cpu"
     if offload_matmul:
-        fwd_mod, bwd_mod = offload_matmuls(fwd_mod), offload_matmuls(bwd_mod)
+        backend = "auto" if offload_matmul is True else offload_matmul
+        fwd_mod, bwd_mod = offload_matmuls(fwd_mod, backend), offload_matmuls(bwd_mod, backend)
     if fast_math:
         fwd_mod, bwd_mod = fast_math_float32(fwd_mod), fast_math_float32(bwd_mod)
     stages["forward_built"], stages["backward_built"] = fwd_mod, bwd_mod
