@@ -157,7 +157,7 @@ def add_tvm_dispatch(
             at most; more is recomputed (matmuls included) to meet it.
         fallback: on a conversion error, warn once and keep PyTorch instead of raising.
         offload_matmul: run dense matmuls in a GEMM library PyTorch ships, via
-            ``call_dps_packed`` on zero-copy views: ``"auto"`` (or True; oneDNN's inner product
+            ``call_pure_packed`` on zero-copy views: ``"auto"`` (or True; oneDNN's inner product
             for float32 weight-like matmuls, ``torch.matmul`` for the rest), ``"torch"``
             (``torch.matmul`` only, MKL on x86), ``"onednn"``, or False (TVM's own kernels).
             Default: ``"auto"`` on CPU, where untuned TVM matmuls are naive loops.
