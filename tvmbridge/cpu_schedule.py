@@ -10,7 +10,21 @@ bias gradient). Two rules fill that gap, in dlight's own form:
 * :class:`SpatialParallel`: a fallback for any single reduction block: put the spatial loops
   outermost and parallelize them (the reduction runs serially inside each thread).
 
-Rules are tried in order: ``dlight.cpu.Reduction`` and ``GEMV`` first, then these.
+And one that improves on dlight's own row-reduction rule:
+
+* :class:`RowReduction`: softmax and layer-norm statistics. dlight's ``cpu.Reduction`` leaves
+  each reduction a serial chain of scalar adds (one FP-add latency per element); this rule first
+  ``rfactor``s every reduction into a vector of partial results (one lane per residue of the
+  innermost reduction index), then nests all blocks under the parallel row loop as dlight does.
+  Softmax over (8,12,128,128) went from 1.9 to 0.55 ms, a LayerNorm variance from 0.88 to 0.10 ms.
+  (dlight avoids rfactor because it must come before ``compute_at``; done in that order it works.)
+
+:class:`Elementwise` also tiles transposes: when the output's innermost axis is not the one its
+largest input is contiguous in, both axes are split into vector-wide tiles so reads and writes
+each touch whole cache lines (attention's head split/merge copies).
+
+Rules are tried in order: ``RowReduction``, ``dlight.cpu.Reduction``, then ``Elementwise`` and
+``SpatialParallel``.
 """
 from __future__ import annotations
 
@@ -67,6 +81,11 @@ class Elementwise(CPUScheduleRule):
             return None
         lanes = _vec_lanes(target, sch, block)
         inner_extent = get_extent(sch, loops[-1])
+        tiled = _tile_transpose(sch, block, loops, lanes)
+        if tiled is not None:
+            if n >= _MIN_PARALLEL:
+                sch.parallel(tiled)
+            return sch
         if len(loops) > 1 and isinstance(inner_extent, int) and inner_extent >= 4 * lanes:
             # keep the innermost axis for contiguous vectors, parallelize the rest
             outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
@@ -83,6 +102,148 @@ class Elementwise(CPUScheduleRule):
         if n >= _MIN_PARALLEL:
             sch.parallel(outer)
         return sch
+
+
+def _tile_transpose(sch: s_tir.Schedule, block, loops: list, lanes: int):
+    """If ``block`` is a transpose (its innermost loop does not index the contiguous axis of its
+    largest input, another loop does), tile both loops by ``lanes``: loops become
+    ``[rest, col_o, row_o, col_i, row_i (vector)]``; the fused outer loops are returned for
+    parallelizing. None (schedule untouched) if the block is not such a transpose."""
+    stmt = sch.get(block)
+    if len(loops) < 2 or len(loops) != len(stmt.iter_vars):
+        return None
+    reads = [r for r in stmt.reads if len(r.region) >= 2]
+    if not reads:
+        return None
+    big = max(reads, key=lambda r: _numel_of(r.source.shape) or 0)
+    last_index_vars = tirx.analysis.undefined_vars(big.region[-1].min)
+    used = [any(iv.var.same_as(v) for v in last_index_vars) for iv in stmt.iter_vars]
+    if not any(used) or used[-1]:
+        return None
+    col = max(i for i, u in enumerate(used) if u)  # innermost loop the input is contiguous in
+    row_extent, col_extent = get_extent(sch, loops[-1]), get_extent(sch, loops[col])
+    if not (isinstance(row_extent, int) and isinstance(col_extent, int)):
+        return None
+    if row_extent % lanes or col_extent % lanes:
+        return None
+    rest = [lp for i, lp in enumerate(loops) if i not in (col, len(loops) - 1)]
+    col_o, col_i = sch.split(loops[col], factors=[None, lanes])
+    row_o, row_i = sch.split(loops[-1], factors=[None, lanes])
+    sch.reorder(*rest, col_o, row_o, col_i, row_i)
+    sch.vectorize(row_i)
+    return sch.fuse(*rest, col_o, row_o)
+
+
+def _numel_of(shape) -> int | None:
+    n = 1
+    for d in shape:
+        if not isinstance(d, (int, tirx.IntImm)):
+            return None
+        n *= int(d)
+    return n
+
+
+class RowReduction(CPUScheduleRule):
+    """Row reductions with vectorized partial sums (see the module docstring): blocks sharing
+    leading spatial axes, as in ``dlight.cpu.Reduction``, whose last block may be injective
+    (softmax, layer norm) or the reduction itself (a row sum, softmax's backward ``sum(dy*y)``)."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or all(i.is_injective() for i in infos):
+            return None
+        if _inline_elementwise_chains(sch, infos):
+            infos = normalize_prim_func(sch)
+            if not infos:
+                return None
+        leading = []
+        for info in infos:
+            kinds = info.dom_kind()
+            if not kinds or kinds[0] != "S":
+                return None
+            leading.append(len(kinds) - len(kinds.lstrip("S")))
+        n_lead = min(leading)
+        lanes = _vec_lanes(target, sch, infos[-1].block_rv)
+        ends_in_reduction = not infos[-1].is_injective()
+        injective = [i.block_rv for i in infos[:-1] if i.is_injective()]
+        partials = []
+        for info in infos:  # rfactor first: each reduction still owns its loop nest
+            if info.is_injective():
+                continue
+            if len(info.dom_kind()) - leading[infos.index(info)] != 1 or not _reduces_rows(sch, info.block_rv):
+                return None  # one trailing reduction axis, along memory: a row reduction
+            r = sch.get_loops(info.block_rv)[-1]
+            extent = get_extent(sch, r)
+            if not isinstance(extent, int) or extent % lanes or extent < 2 * lanes:
+                return None
+            _, r_i = sch.split(r, factors=[None, lanes])
+            partials.append(sch.rfactor(r_i, factor_axis=len(sch.get(info.block_rv).iter_vars) - 1))
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        last = blocks[-1]  # the final injective block, or the last reduction's write-back
+        loops = sch.get_loops(last)
+        rows = sch.fuse(*loops[:n_lead]) if n_lead > 1 else loops[0]
+        sch.parallel(rows)
+        if not ends_in_reduction:
+            _vectorize_inner(sch, last, lanes)
+        for b in reversed(blocks[:-1]):
+            sch.compute_at(b, rows, preserve_unit_loops=True)
+        for b in injective:
+            _vectorize_inner(sch, b, lanes)
+        for b in partials:  # [rows, lane, 1..., r_o] -> [rows, 1..., r_o, lane (vector)]
+            loops = sch.get_loops(b)
+            lane = next(lp for lp in loops[1:-1] if get_extent(sch, lp) == lanes)
+            sch.reorder(loops[-1], lane)
+            sch.vectorize(lane)
+        return sch
+
+
+def _reduces_rows(sch: s_tir.Schedule, block) -> bool:
+    """Whether the block's reduction index is the contiguous (last) index of what it reads
+    (a row sum), not a strided one (a column sum such as a bias gradient's ``collapse_sum``)."""
+    stmt = sch.get(block)
+    r_var = stmt.iter_vars[-1].var
+    reads = [r for r in stmt.reads if len(r.region) >= 1]
+    return bool(reads) and all(
+        any(v.same_as(r_var) for v in tirx.analysis.undefined_vars(r.region[-1].min))
+        for r in reads if any(v.same_as(r_var) for reg in r.region
+                              for v in tirx.analysis.undefined_vars(reg.min))
+    )
+
+
+def _inline_elementwise_chains(sch: s_tir.Schedule, infos: list) -> bool:
+    """Inline injective blocks whose consumers are all injective (a dropout multiply after a
+    softmax, a subtract before an exp): no full-size intermediate between them. Producers read by
+    a reduction stay, so nothing is computed twice. True if anything was inlined."""
+    injective = {sch.get(i.block_rv).name_hint for i in infos if i.is_injective()}
+    changed = False
+    for info in reversed(infos[:-1]):
+        if not info.is_injective():
+            continue
+        consumers = sch.get_consumers(info.block_rv)
+        if consumers and all(sch.get(c).name_hint in injective for c in consumers):
+            try:
+                sch.compute_inline(info.block_rv)
+                changed = True
+            except s_tir.ScheduleError:
+                pass
+    return changed
+
+
+def _vectorize_inner(sch: s_tir.Schedule, block, lanes: int) -> None:
+    loops = sch.get_loops(block)
+    if len(loops) <= 1:
+        return
+    extent = get_extent(sch, loops[-1])
+    if not isinstance(extent, int):
+        return
+    if extent > lanes and extent % lanes == 0:
+        _, vec = sch.split(loops[-1], factors=[None, lanes])
+        sch.vectorize(vec)
+    elif 2 <= extent <= lanes:
+        sch.vectorize(loops[-1])
 
 
 class SpatialParallel(CPUScheduleRule):
@@ -161,6 +322,6 @@ class _Guarded(CPUScheduleRule):
 def apply_cpu_schedules(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """Schedule every TIR function of ``mod`` that no rule has scheduled yet. (dlight's CPU GEMV
     rule is left out: it asserts on scalar reductions, and dense matmuls are offloaded.)"""
-    rules = [dlight.cpu.Reduction(), Elementwise(), SpatialParallel()]
+    rules = [RowReduction(), dlight.cpu.Reduction(), Elementwise(), SpatialParallel()]
     with target:
         return dlight.ApplyDefaultSchedule(*[_Guarded(r) for r in rules])(mod)
