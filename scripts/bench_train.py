@@ -5,6 +5,8 @@ Variants per shape:
   tvm           the default: min-cut capture set, dense matmuls offloaded (offload_matmul="auto":
                 oneDNN for float32 weight GEMMs, torch.matmul for the batched attention ones)
   tvm-torch-gemm  every offloaded matmul on torch.matmul (MKL on x86), as eager PyTorch runs them
+  tvm-torch-masks  the default module, dropout masks drawn by ATen's serial bernoulli_ instead of
+                the vectorized kernel (tvmbridge/rng.py; same masks)
   tvm-all       capture="all" (keep everything the backward reads)
   tvm-no-fast-math  libm erf/exp/tanh instead of the float32 fast kernels
   tvm-no-cpu-schedules  TVM's own kernels left as serial loops
@@ -65,6 +67,20 @@ def train_step(module, x, mask) -> Callable[[int], None]:
             p.grad = None
 
     return step
+
+
+def without_mask_kernel(step: Callable[[int], None]) -> Callable[[int], None]:
+    """``step`` with the dropout-mask kernel switched off (as if its start-up check had failed)."""
+    from tvmbridge import rng
+
+    def run(i: int) -> None:
+        saved, rng._available = rng._available, False
+        try:
+            step(i)
+        finally:
+            rng._available = saved
+
+    return run
 
 
 def infer_step(module, x, mask) -> Callable[[int], None]:
@@ -171,7 +187,9 @@ def bench_shape(batch: int, seq: int, args) -> dict:
     slow = {k: layers.pop(k) for k in list(layers) if k == "tvm-no-offload"}
     for name, m in slow.items():  # minutes per run at large shapes: timed alone, fewer runs
         res["train_ms"][name] = statistics.median(timed(train_step(m, x, mask), max(3, args.runs // 5), 1)) * 1e3
-    times = interleaved({k: train_step(m, x, mask) for k, m in layers.items()}, args.runs, args.warmup)
+    steps = {k: train_step(m, x, mask) for k, m in layers.items()}
+    steps["tvm-torch-masks"] = without_mask_kernel(steps["tvm"])
+    times = interleaved(steps, args.runs, args.warmup)
     for name, ts in times.items():
         res["train_ms"][name] = statistics.median(ts) * 1e3
         print(f"  {name:15s} train step {res['train_ms'][name]:9.2f} ms", flush=True)
