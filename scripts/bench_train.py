@@ -10,6 +10,7 @@ Variants per shape:
   tvm-all       capture="all" (keep everything the backward reads)
   tvm-no-fast-math  libm erf/exp/tanh instead of the float32 fast kernels
   tvm-no-cpu-schedules  TVM's own kernels left as serial loops
+  tvm-no-fusion  one TVM kernel per Relax op (no FuseOps/FuseTIR)
   tvm-no-offload  TVM's own (untuned) matmul kernels; only for --no-offload-shapes (very slow)
   eager         PyTorch eager
   compile       torch.compile (inductor), unless --no-compile
@@ -163,6 +164,7 @@ def bench_shape(batch: int, seq: int, args) -> dict:
     variants = [
         ("tvm", {}), ("tvm-torch-gemm", {"offload_matmul": "torch"}), ("tvm-all", {"capture": "all"}),
         ("tvm-no-fast-math", {"fast_math": False}), ("tvm-no-cpu-schedules", {"cpu_schedules": False}),
+        ("tvm-no-fusion", {"fuse": False}),
     ]
     if f"{batch}x{seq}" in args.no_offload_shapes.split(","):
         variants.append(("tvm-no-offload", {"offload_matmul": False}))

@@ -165,6 +165,35 @@ def test_exact_libm_math_matches_too():
     assert max(errs.values()) <= 1e-5, errs
 
 
+def _kernels_run(module, args) -> set[str]:
+    """Names of the functions both VMs call during one training step (their instrument hook)."""
+    names: set[str] = set()
+
+    def instrument(func, name, before, ret, *a):
+        names.add(str(name))
+        return 0
+
+    compiled = module._tvm_dispatch.compiled
+    for vm in (compiled.forward_vm, compiled.backward_vm):
+        vm.set_instrument(instrument)
+    run_step(module, args)
+    return names
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_fusion_switch_keeps_results(fuse):
+    """``fuse=False`` (for measuring what fusion buys) runs one kernel per op and still matches."""
+    torch.manual_seed(0)
+    m = bert_layer(small=True)
+    ref = clone_module(m)
+    args = (torch.randn(2, 6, 64), torch.zeros(2, 1, 1, 6))
+    add_tvm_dispatch(m, args, fuse=fuse)
+    kernels = _kernels_run(m, args)
+    assert any(k.startswith("fused_") for k in kernels) == fuse, sorted(kernels)
+    errs = max_errors(run_step(m, args), run_step(ref, args))
+    assert max(errs.values()) <= 1e-4, errs
+
+
 def test_tuple_outputs_and_unused_output():
     torch.manual_seed(0)
     m = TwoOutputs()

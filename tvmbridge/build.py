@@ -45,17 +45,16 @@ def tvm_device(device: torch.device) -> tvm.runtime.Device:
     return tvm.rocm(index) if torch.version.hip else tvm.cuda(index)
 
 
-def lower(mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True) -> tvm.IRModule:
+def lower(
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True
+) -> tvm.IRModule:
     """The bridge's Relax pipeline up to (not including) code generation. ``schedule=False``
-    leaves TVM's own CPU kernels unscheduled (serial loops): for measuring what scheduling buys."""
-    seq = [
-        relax.transform.LegalizeOps(),
-        relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(),
-        relax.transform.FuseOps(),
-        relax.transform.FuseTIR(),
-        relax.transform.DeadCodeElimination(),
-    ]
+    leaves TVM's own CPU kernels unscheduled (serial loops), ``fuse=False`` keeps one kernel per
+    Relax op: both for measuring what each buys."""
+    seq = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()]
+    if fuse:
+        seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    seq.append(relax.transform.DeadCodeElimination())
     with target:
         mod = tvm.ir.transform.Sequential(seq)(mod)
         if target.kind.name == "llvm" and schedule:
@@ -73,10 +72,10 @@ def lower(mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True) -
 
 
 def compile_module(
-    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True
 ) -> tvm.runtime.Executable:
     try:
-        lowered = lower(mod, target, schedule)
+        lowered = lower(mod, target, schedule, fuse)
         return tvm.compile(lowered, target=target)
     except Exception as exc:  # noqa: BLE001
         raise ConversionError("build", f"compiling for {target.kind.name} failed: {type(exc).__name__}: {exc}") from exc

@@ -143,6 +143,7 @@ def add_tvm_dispatch(
     offload_matmul: bool | str | None = None,
     fast_math: bool = True,
     cpu_schedules: bool = True,
+    fuse: bool = True,
     verbose: bool = False,
 ) -> torch.nn.Module:
     """Compile ``module``'s forward and backward for the signature of the sample call and route
@@ -164,6 +165,8 @@ def add_tvm_dispatch(
         fast_math: float32 only: vectorizable erf/exp/tanh (a few ulps from libm; see
             ``passes/fast_math.py``). Float64 is never affected.
         cpu_schedules: parallel/vectorized schedules for TVM's own CPU kernels (``cpu_schedule.py``).
+        fuse: operator fusion (Relax ``FuseOps``/``FuseTIR``): elementwise chains and their
+            neighbours become one kernel. Off only to measure what fusion buys.
         verbose: print a one-line summary of the compiled module.
     """
     if getattr(module, "_tvm_dispatch", None) is not None:
@@ -174,6 +177,7 @@ def add_tvm_dispatch(
         compiled = compile_training(
             module, args, sample_kwargs, capture=capture, memory_budget=memory_budget,
             offload_matmul=offload_matmul, fast_math=fast_math, cpu_schedules=cpu_schedules,
+            fuse=fuse,
         )
     except ConversionError as exc:
         if not fallback:

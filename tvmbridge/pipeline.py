@@ -103,6 +103,7 @@ def compile_training(
     offload_matmul: bool | str | None = None,
     fast_math: bool = True,
     cpu_schedules: bool = True,
+    fuse: bool = True,
 ) -> CompiledModule:
     """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``."""
     t0 = time.perf_counter()
@@ -163,8 +164,8 @@ def compile_training(
     if fast_math:
         fwd_mod, bwd_mod = fast_math_float32(fwd_mod), fast_math_float32(bwd_mod)
     stages["forward_built"], stages["backward_built"] = fwd_mod, bwd_mod
-    fwd_exec = build_mod.compile_module(fwd_mod, target, cpu_schedules)
-    bwd_exec = build_mod.compile_module(bwd_mod, target, cpu_schedules)
+    fwd_exec = build_mod.compile_module(fwd_mod, target, cpu_schedules, fuse)
+    bwd_exec = build_mod.compile_module(bwd_mod, target, cpu_schedules, fuse)
     fvm = build_mod.load(fwd_exec, device)
     bvm = build_mod.load(bwd_exec, device)
     if device.type == "cpu" and sites:
