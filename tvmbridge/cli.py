@@ -11,8 +11,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a BertLayer through TVM next to PyTorch")
     demo.add_argument("--batch", type=int, default=1)
     demo.add_argument("--seq", type=int, default=14)
-    demo.add_argument("--steps", type=int, default=5)
-    demo.add_argument("--capture", default="all")
+    demo.add_argument("--steps", type=int, default=5, help="SGD steps compared against PyTorch")
+    demo.add_argument("--timing-runs", type=int, default=20, help="interleaved steps timed after a warm-up")
+    demo.add_argument("--capture", default="min-cut", help="capture-set policy: min-cut (default) or all")
     viz = sub.add_parser("viz", help="write SVG pictures of the built-in BertLayer's split")
     viz.add_argument("--out", default="bench_results/bert_split", help="path without extension")
     viz.add_argument("--small", action="store_true", help="a small BertLayer (hidden 64) for a readable picture")
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo":
         from .demo import run
 
-        run(batch=args.batch, seq=args.seq, steps=args.steps, capture=args.capture)
+        run(batch=args.batch, seq=args.seq, steps=args.steps, capture=args.capture, timing_runs=args.timing_runs)
     elif args.cmd == "viz":
         _viz(args)
     return 0
@@ -46,8 +47,13 @@ def _viz(args: argparse.Namespace) -> None:
     if args.stage == "split":
         graph = visualize_split(compiled)
     else:
+        import tvm
+
+        drawable = [k for k, v in compiled.stages.items() if isinstance(v, tvm.IRModule)]
+        if args.stage not in drawable:
+            raise SystemExit(f"tvmbridge viz: no Relax stage {args.stage!r}; choose split or one of {', '.join(drawable)}")
         mod = compiled.stages[args.stage]
-        graph = visualize(mod[list(mod.functions.keys())[0].name_hint if hasattr(list(mod.functions.keys())[0], "name_hint") else list(mod.functions.keys())[0]])
+        graph = visualize(mod[next(iter(mod.functions))])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     path = graph.render(args.out, format="svg", cleanup=True)
     print(f"{compiled.summary()}\nwrote {path}")

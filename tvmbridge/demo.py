@@ -2,7 +2,8 @@
 
 Builds ``BertLayer(BertConfig())`` with eager attention, dispatches it to TVM, runs a few SGD steps
 on both the TVM module and a PyTorch copy under the same seeds, and prints the max errors of the
-output and of every gradient, the time per step of both, and the compile time.
+output and of every gradient, the compile time, and the time per training step of both (after a
+warm-up, the two interleaved: the first calls of either are slower, and a shared machine drifts).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def bert_layer(hidden: int = 768, heads: int = 12, intermediate: int = 3072) -> 
     return BertLayer(cfg).train()
 
 
-def run(batch: int = 1, seq: int = 14, steps: int = 5, capture: str = "all") -> dict:
+def run(batch: int = 1, seq: int = 14, steps: int = 5, capture: str = "min-cut", timing_runs: int = 20) -> dict:
     from . import add_tvm_dispatch
 
     torch.manual_seed(0)
@@ -39,7 +40,6 @@ def run(batch: int = 1, seq: int = 14, steps: int = 5, capture: str = "all") -> 
     print(f"compiled forward+backward in {compile_s:.1f}s: {layer._tvm_dispatch.compiled.summary()}")
 
     opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (layer, ref)}
-    times: dict[str, list[float]] = {"tvm": [], "pytorch": []}
     worst: dict[str, float] = {}
     for step in range(steps):
         results = {}
@@ -47,12 +47,10 @@ def run(batch: int = 1, seq: int = 14, steps: int = 5, capture: str = "all") -> 
             opt = opts[id(m)]
             torch.manual_seed(1000 + step)
             xi = x.clone().requires_grad_()
-            t = time.perf_counter()
             opt.zero_grad()
             out = m(xi, mask)
             loss = torch.nn.functional.mse_loss(out, target)
             loss.backward()
-            times[name].append(time.perf_counter() - t)
             grads = {"input": xi.grad.clone(), **{n: p.grad.clone() for n, p in m.named_parameters()}}
             results[name] = (loss.item(), out.detach(), grads)
             opt.step()
@@ -67,8 +65,23 @@ def run(batch: int = 1, seq: int = 14, steps: int = 5, capture: str = "all") -> 
     print("max abs error over all steps:")
     for k, v in worst.items():
         print(f"  {k:40s} {v:.3e}")
-    med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in times.items()}
-    print(f"time per training step (median of steps after the first): tvm {med['tvm']*1e3:.1f} ms, "
-          f"pytorch {med['pytorch']*1e3:.1f} ms, ratio {med['tvm']/med['pytorch']:.1f}x; "
+    med = time_steps({"tvm": layer, "pytorch": ref}, x, mask, target, timing_runs)
+    print(f"time per training step (forward + backward, median of {timing_runs} interleaved after warm-up): "
+          f"tvm {med['tvm']*1e3:.1f} ms, pytorch {med['pytorch']*1e3:.1f} ms, ratio {med['tvm']/med['pytorch']:.2f}x; "
           f"compile {compile_s:.1f}s; {torch.get_num_threads()} threads")
     return {"worst": worst, "step_ms": {k: v * 1e3 for k, v in med.items()}, "compile_s": compile_s}
+
+
+def time_steps(modules: dict[str, torch.nn.Module], x: torch.Tensor, mask: torch.Tensor, target: torch.Tensor,
+               runs: int, warmup: int = 10) -> dict[str, float]:
+    """Median seconds of one forward + backward per module, round-robin so drift hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in modules}
+    for i in range(warmup + runs):
+        for name, m in modules.items():
+            xi = x.clone().requires_grad_()
+            t = time.perf_counter()
+            torch.nn.functional.mse_loss(m(xi, mask), target).backward()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t)
+            m.zero_grad(set_to_none=True)
+    return {k: statistics.median(v) for k, v in times.items()}
