@@ -245,6 +245,36 @@ def test_non_contiguous_and_unaligned_inputs():
         assert (a - b).abs().max().item() <= 1e-5
 
 
+def test_two_calls_before_one_backward_and_strided_output_grad():
+    """Each call keeps its own captured values (a second call before the first's backward must not
+    overwrite them); a non-contiguous output gradient reaches the backward correctly; an
+    inference_mode call takes the TVM path and matches."""
+    torch.manual_seed(0)
+    m = bert_layer(small=True)
+    ref = clone_module(m)
+    x, mask = torch.randn(2, 6, 64), torch.zeros(2, 1, 1, 6)
+    add_tvm_dispatch(m, (x, mask))
+    grads, first = {}, {}
+    for name, mod in (("tvm", m), ("torch", ref)):
+        x1, x2 = x.clone().requires_grad_(), (2 * x).requires_grad_()
+        torch.manual_seed(5)
+        y1, y2 = mod(x1, mask), mod(x2, mask)
+        g = torch.randn(64, 6, 2, generator=torch.Generator().manual_seed(1)).permute(2, 1, 0)
+        assert not g.is_contiguous()
+        torch.autograd.backward([y1, y2 ** 2], [g, torch.ones_like(y2)])
+        grads[name] = [x1.grad, x2.grad] + [p.grad.clone() for p in mod.parameters()]
+        first[name] = y1
+    assert _is_tvm(first["tvm"]) and not _is_tvm(first["torch"])
+    for a, b in zip(grads["tvm"], grads["torch"]):
+        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+    calls = m._tvm_dispatch.calls_tvm
+    with torch.inference_mode():
+        torch.manual_seed(3); a = m(x, mask)
+        torch.manual_seed(3); b = ref(x, mask)
+    assert m._tvm_dispatch.calls_tvm == calls + 1
+    assert (a - b).abs().max().item() <= 1e-5
+
+
 def test_sgd_loop_matches_pytorch_step_by_step():
     torch.manual_seed(0)
     layer = bert_layer(small=True)
