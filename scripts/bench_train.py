@@ -37,24 +37,11 @@ import torch
 
 from tvmbridge import add_tvm_dispatch
 from tvmbridge.demo import bert_layer
+from tvmbridge.timing import interleaved
 
 
 def timed(step: Callable[[int], None], runs: int, warmup: int) -> list[float]:
     return interleaved({"_": step}, runs, warmup)["_"]
-
-
-def interleaved(steps: dict[str, Callable[[int], None]], runs: int, warmup: int) -> dict[str, list[float]]:
-    """Round-robin: each round runs one step of every variant, so that machine drift (this is a
-    shared 2-core VM) hits all variants alike; medians are taken per variant."""
-    out: dict[str, list[float]] = {k: [] for k in steps}
-    for i in range(warmup + runs):
-        for name, step in steps.items():
-            t = time.perf_counter()
-            step(i)
-            dt = time.perf_counter() - t
-            if i >= warmup:
-                out[name].append(dt)
-    return out
 
 
 def train_step(module, x, mask) -> Callable[[int], None]:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from typing import Callable
 
 import torch
+
+from .timing import interleaved
 
 
 def bert_layer(hidden: int = 768, heads: int = 12, intermediate: int = 3072) -> torch.nn.Module:
@@ -74,14 +77,14 @@ def run(batch: int = 1, seq: int = 14, steps: int = 5, capture: str = "min-cut",
 
 def time_steps(modules: dict[str, torch.nn.Module], x: torch.Tensor, mask: torch.Tensor, target: torch.Tensor,
                runs: int, warmup: int = 10) -> dict[str, float]:
-    """Median seconds of one forward + backward per module, round-robin so drift hits all alike."""
-    times: dict[str, list[float]] = {k: [] for k in modules}
-    for i in range(warmup + runs):
-        for name, m in modules.items():
-            xi = x.clone().requires_grad_()
-            t = time.perf_counter()
-            torch.nn.functional.mse_loss(m(xi, mask), target).backward()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t)
+    """Median seconds of one forward + backward per module, interleaved after a warm-up."""
+
+    def step(m: torch.nn.Module) -> Callable[[int], None]:
+        def run_once(i: int) -> None:
+            torch.nn.functional.mse_loss(m(x.clone().requires_grad_(), mask), target).backward()
             m.zero_grad(set_to_none=True)
+
+        return run_once
+
+    times = interleaved({k: step(m) for k, m in modules.items()}, runs, warmup)
     return {k: statistics.median(v) for k, v in times.items()}

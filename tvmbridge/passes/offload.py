@@ -14,8 +14,9 @@ Backends, chosen per matmul at compile time (``backend=``):
 * ``"onednn"``: PyTorch's bundled oneDNN inner product (``torch.ops.mkldnn._linear_pointwise``,
   the kernel inductor's CPU freezing path calls), which dispatches on the CPU's ISA. It runs the
   BertLayer GEMMs at 260-390 GFLOP/s against MKL's 150-180 on an AMD EPYC Zen 5 VM, and at
-  150-210 against 135-190 on a Zen 4 (``scripts/bench_train.py --gemm-table``). Float32 only, and only where the right operand is
-  2-D (weight-like); batched matmuls (attention's) stay on ``torch``.
+  150-210 against 135-190 on a Zen 4 (``scripts/bench_train.py --gemm-table``). Float32 only,
+  and only where the right operand is 2-D (weight-like); batched matmuls (attention's) stay on
+  ``torch``.
 * ``"auto"`` (the default): oneDNN where it applies and a start-up probe found it working and
   agreeing with ``torch.mm``; ``torch`` elsewhere.
 

@@ -1,0 +1,22 @@
+"""Round-robin timing, shared by the demo and ``scripts/bench_train.py``.
+
+Each round runs one step of every variant, so that drift of a shared machine (step-to-step noise
+of ~10% on the 2-core dev VMs) hits all variants alike; compare medians, never single runs.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+def interleaved(steps: dict[str, Callable[[int], None]], runs: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each of ``runs`` calls ``step(i)`` per variant, after ``warmup`` untimed rounds."""
+    out: dict[str, list[float]] = {k: [] for k in steps}
+    for i in range(warmup + runs):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step(i)
+            dt = time.perf_counter() - t
+            if i >= warmup:
+                out[name].append(dt)
+    return out
