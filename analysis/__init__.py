@@ -1,7 +1,10 @@
 """Static analysis of PyTorch programs: shapes, memory and FLOPs without real memory.
 
-Imports torch only, never TVM. Public names are resolved lazily so that importing one tool
-(for example the memory scheduler) does not import all of them.
+Imports torch only, never TVM. ``profiling/`` answers what one call costs (fake tensors, FLOPs per
+module, memory per node); ``memory/`` models a whole training step as a dataflow graph (simulator,
+peak-memory operator ordering, and the keep-or-recompute min-cut). ``models`` is the model zoo the
+tools, tests and benchmarks share. Public names are resolved lazily so that importing one tool
+does not import all of them.
 """
 from __future__ import annotations
 
@@ -10,36 +13,35 @@ from typing import Any
 
 # public name -> submodule that defines it
 _EXPORTS: dict[str, str] = {
-    # --- meta profiler (issue 3) ---
-    "MetaTensorMode": "analysis.meta",
-    "symbolic_trace": "analysis.trace",
-    "register_shape_impl": "analysis.trace",
-    "MetaTraceError": "analysis.trace",
-    "symbolic_profile": "analysis.profile",
-    "profile_table": "analysis.profile",
-    "measure_saved_bytes": "analysis.profile",
-    "NodeProfile": "analysis.profile",
-    "ProfileSummary": "analysis.profile",
-    "FlopCounter": "analysis.flops",
-    "register_flop_formula": "analysis.flops",
-    # --- memory simulator / scheduler (issue 4) ---
-    "DataflowGraph": "analysis.dataflow",
-    "GraphError": "analysis.dataflow",
-    "import_training_step": "analysis.importer",
-    "import_eval_step": "analysis.importer",
-    "fx_to_dataflow": "analysis.importer",
-    "peak_memory": "analysis.simulate",  # (not "simulate": it would clash with the module)
-    "MemoryProfile": "analysis.simulate",
-    "measure_fx_peak": "analysis.simulate",
-    "optimal_order": "analysis.schedule",
-    "ilp_order": "analysis.schedule",
-    "optimizer_rewrite": "analysis.schedule",
-    "ScheduleResult": "analysis.schedule",
-    # --- capture set: min-cut partition (issue 5) ---
-    "PartitionGraph": "analysis.partition",
-    "PartitionNode": "analysis.partition",
-    "min_cut": "analysis.partition",
-    "min_cut_with_budget": "analysis.partition",
+    # --- profiling: one call on fake tensors ---
+    "MetaTensorMode": "analysis.profiling.meta",
+    "symbolic_trace": "analysis.profiling.trace",
+    "register_shape_impl": "analysis.profiling.trace",
+    "MetaTraceError": "analysis.profiling.trace",
+    "symbolic_profile": "analysis.profiling.profile",
+    "profile_table": "analysis.profiling.profile",
+    "measure_saved_bytes": "analysis.profiling.profile",
+    "NodeProfile": "analysis.profiling.profile",
+    "ProfileSummary": "analysis.profiling.profile",
+    "FlopCounter": "analysis.profiling.flops",
+    "register_flop_formula": "analysis.profiling.flops",
+    # --- memory: a training step as a dataflow graph ---
+    "DataflowGraph": "analysis.memory.dataflow",
+    "GraphError": "analysis.memory.dataflow",
+    "import_training_step": "analysis.memory.importer",
+    "import_eval_step": "analysis.memory.importer",
+    "fx_to_dataflow": "analysis.memory.importer",
+    "peak_memory": "analysis.memory.simulate",
+    "MemoryProfile": "analysis.memory.simulate",
+    "measure_fx_peak": "analysis.memory.simulate",
+    "optimal_order": "analysis.memory.schedule",
+    "ilp_order": "analysis.memory.schedule",
+    "optimizer_rewrite": "analysis.memory.schedule",
+    "ScheduleResult": "analysis.memory.schedule",
+    "PartitionGraph": "analysis.memory.partition",
+    "PartitionNode": "analysis.memory.partition",
+    "min_cut": "analysis.memory.partition",
+    "min_cut_with_budget": "analysis.memory.partition",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,4 @@
-"""Benchmark of the meta profiler (issue 3).
+"""Benchmark of the meta profiler.
 
 1. Time to `symbolic_profile` a 12-layer BERT-base encoder at batch 8, seq 128 (built and traced
    inside MetaTensorMode; goal: under 2 s). Best of --repeat runs, trace time reported apart.

@@ -5,8 +5,8 @@ Variants per shape:
   tvm           the default: min-cut capture set, dense matmuls offloaded (offload_matmul="auto":
                 oneDNN for float32 weight GEMMs, torch.matmul for the batched attention ones)
   tvm-torch-gemm  every offloaded matmul on torch.matmul (MKL on x86), as eager PyTorch runs them
-  tvm-torch-masks  the default module, dropout masks drawn by ATen's serial bernoulli_ instead of
-                the vectorized kernel (tvmbridge/rng.py; same masks)
+  tvm-torch-masks  dropout masks drawn by ATen's serial bernoulli_ instead of the vectorized
+                kernel (tvmbridge/kernels/mt19937.py; same masks)
   tvm-all       capture="all" (keep everything the backward reads)
   tvm-no-fast-math  libm erf/exp/tanh instead of the float32 fast kernels
   tvm-no-cpu-schedules  TVM's own kernels left as serial loops
@@ -35,9 +35,9 @@ from typing import Callable
 
 import torch
 
-from tvmbridge import add_tvm_dispatch
-from tvmbridge.demo import bert_layer
-from tvmbridge.timing import interleaved
+from analysis.models import bert_layer, bert_layer_inputs
+from tvmbridge import CompileOptions, add_tvm_dispatch
+from tvmbridge.tools.timing import interleaved
 
 
 def timed(step: Callable[[int], None], runs: int, warmup: int) -> list[float]:
@@ -57,20 +57,6 @@ def train_step(module, x, mask) -> Callable[[int], None]:
     return step
 
 
-def without_mask_kernel(step: Callable[[int], None]) -> Callable[[int], None]:
-    """``step`` with the dropout-mask kernel switched off (as if its start-up check had failed)."""
-    from tvmbridge import rng
-
-    def run(i: int) -> None:
-        saved, rng._available = rng._available, False
-        try:
-            step(i)
-        finally:
-            rng._available = saved
-
-    return run
-
-
 def infer_step(module, x, mask) -> Callable[[int], None]:
     def step(i: int) -> None:
         with torch.no_grad():
@@ -80,8 +66,8 @@ def infer_step(module, x, mask) -> Callable[[int], None]:
 
 
 def kernel_breakdown(layer, x, mask, steps: int = 5, top: int = 10) -> list[tuple[str, float]]:
-    """Per-kernel time of the TVM step (ms per step), from the VMs' instrument hook."""
-    compiled = layer._tvm_dispatch.compiled
+    """Per-kernel time of the TVM step (ms per step), from the VM's instrument hook."""
+    vm = layer._tvm_dispatch.compiled.vm
     acc: dict[str, float] = collections.defaultdict(float)
     start: dict[str, float] = {}
 
@@ -92,15 +78,13 @@ def kernel_breakdown(layer, x, mask, steps: int = 5, top: int = 10) -> list[tupl
             acc[name] += time.perf_counter() - start.pop(name)
         return 0
 
-    for vm in (compiled.forward_vm, compiled.backward_vm):
-        vm.set_instrument(instrument)
+    vm.set_instrument(instrument)
     try:
         step = train_step(layer, x, mask)
         for i in range(steps):
             step(i)
     finally:
-        for vm in (compiled.forward_vm, compiled.backward_vm):
-            vm.set_instrument(lambda *a: 0)
+        vm.set_instrument(lambda *a: 0)
     rows = sorted(((k, v / steps * 1e3) for k, v in acc.items()), key=lambda kv: -kv[1])
     return rows[:top] + [("(all kernels)", sum(v for _, v in rows))]
 
@@ -108,35 +92,30 @@ def kernel_breakdown(layer, x, mask, steps: int = 5, top: int = 10) -> list[tupl
 def gemm_table(layer, runs: int = 10) -> list[dict]:
     """Each distinct offloaded GEMM of the compiled step (forward and backward), timed alone on
     both backends through the same packed functions the VM calls: which library wins where."""
+    import dataclasses
+
     import tvm_ffi
 
-    from tvmbridge.passes import offload
+    from tvmbridge.backend.offload import offloaded_gemms
+    from tvmbridge.kernels.gemm import LIBRARIES, onednn_available, onednn_fits
 
-    compiled = layer._tvm_dispatch.compiled
+    built = layer._tvm_dispatch.compiled.stages["fast_math"]
     seen: dict[tuple, int] = collections.Counter()
-    for stage, func in (("forward_built", "forward"), ("backward_built", "backward")):
-        for name, shapes in offload.offloaded_gemms(compiled.stages[stage][func]):
-            seen[(name.split("_", 1)[1], tuple(map(tuple, shapes)))] += 1
+    for func in ("forward", "backward"):
+        for spec, shapes in offloaded_gemms(built[func]):
+            seen[(dataclasses.replace(spec, library="torch"), tuple(map(tuple, shapes)))] += 1
     rows = []
-    for (kind, shapes), count in seen.items():
-        flags = kind.rsplit("_", 1)[1]
+    for (spec, shapes), count in seen.items():
         ops = [tvm_ffi.from_dlpack(torch.randn(*s)) for s in shapes]
-        a, b = shapes[0], shapes[1]
-        m, k = (a[-1], a[-2]) if flags[0] == "t" else (a[-2], a[-1])
-        n = b[-2] if flags[1] == "t" else b[-1]
-        batch = 1
-        for d in a[:-2]:
-            batch *= d
-        gflop = 2 * batch * m * k * n / 1e9
-        row = {"gemm": kind, "shapes": shapes, "per_step": count, "GFLOP": gflop}
-        for backend in ("torch", "onednn"):
-            if backend == "onednn" and not (offload.onednn_available() and len(b) == 2
-                                            and (len(a) == 2 or flags[0] == "n")):
+        gflop = spec.flops(shapes[0], shapes[1]) / 1e9
+        row = {"gemm": spec.kind, "shapes": shapes, "per_step": count, "GFLOP": gflop}
+        for library in LIBRARIES:
+            if library == "onednn" and not (onednn_available() and onednn_fits("float32", *shapes[:2], spec.trans_a)):
                 continue
-            f = tvm_ffi.get_global_func(f"tvmbridge.{backend}_{kind}")
+            f = tvm_ffi.get_global_func(dataclasses.replace(spec, library=library).name)
             ts = timed(lambda i: f(*ops), runs, 2)
-            row[f"{backend}_ms"] = statistics.median(ts) * 1e3
-            row[f"{backend}_GFLOPs"] = gflop / statistics.median(ts)
+            row[f"{library}_ms"] = statistics.median(ts) * 1e3
+            row[f"{library}_GFLOPs"] = gflop / statistics.median(ts)
         rows.append(row)
     return rows
 
@@ -144,22 +123,22 @@ def gemm_table(layer, runs: int = 10) -> list[dict]:
 def bench_shape(batch: int, seq: int, args) -> dict:
     torch.manual_seed(0)
     base = bert_layer()
-    x = torch.randn(batch, seq, 768)
-    mask = torch.zeros(batch, 1, 1, seq)
-    mask[..., seq - max(1, seq // 4):] = -1e4
+    x, mask = bert_layer_inputs(batch, seq)
     res: dict = {"shape": f"({batch},{seq},768)", "train_ms": {}, "infer_ms": {}, "compile_s": {}, "bytes": {}}
-    variants = [
-        ("tvm", {}), ("tvm-torch-gemm", {"offload_matmul": "torch"}), ("tvm-all", {"capture": "all"}),
-        ("tvm-no-fast-math", {"fast_math": False}), ("tvm-no-cpu-schedules", {"cpu_schedules": False}),
-        ("tvm-no-fusion", {"fuse": False}),
-    ]
+    default = CompileOptions()
+    variants = {
+        "tvm": default, "tvm-torch-gemm": default.replace(offload_matmul="torch"),
+        "tvm-torch-masks": default.replace(mask_kernel=False), "tvm-all": default.replace(capture="all"),
+        "tvm-no-fast-math": default.replace(fast_math=False), "tvm-no-cpu-schedules": default.replace(cpu_schedules=False),
+        "tvm-no-fusion": default.replace(fuse=False),
+    }
     if f"{batch}x{seq}" in args.no_offload_shapes.split(","):
-        variants.append(("tvm-no-offload", {"offload_matmul": False}))
+        variants["tvm-no-offload"] = default.replace(offload_matmul=False)
     layers = {}
-    for name, opts in variants:
+    for name, opts in variants.items():
         m = copy.deepcopy(base)
         t = time.perf_counter()
-        add_tvm_dispatch(m, (x, mask), **opts)
+        add_tvm_dispatch(m, (x, mask), options=opts)
         res["compile_s"][name] = time.perf_counter() - t
         layers[name] = m
         report = m._tvm_dispatch.report()
@@ -177,7 +156,6 @@ def bench_shape(batch: int, seq: int, args) -> dict:
     for name, m in slow.items():  # minutes per run at large shapes: timed alone, fewer runs
         res["train_ms"][name] = statistics.median(timed(train_step(m, x, mask), max(3, args.runs // 5), 1)) * 1e3
     steps = {k: train_step(m, x, mask) for k, m in layers.items()}
-    steps["tvm-torch-masks"] = without_mask_kernel(steps["tvm"])
     times = interleaved(steps, args.runs, args.warmup)
     for name, ts in times.items():
         res["train_ms"][name] = statistics.median(ts) * 1e3

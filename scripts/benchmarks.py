@@ -2,7 +2,7 @@
 
     python scripts/benchmarks.py --time-limit 60 --out bench_results
 
-For every model of analysis.bench_models, train and eval mode, batch 1 and 32: imports one step
+For every model of analysis.models.MEMORY_BENCHMARK, train and eval mode, batch 1 and 32: imports one step
 (fake tensors), simulates PyTorch's order and the rewrite, runs the scheduler with the time
 limit, and writes results.csv, results.md and peaks.png under --out (appending row by row, so a
 stopped run keeps what it measured). Needs no TVM and no GPU.
@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tqdm import tqdm  # noqa: E402
 
-from analysis.bench_models import MODELS, build  # noqa: E402
-from analysis.importer import import_eval_step, import_training_step  # noqa: E402
-from analysis.schedule import optimal_order, optimizer_rewrite  # noqa: E402
-from analysis.simulate import simulate  # noqa: E402
+from analysis.memory.importer import import_eval_step, import_training_step  # noqa: E402
+from analysis.memory.schedule import optimal_order, optimizer_rewrite  # noqa: E402
+from analysis.memory.simulate import simulate  # noqa: E402
+from analysis.models import MEMORY_BENCHMARK, build  # noqa: E402
 
 FIELDS = ["model", "mode", "batch", "nodes", "edges", "peak_pytorch_MiB", "peak_rewrite_MiB",
           "peak_best_MiB", "lower_bound_MiB", "reduction_pct", "solve_s", "optimal", "method",
@@ -91,7 +91,7 @@ def chart(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=list(MEMORY_BENCHMARK), choices=list(MEMORY_BENCHMARK))
     ap.add_argument("--modes", nargs="+", default=["train", "eval"], choices=["train", "eval"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--time-limit", type=float, default=300.0,

@@ -3,25 +3,37 @@
 ``add_tvm_dispatch(module, sample_inputs)`` compiles the module's forward and backward with TVM
 (Relax) for that call signature; matching calls then run on TVM, gradients flow into autograd, and
 every other call runs PyTorch.
+
+The package is laid out as the compile runs: ``frontend`` (trace, convert) -> ``passes`` ->
+``partition`` (joint graph, capture set, split) -> ``backend`` (offload, fast math, build) ->
+``runtime`` (guard, autograd Function, masks); ``kernels`` holds what the compiled code calls at
+run time, ``tools`` the report, pictures, demo and command line. ``pipeline`` runs the stages.
+Public names are resolved lazily: importing the package does not import TVM.
 """
-import os as _os
+from __future__ import annotations
 
-# TVM's CPU thread pool spins after each parallel kernel; the offloaded matmuls run on PyTorch's
-# own threads in between, and spinning TVM workers steal their cores (measured: matmuls 10-30%
-# slower at (8,128)). Respect a user's own setting.
-#
-# The pool's size is left to TVM: TVM_NUM_THREADS, else OMP_NUM_THREADS, else half the logical
-# CPUs on x86 (TVM assumes hyper-threading), fixed when the pool starts. On a 2-vCPU VM that is
-# one thread, so TVM's own kernels run serially while PyTorch's GEMMs use both cores. Measured on
-# such a VM (Zen 4), a BertLayer step at (8,128): TVM_NUM_THREADS=2 halves a lone elementwise
-# kernel (1.3 -> 0.7 ms) but inside the step TVM's kernels took 36 ms instead of 25 (its worker
-# contends with PyTorch's OpenMP workers, which spin after each GEMM), and with spinning TVM
-# workers 93 ms; OMP_WAIT_POLICY=PASSIVE slowed eager PyTorch by a third. So one pool owning the
-# cores at a time wins there; on many-core machines TVM's default gives it half of them.
-_os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+import importlib
+from typing import Any
 
-from .dispatch import add_tvm_dispatch  # noqa: E402
-from .errors import ConversionError, UnsupportedOpError  # noqa: E402
-from .pipeline import CompiledModule, compile_training  # noqa: E402
+_EXPORTS: dict[str, str] = {
+    "add_tvm_dispatch": "tvmbridge.runtime.dispatch",
+    "remove_tvm_dispatch": "tvmbridge.runtime.dispatch",
+    "compile_training": "tvmbridge.pipeline",
+    "CompiledModule": "tvmbridge.pipeline",
+    "STAGE_NAMES": "tvmbridge.pipeline",
+    "CompileOptions": "tvmbridge.options",
+    "ConversionError": "tvmbridge.errors",
+    "UnsupportedOpError": "tvmbridge.errors",
+    "CaptureReport": "tvmbridge.runtime.report",
+    "visualize": "tvmbridge.tools.visualize",
+    "visualize_split": "tvmbridge.tools.visualize",
+}
 
-__all__ = ["CompiledModule", "ConversionError", "UnsupportedOpError", "add_tvm_dispatch", "compile_training"]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tvmbridge' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

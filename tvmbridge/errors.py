@@ -1,28 +1,54 @@
-"""Errors that name the stage and, where there is one, the operator that failed.
+"""The bridge's errors: every failure names the stage and, where there is one, the operator.
 
-Every failure inside the pipeline is re-raised as a :class:`ConversionError` so that a user sees
-*what* could not be done and *where* (trace, convert, passes, gradient, split, build), instead of a
-traceback deep inside TVM; ``add_tvm_dispatch(..., fallback=True)`` turns it into one warning and
-keeps PyTorch.
+Every failure inside a compile becomes a :class:`ConversionError` (through :func:`stage_errors`,
+which the pipeline driver wraps around each stage), so that a user sees *what* could not be done
+and *where* instead of a traceback deep inside TVM, and ``add_tvm_dispatch(..., fallback=True)``
+can keep PyTorch for any compile failure.
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 
 class ConversionError(RuntimeError):
     """A module or op could not be brought to TVM.
 
     Attributes:
-        stage: pipeline stage that failed ("trace", "convert", "passes", "gradient", "split", "build",
-            "inputs").
+        stage: the pipeline stage that failed (a name from ``tvmbridge.pipeline.STAGES``, or
+            "inputs" for a sample call the bridge refuses up front).
         op: the operator that caused it, when one is known (an aten overload or a Relax op name).
     """
 
     def __init__(self, stage: str, message: str, op: str | None = None) -> None:
         self.stage = stage
         self.op = op
+        self.message = message
         where = f"[{stage}]" + (f" op {op}:" if op else "")
         super().__init__(f"{where} {message}")
 
 
 class UnsupportedOpError(ConversionError):
     """An operator has no converter or no gradient."""
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message``: enough to name a failure without TVM's backtrace."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+@contextlib.contextmanager
+def stage_errors(
+    stage: str, op: str | None = None, what: str = "", error: type[ConversionError] = ConversionError
+) -> Iterator[None]:
+    """Re-raise any exception of the block as an ``error`` of ``stage`` (naming ``op`` when
+    given). A ``ConversionError`` raised inside keeps its own stage and op."""
+    try:
+        yield
+    except ConversionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch and TVM raise many types
+        prefix = f"{what}: " if what else ""
+        raise error(stage, prefix + describe(exc), op=op) from exc

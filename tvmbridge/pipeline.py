@@ -1,55 +1,238 @@
-"""The compile pipeline: trace -> convert -> passes -> gradient -> split -> build.
+"""The compile: a list of named stages, run by one small driver.
 
-Each step takes and returns a value that can be printed or drawn; all of them are kept in
-``CompiledModule.stages`` (Relax modules print with ``.show()``).
+inputs -> trace -> convert -> dropout -> layer_norm -> dedup -> gradient -> simplify -> capture
+-> split -> offload -> fast_math -> build. Each stage takes the :class:`Artifacts` made so far
+and returns new ones (nothing is changed in place); the driver times it, keeps what it made in
+``CompiledModule.stages[name]`` (Relax modules print with ``.show()``), and turns any failure
+into a :class:`~tvmbridge.errors.ConversionError` naming the stage.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import tvm
+from tqdm import tqdm
 from tvm import relax
 
-from . import build as build_mod
-from . import rng
-from .capture import CapturePolicy, capture_all, choose_captures, op_flops
-from .convert import TracedModule, to_relax, trace
-from .errors import ConversionError
-from .passes import build_adjoint, decompose_for_training, dedup, externalize_dropout, simplify
-from .passes.dropout import DropoutSite
-from .passes.fast_math import fast_math_float32
-from .passes.offload import offload_matmuls
-from .split import SplitResult, joint_graph, split
+from analysis.tensors import tensor_leaves
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
-}
+from . import names
+from .backend import build as backend_build
+from .backend.fast_math import FastMathFloat32
+from .backend.offload import OffloadMatmuls
+from .devices import SUPPORTED, target_for, torch_dtype
+from .errors import ConversionError, stage_errors
+from .frontend.export import TracedModule, trace
+from .frontend.importer import to_relax
+from .kernels.mt19937 import kernel_works
+from .options import CompileOptions, with_overrides
+from .partition.joint import JointGraph, count_primal_bindings, joint_graph
+from .partition.policy import capture_all, choose_captures, op_flops
+from .partition.split import SplitResult, split
+from .passes import (DecomposeForTraining, Dedup, DropoutSite, ExternalizeDropout, GradientResult,
+                     Simplify, build_adjoint, dropout_sites)
+
+@dataclass(frozen=True)
+class Artifacts:
+    """What the stages have made so far; each stage returns a new one."""
+
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    options: CompileOptions
+    device: torch.device | None = None
+    traced: TracedModule | None = None
+    primal: tvm.IRModule | None = None  # names.MAIN, through the passes before the gradient
+    dropout_sites: tuple[DropoutSite, ...] = ()
+    grad_param_indices: tuple[int, ...] = ()  # primal params (user inputs, then params) with a grad
+    gradient: GradientResult | None = None
+    joint: JointGraph | None = None
+    captures: tuple[str, ...] = ()
+    split: SplitResult | None = None
+    halves: tvm.IRModule | None = None  # names.FORWARD, names.FORWARD_INFER, names.BACKWARD
+    executable: tvm.runtime.Executable | None = None
+    vm: relax.VirtualMachine | None = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the compile: ``run`` makes new artifacts, ``shows`` picks what to keep."""
+
+    name: str
+    run: Callable[[Artifacts], Artifacts]
+    shows: Callable[[Artifacts], Any]
+
+
+def _inputs(a: Artifacts) -> Artifacts:
+    """One device for inputs and parameters, one TVM supports."""
+    tensors = tensor_leaves((a.args, a.kwargs)) + list(a.module.parameters())
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ConversionError(
+            "inputs", f"inputs and parameters are on different devices ({', '.join(sorted(map(str, devices)))}); "
+            "move them to one device before add_tvm_dispatch"
+        )
+    device = a.device or next(iter(devices), torch.device("cpu"))
+    if device.type not in SUPPORTED:
+        raise ConversionError("inputs", f"device {device} is not supported by TVM dispatch (cpu, cuda, rocm)")
+    return dataclasses.replace(a, device=device)
+
+
+def _trace(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, traced=trace(a.module, a.args, a.kwargs))
+
+
+def _convert(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, primal=to_relax(a.traced))
+
+
+def _dropout(a: Artifacts) -> Artifacts:
+    mod = tvm.transform.Sequential([ExternalizeDropout(), relax.transform.CanonicalizeBindings()])(a.primal)
+    return dataclasses.replace(a, primal=mod, dropout_sites=tuple(dropout_sites(mod[names.MAIN])))
+
+
+def _layer_norm(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, primal=DecomposeForTraining()(a.primal))
+
+
+def _dedup(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, primal=Dedup()(a.primal))
+
+
+def _grad_indices(a: Artifacts) -> tuple[int, ...]:
+    """Float user inputs, then parameters that require grad, by primal parameter position."""
+    func = a.primal[names.MAIN]
+    n_user = len(a.traced.user_input_names)
+    idx = [i for i in range(n_user) if str(func.params[i].ty.dtype).startswith(("float", "bfloat"))]
+    params = dict(a.module.named_parameters())
+    idx += [n_user + j for j, name in enumerate(a.traced.param_targets) if params[name].requires_grad]
+    return tuple(idx)
+
+
+def _gradient(a: Artifacts) -> Artifacts:
+    indices = _grad_indices(a)
+    return dataclasses.replace(a, grad_param_indices=indices,
+                               gradient=build_adjoint(a.primal[names.MAIN], list(indices)))
+
+
+def _simplify(a: Artifacts) -> Artifacts:
+    adjoint = Simplify()(tvm.IRModule({names.ADJOINT: a.gradient.adjoint}))[names.ADJOINT]
+    grad = dataclasses.replace(a.gradient, adjoint=adjoint)
+    joint = joint_graph(grad, count_primal_bindings(a.primal[names.MAIN], adjoint))
+    return dataclasses.replace(a, gradient=grad, joint=joint)
+
+
+def _capture(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, captures=tuple(choose_captures(a.joint, a.options)))
+
+
+def _split(a: Artifacts) -> Artifacts:
+    halves = split(a.gradient, a.joint, list(a.captures))
+    # FORWARD_INFER: the primal function alone (outputs, no captures), for calls that need no
+    # gradient (no_grad, or nothing requires grad): nothing is kept for a backward that never comes.
+    # One module holds all three; a Relax var may be defined in one function only, and the
+    # halves share the adjoint's vars (the backward recomputes primal values), so each gets its own.
+    fresh = relax.utils.copy_with_new_vars
+    infer = fresh(a.primal[names.MAIN]).with_attr("global_symbol", names.FORWARD_INFER)
+    mod = tvm.IRModule({names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer,
+                        names.BACKWARD: fresh(halves.backward)})
+    mod = tvm.transform.Sequential([Dedup(), Simplify()])(mod)
+    return dataclasses.replace(a, split=halves, halves=mod)
+
+
+def _offload(a: Artifacts) -> Artifacts:
+    backend = a.options.gemm_backend(a.device.type)
+    return a if backend is None else dataclasses.replace(a, halves=OffloadMatmuls(backend)(a.halves))
+
+
+def _fast_math(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, halves=FastMathFloat32(a.halves)) if a.options.fast_math else a
+
+
+def _build(a: Artifacts) -> Artifacts:
+    exe = backend_build.compile_module(a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse)
+    if a.device.type == "cpu" and a.dropout_sites and a.options.mask_kernel:
+        kernel_works()  # builds and checks the mask kernel now, not on the first call
+    return dataclasses.replace(a, executable=exe, vm=backend_build.load(exe, a.device))
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("inputs", _inputs, lambda a: a.device),
+    Stage("trace", _trace, lambda a: a.traced.exported),
+    Stage("convert", _convert, lambda a: a.primal),
+    Stage("dropout", _dropout, lambda a: a.primal),
+    Stage("layer_norm", _layer_norm, lambda a: a.primal),
+    Stage("dedup", _dedup, lambda a: a.primal),
+    Stage("gradient", _gradient, lambda a: tvm.IRModule({names.ADJOINT: a.gradient.adjoint})),
+    Stage("simplify", _simplify, lambda a: tvm.IRModule({names.ADJOINT: a.gradient.adjoint})),
+    Stage("capture", _capture, lambda a: list(a.captures)),
+    Stage("split", _split, lambda a: a.halves),
+    Stage("offload", _offload, lambda a: a.halves),
+    Stage("fast_math", _fast_math, lambda a: a.halves),
+    Stage("build", _build, lambda a: a.executable),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def run_stages(
+    artifacts: Artifacts, stages: tuple[Stage, ...] | None = None
+) -> tuple[Artifacts, dict[str, Any], dict[str, float]]:
+    """Run ``stages`` (default :data:`STAGES`) in order: the final artifacts, what each stage
+    made, seconds per stage."""
+    stages = STAGES if stages is None else stages
+    shown: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    progress = artifacts.options.progress
+    show_bar = sys.stderr.isatty() if progress is None else progress
+    t_start = time.perf_counter()
+    for stage in tqdm(stages, desc="tvmbridge compile", unit="stage", disable=not show_bar, leave=False):
+        t = time.perf_counter()
+        with stage_errors(stage.name):
+            artifacts = stage.run(artifacts)
+            shown[stage.name] = stage.shows(artifacts)
+        seconds[stage.name] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - t_start
+    return artifacts, shown, seconds
 
 
 @dataclass
 class CompiledModule:
-    """A module compiled for one call signature: both halves, and everything needed to call them."""
+    """A module compiled for one call signature: both halves in one executable, and everything
+    needed to call them."""
 
     traced: TracedModule
     device: torch.device
+    options: CompileOptions
     dropout_sites: list[DropoutSite]
     grad_param_indices: list[int]  # primal params (user inputs, then params) that get a gradient
-    split: SplitResult
-    forward_vm: relax.VirtualMachine
-    backward_vm: relax.VirtualMachine
+    adjoint: relax.Function = field(repr=False)  # the joint forward+backward, simplified
+    split: SplitResult = field(repr=False)
+    executable: tvm.runtime.Executable = field(repr=False)
+    vm: relax.VirtualMachine = field(repr=False)
     compile_seconds: dict[str, float]
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def forward_vm(self) -> relax.VirtualMachine:
+        """The VM holding ``forward`` and ``forward_infer`` (the one VM of this module)."""
+        return self.vm
+
+    @property
+    def backward_vm(self) -> relax.VirtualMachine:
+        """The VM holding ``backward`` (the one VM of this module)."""
+        return self.vm
 
     @functools.cached_property
     def output_meta(self) -> list[tuple[list[int], torch.dtype]]:
         """Shape and dtype of each output (for the zero gradient of an unused output)."""
         fields = self.split.forward.ret_ty.fields[: self.num_outputs]
-        return [([int(d) for d in ty.shape], TORCH_DTYPES[str(ty.dtype)]) for ty in fields]
+        return [([int(d) for d in ty.shape], torch_dtype(ty.dtype)) for ty in fields]
 
     @property
     def num_outputs(self) -> int:
@@ -57,17 +240,16 @@ class CompiledModule:
 
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""
-        return sum(self.split.joint.nodes[c].nbytes for c in self.split.captures)
+        return self.split.joint.bytes_of(self.split.captures)
 
     def mask_bytes(self) -> int:
         """Bytes of the dropout masks the backward reads (kept alongside the captures)."""
         joint = self.split.joint
-        names = [joint.params[i] for i in self.split.backward_param_indices]
-        return sum(joint.nodes[n].nbytes for n in names if n.startswith("dropout_mask"))
+        first_mask = len(joint.params) - len(self.dropout_sites)
+        return joint.bytes_of([joint.params[i] for i in self.split.backward_param_indices if i >= first_mask])
 
     def save_all_bytes(self) -> int:
-        joint = self.split.joint
-        return sum(joint.nodes[n].nbytes for n in capture_all(joint))
+        return self.split.joint.bytes_of(capture_all(self.split.joint))
 
     def recompute_flops(self) -> float:
         joint = self.split.joint
@@ -82,115 +264,29 @@ class CompiledModule:
         )
 
 
-def _grad_indices(traced: TracedModule, func: relax.Function, module: torch.nn.Module) -> list[int]:
-    n_user = len(traced.user_input_names)
-    idx = [i for i in range(n_user) if str(func.params[i].ty.dtype).startswith(("float", "bfloat"))]
-    params = dict(module.named_parameters())
-    for j, name in enumerate(traced.param_targets):
-        if params[name].requires_grad:
-            idx.append(n_user + j)
-    return idx
-
-
 def compile_training(
     module: torch.nn.Module,
     args: tuple,
     kwargs: dict | None = None,
+    options: CompileOptions | None = None,
     *,
-    capture: str | CapturePolicy = "min-cut",
-    memory_budget: int | float | None = None,
     device: torch.device | None = None,
-    offload_matmul: bool | str | None = None,
-    fast_math: bool = True,
-    cpu_schedules: bool = True,
-    fuse: bool = True,
+    **overrides: Any,
 ) -> CompiledModule:
-    """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``."""
-    t0 = time.perf_counter()
-    times: dict[str, float] = {}
-    stages: dict[str, Any] = {}
+    """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``.
 
-    def mark(name: str, since: float) -> float:
-        now = time.perf_counter()
-        times[name] = now - since
-        return now
-
-    traced = trace(module, args, kwargs)
-    stages["exported"] = traced.exported
-    t = mark("trace", t0)
-    mod = to_relax(traced)
-    stages["relax"] = mod
-    t = mark("convert", t)
-    try:
-        func, sites = externalize_dropout(mod["main"])
-        mod = tvm.IRModule({"main": func})
-        mod = relax.transform.CanonicalizeBindings()(mod)
-        stages["dropout"] = mod
-        mod = decompose_for_training(mod)
-        stages["layer_norm"] = mod
-        mod = dedup(mod)
-        stages["dedup"] = mod
-    except ConversionError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise ConversionError("passes", f"{type(exc).__name__}: {exc}") from exc
-    primal = mod["main"]
-    grad_idx = _grad_indices(traced, primal, module)
-    grad = build_adjoint(primal, grad_idx)
-    adj_mod = simplify(tvm.IRModule({"main_adjoint": grad.adjoint}))
-    grad.adjoint = adj_mod["main_adjoint"]
-    stages["adjoint"] = adj_mod
-    t = mark("gradient", t)
-
-    joint = joint_graph(grad, _count_primal(primal, grad.adjoint))
-    captures = choose_captures(joint, capture, memory_budget)
-    halves = split(grad, joint, captures)
-    # "forward_infer": the primal function alone (outputs, no captures), for calls that need no
-    # gradient (no_grad, or nothing requires grad): nothing is kept for a backward that never comes.
-    infer = relax.utils.copy_with_new_vars(primal).with_attr("global_symbol", "forward_infer")
-    fwd_mod = dedup(tvm.IRModule({"forward": halves.forward, "forward_infer": infer}))
-    bwd_mod = simplify(dedup(tvm.IRModule({"backward": halves.backward})))
-    stages["forward"], stages["backward"] = fwd_mod, bwd_mod
-    t = mark("split", t)
-
-    if device is None:
-        device = next((a.device for a in traced_tensors(args, kwargs)), torch.device("cpu"))
-    target = build_mod.target_for(device)
-    if offload_matmul is None:
-        offload_matmul = device.type == "cpu"
-    if offload_matmul:
-        backend = "auto" if offload_matmul is True else offload_matmul
-        fwd_mod, bwd_mod = offload_matmuls(fwd_mod, backend), offload_matmuls(bwd_mod, backend)
-    if fast_math:
-        fwd_mod, bwd_mod = fast_math_float32(fwd_mod), fast_math_float32(bwd_mod)
-    stages["forward_built"], stages["backward_built"] = fwd_mod, bwd_mod
-    fwd_exec = build_mod.compile_module(fwd_mod, target, cpu_schedules, fuse)
-    bwd_exec = build_mod.compile_module(bwd_mod, target, cpu_schedules, fuse)
-    fvm = build_mod.load(fwd_exec, device)
-    bvm = build_mod.load(bwd_exec, device)
-    if device.type == "cpu" and sites:
-        rng.available()  # builds and checks the mask kernel now, not on the first call
-    t = mark("build", t)
-    times["total"] = t - t0
+    ``options`` (default :class:`CompileOptions()`) with keyword ``overrides`` of its fields
+    (``capture="all"``, ``memory_budget=0.3``, ...). Every failure is a ``ConversionError``
+    naming the stage.
+    """
+    opts = with_overrides(options, overrides)
+    args = args if isinstance(args, tuple) else (args,)
+    start = Artifacts(module=module, args=args, kwargs=dict(kwargs or {}), options=opts, device=device)
+    done, shown, seconds = run_stages(start)
     return CompiledModule(
-        traced=traced, device=device, dropout_sites=sites, grad_param_indices=grad_idx,
-        split=halves, forward_vm=fvm, backward_vm=bvm, compile_seconds=times, stages=stages,
+        traced=done.traced, device=done.device, options=opts, dropout_sites=list(done.dropout_sites),
+        grad_param_indices=list(done.grad_param_indices), adjoint=done.gradient.adjoint, split=done.split,
+        executable=done.executable, vm=done.vm,
+        compile_seconds=seconds, stages=shown,
     )
 
-
-def _count_primal(primal: relax.Function, adjoint: relax.Function) -> int:
-    """How many leading adjoint bindings are the primal ones (``Gradient`` emits them first;
-    simplification may have dropped dead ones, never reordered them)."""
-    names = [b.var.name for b in primal.body.blocks[0].bindings]
-    adj = [b.var.name for b in adjoint.body.blocks[0].bindings]
-    i = j = 0
-    while i < len(names) and j < len(adj):
-        if names[i] == adj[j]:
-            j += 1
-        i += 1
-    return j
-
-
-def traced_tensors(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-    return [x for x in leaves if isinstance(x, torch.Tensor)]

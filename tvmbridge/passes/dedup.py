@@ -10,7 +10,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ._rewrite import is_op, rewrite_and_clean, same_tensor_type, static_shape
+from .ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
 
 
 def _lookup(expr: relax.Expr, bound: dict) -> relax.Expr:
@@ -64,5 +64,6 @@ def fold_reshapes(value: relax.Expr, bound: dict) -> relax.Expr | None:
     return None
 
 
-def dedup(mod: tvm.IRModule) -> tvm.IRModule:
-    return rewrite_and_clean(mod, [fold_permutes, fold_reshapes])
+def Dedup() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
+    """Fold permute and reshape chains, then CSE and dead code."""
+    return rewrite_and_clean([fold_permutes, fold_reshapes])

@@ -1,24 +1,26 @@
 """Dropout externalization: ``R.nn.dropout(x, p)`` becomes ``x * mask`` with ``mask`` a new
 function input.
 
-The mask is drawn by PyTorch, in graph order, exactly as PyTorch's own dropout draws it on that
-device (see :func:`draw_masks`), and already holds the ``1/(1-p)`` scale, as PyTorch's does: the
-product ``x * mask`` is then the very floating point operation PyTorch performs, so outputs and
-gradients match PyTorch bit for bit in the dropout itself under the same seed. Masks are inputs,
-not captured values: the backward reads them like any other input and recomputation stays exact.
+The mask is drawn by PyTorch at every call, in graph order, exactly as PyTorch's own dropout
+draws it on that device (``runtime/masks.py``), and already holds the ``1/(1-p)`` scale, as
+PyTorch's does: the product ``x * mask`` is then the very floating point operation PyTorch
+performs. Masks are inputs, not captured values: the backward reads them like any other input and
+recomputation stays exact. Where the masks are and what they drop is read back from the function
+itself (:func:`dropout_sites`): the mask parameters and the attribute :data:`RATES_ATTR`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import tvm
 from tvm import relax
 from tvm.ir import Op
 
-from .. import rng
-from ._util import only_dataflow_block, rebuild
+from .. import names
+from .ir import only_dataflow_block, rebuild
 
 _DROPOUT = Op.get("relax.nn.dropout")
+RATES_ATTR = "tvmbridge.dropout_rates"  # drop probability of each mask parameter, in order
 
 
 @dataclass(frozen=True)
@@ -30,59 +32,49 @@ class DropoutSite:
     p: float
 
 
-def externalize_dropout(func: relax.Function) -> tuple[relax.Function, list[DropoutSite]]:
+def externalize_dropout(func: relax.Function) -> relax.Function:
     """Replace every ``R.nn.dropout`` with a multiply by a new trailing parameter
-    ``dropout_mask{i}``; returns the new function and the sites in parameter order."""
-    block = only_dataflow_block(func, "passes")
-    sites: list[DropoutSite] = []
+    ``dropout_mask{i}``; the rates go to the function attribute :data:`RATES_ATTR`."""
+    block = only_dataflow_block(func, "dropout")
     masks: list[relax.Var] = []
+    rates: list[float] = []
     bindings: list[relax.Binding] = []
     for b in block.bindings:
         value = b.value
-        if isinstance(value, relax.Call) and value.op.same_as(_DROPOUT):
-            x = value.args[0]
-            ty = x.ty
-            shape = tuple(int(s) for s in ty.shape)
-            dtype = str(ty.dtype)
-            mask = relax.Var(f"dropout_mask{len(masks)}", relax.TensorType(shape, dtype))
-            masks.append(mask)
-            sites.append(DropoutSite(shape, dtype, float(value.attrs.rate)))
-            out = relax.DataflowVar(f"{b.var.name}_dropped", relax.TensorType(shape, dtype))
-            bindings.append(relax.VarBinding(out, relax.op.multiply(x, mask)))
-            bindings.append(relax.VarBinding(b.var, relax.Tuple([out, mask])))
-        else:
+        if not (isinstance(value, relax.Call) and value.op.same_as(_DROPOUT)):
             bindings.append(b)
+            continue
+        x = value.args[0]
+        ty = relax.TensorType(tuple(int(s) for s in x.ty.shape), str(x.ty.dtype))
+        mask = relax.Var(f"{names.DROPOUT_MASK}{len(masks)}", ty)
+        masks.append(mask)
+        rates.append(float(value.attrs.rate))
+        out = relax.DataflowVar(f"{b.var.name}_dropped", ty)
+        bindings.append(relax.VarBinding(out, relax.op.multiply(x, mask)))
+        bindings.append(relax.VarBinding(b.var, relax.Tuple([out, mask])))
     if not masks:
-        return func, []
-    num_input = func.attrs["num_input"] if func.attrs and "num_input" in func.attrs else None
+        return func
     new = rebuild(func, list(func.params) + masks, bindings, func.body.body)
-    if num_input is not None:
-        new = new.with_attr("num_input", num_input)
-    return new, sites
+    return new.with_attr(RATES_ATTR, [tvm.tirx.FloatImm("float64", r) for r in rates])
 
 
-def draw_masks(sites: list[DropoutSite], device: torch.device, dtype_map: dict[str, torch.dtype]) -> list[torch.Tensor]:
-    """Draw the scaled masks with PyTorch's RNG, in graph order, the way ``F.dropout`` does.
+def dropout_sites(func: relax.Function) -> list[DropoutSite]:
+    """The masks :func:`externalize_dropout` added to ``func``, in parameter order."""
+    rates = func.attrs.get(RATES_ATTR) if func.attrs is not None else None
+    if not rates:
+        return []
+    masks = func.params[len(func.params) - len(rates):]
+    return [
+        DropoutSite(tuple(int(s) for s in m.ty.shape), str(m.ty.dtype), float(r.value))
+        for m, r in zip(masks, rates)
+    ]
 
-    On CPU ``at::dropout`` runs ``noise = empty_like(x).bernoulli_(1-p); noise.div_(1-p)``; on
-    CUDA/ROCm it runs the fused ``native_dropout`` kernel, whose mask we get by applying it to
-    ones. Either way the generator advances exactly as in the eager module. On CPU the float32
-    ``bernoulli_`` is :func:`tvmbridge.rng.bernoulli_`, the same stream drawn by a vectorized
-    kernel (8x faster at (8,12,128,128)), where its start-up check passed and the mask is large
-    enough to repay the kernel's fixed cost.
-    """
-    out = []
-    fast = device.type == "cpu" and rng.available()
-    for s in sites:
-        dt = dtype_map[s.dtype]
-        if device.type == "cpu":
-            noise = torch.empty(s.shape, dtype=dt, device=device)
-            if fast and dt == torch.float32 and noise.numel() >= rng.MIN_ELEMENTS:
-                rng.bernoulli_(noise, 1 - s.p)
-            else:
-                noise.bernoulli_(1 - s.p)
-            noise.div_(1 - s.p)
-        else:
-            noise = torch.native_dropout(torch.ones(s.shape, dtype=dt, device=device), s.p, True)[0]
-        out.append(noise)
-    return out
+
+@relax.transform.function_pass(opt_level=0, name="tvmbridge.ExternalizeDropout")
+class ExternalizeDropout:
+    """Every training dropout of every function becomes a multiply by a mask parameter."""
+
+    def transform_function(
+        self, func: relax.Function, mod: tvm.IRModule, ctx: tvm.transform.PassContext
+    ) -> relax.Function:
+        return externalize_dropout(func)

@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ._rewrite import is_op, rewrite_and_clean, same_tensor_type, static_shape
+from .ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
 
 
 def constant_value(expr: relax.Expr, bound: dict, depth: int = 0) -> float | None:
@@ -72,5 +72,6 @@ def like_to_shape(value: relax.Expr, bound: dict) -> relax.Expr | None:
     return None
 
 
-def simplify(mod: tvm.IRModule) -> tvm.IRModule:
-    return rewrite_and_clean(mod, [identities, like_to_shape])
+def Simplify() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
+    """Neutral elements, ``*_like`` to shapes, same-shape broadcasts; then CSE and dead code."""
+    return rewrite_and_clean([identities, like_to_shape])

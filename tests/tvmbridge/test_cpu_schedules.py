@@ -1,0 +1,99 @@
+"""The CPU schedule rules on small kernels: each rule fires where it should (checked in the
+scheduled TIR), leaves alone what it should not, and the compiled kernel matches numpy."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax, tirx
+
+from tvmbridge import devices
+from tvmbridge.backend import build
+
+TARGET = devices.target_for(torch.device("cpu"))
+
+
+def _module(shape: tuple[int, ...], body) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _kernels(mod: tvm.IRModule) -> str:
+    lowered = build.lower(mod, TARGET)
+    return "\n".join(f.script() for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc))
+
+
+def _run(mod: tvm.IRModule, x: np.ndarray) -> np.ndarray:
+    vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
+    return vm["main"](tvm.runtime.tensor(x)).numpy()
+
+
+def _x(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype("float32")
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("n", [128, 50], ids=["vector-multiple", "ragged"])
+def test_softmax_row_reduction(n):
+    mod = _module((6, 10, n), lambda x: relax.op.nn.softmax(x, axis=-1))
+    tir = _kernels(mod)
+    # the reduction runs on partial vectors (rfactor) only where the row splits into vectors
+    assert ("_rf" in tir) == (n == 128)
+    assert "T.parallel" in tir
+    np.testing.assert_allclose(_run(mod, _x((6, 10, n))), _softmax(_x((6, 10, n))), rtol=1e-5, atol=1e-6)
+
+
+def test_row_sum_ending_in_the_reduction():
+    mod = _module((64, 256), lambda x: relax.op.sum(relax.op.multiply(x, x), axis=[1], keepdims=True))
+    tir = _kernels(mod)
+    assert "_rf" in tir and "T.vectorized" in tir
+    x = _x((64, 256))
+    np.testing.assert_allclose(_run(mod, x), (x * x).sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_column_sum_is_not_a_row_reduction():
+    """A bias gradient's sum over rows reads columns strided: no row rfactor; the column rule
+    (threads own column blocks) takes it."""
+    mod = _module((256, 64), lambda x: relax.op.sum(x, axis=[0]))
+    tir = _kernels(mod)
+    assert "_rf" not in tir and "T.parallel" in tir
+    x = _x((256, 64))
+    np.testing.assert_allclose(_run(mod, x), x.sum(0), rtol=1e-4, atol=1e-4)
+
+
+def test_layer_norm_statistics():
+    def body(x):
+        mean = relax.op.mean(x, axis=[-1], keepdims=True)
+        var = relax.op.variance(x, axis=[-1], keepdims=True)
+        return relax.op.divide(relax.op.subtract(x, mean), relax.op.sqrt(relax.op.add(var, relax.const(1e-5))))
+
+    mod = _module((32, 96), body)
+    assert "_rf" in _kernels(mod)
+    x = _x((32, 96))
+    want = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(_run(mod, x), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,axes", [((4, 32, 6, 64), [0, 2, 3, 1]), ((4, 30, 6, 64), [0, 2, 3, 1])],
+                         ids=["tiled", "ragged"])
+def test_transpose_tiles(shape, axes):
+    """Attention's head split: (b, s, h, d) -> (b, h, d, s). The output's inner axis (s) is
+    strided in the input; tiles of 16x16 when both axes split evenly."""
+    mod = _module(shape, lambda x: relax.op.permute_dims(x, axes))
+    tile = re.search(r"for \w+ in range\(T\.int64\((\d+)\)\):\s*\n\s*for \w+ in T\.vectorized\(T\.int64\(\1\)\)",
+                     _kernels(mod))
+    assert (tile is not None) == (shape[1] % 16 == 0)  # a lanes x lanes tile, inner part vectors
+    x = _x(shape)
+    np.testing.assert_array_equal(_run(mod, x), x.transpose(axes))

@@ -1,0 +1,106 @@
+"""The compile driver and its options: every stage recorded and timed, every failure the bridge's
+error naming the stage (so ``fallback=True`` catches it), options checked up front with the
+valid choices named, the passes usable as TVM pass objects."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import tvm
+
+from tvmbridge import STAGE_NAMES, CompileOptions, ConversionError, add_tvm_dispatch, compile_training
+from tvmbridge import pipeline
+from tvmbridge.passes import Dedup, ExternalizeDropout, Simplify, dropout_sites
+from tvmbridge.tools import cli
+
+from ..helpers import MLP, clone_module, is_tvm, max_errors, run_step
+
+
+def test_every_stage_is_recorded_and_timed():
+    compiled = compile_training(MLP(), (torch.randn(4, 32),))
+    assert list(compiled.stages) == list(STAGE_NAMES)
+    assert set(STAGE_NAMES) | {"total"} == set(compiled.compile_seconds)
+    assert compiled.compile_seconds["total"] >= sum(v for k, v in compiled.compile_seconds.items() if k != "total") * 0.99
+    assert isinstance(compiled.stages["trace"], torch.export.ExportedProgram)
+    for name in ("convert", "dropout", "layer_norm", "dedup", "gradient", "simplify", "split", "offload", "fast_math"):
+        assert isinstance(compiled.stages[name], tvm.IRModule), name
+    assert "R.nn.dropout" in compiled.stages["convert"].script()
+    assert "R.nn.dropout" not in compiled.stages["dropout"].script()
+    assert {gv.name_hint for gv in compiled.stages["split"].functions} == {"forward", "forward_infer", "backward"}
+    assert set(compiled.split.captures) <= set(compiled.stages["capture"])  # unused ones are dropped
+
+
+def test_stages_do_not_change_their_inputs():
+    """Each stage returns new artifacts: what an earlier stage made is still as it was."""
+    compiled = compile_training(MLP(), (torch.randn(4, 32),))
+    assert "R.matmul" in compiled.stages["split"].script()  # the offload stage made a new module
+    assert "R.matmul" not in compiled.stages["offload"]["forward"].script()
+
+
+@pytest.mark.parametrize("stage", ["simplify", "capture", "offload", "fast_math", "build"])
+def test_a_failure_in_any_stage_names_it_and_fallback_catches_it(monkeypatch, stage):
+    def broken(artifacts):
+        raise RuntimeError("something deep inside went wrong")
+
+    stages = tuple(dataclasses.replace(s, run=broken) if s.name == stage else s for s in pipeline.STAGES)
+    monkeypatch.setattr(pipeline, "STAGES", stages)
+    with pytest.raises(ConversionError) as err:
+        compile_training(MLP(), (torch.randn(4, 32),))
+    assert err.value.stage == stage and "something deep inside went wrong" in str(err.value)
+    m = MLP()
+    with pytest.warns(UserWarning, match=f"keeping PyTorch.*\\[{stage}\\]"):
+        add_tvm_dispatch(m, (torch.randn(4, 32),), fallback=True)
+    x = torch.randn(4, 32)
+    torch.manual_seed(0)
+    got = m(x)
+    assert not is_tvm(got)
+
+
+def test_bad_options_are_refused_up_front_with_the_choices():
+    with pytest.raises(ValueError, match=r"unknown capture policy 'min_cut'.*\['min-cut', 'all'\]"):
+        add_tvm_dispatch(MLP(), (torch.randn(4, 32),), capture="min_cut")
+    with pytest.raises(ValueError, match="unknown matmul backend.*'auto', 'torch', 'onednn'"):
+        CompileOptions(offload_matmul="cublas")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['fast_maths'\].*fast_math"):
+        add_tvm_dispatch(MLP(), (torch.randn(4, 32),), fast_maths=False)
+    with pytest.raises(ValueError, match="must be True or False"):
+        CompileOptions(fuse="no")
+    with pytest.raises(ValueError, match="bytes .* or a fraction"):
+        CompileOptions(memory_budget="1GB")
+
+
+def test_one_options_object_serves_the_api_and_the_command_line(capsys):
+    opts = CompileOptions(capture="all", fast_math=False)
+    assert opts.replace(fuse=False) == CompileOptions(capture="all", fast_math=False, fuse=False)
+    assert opts.gemm_backend("cpu") == "auto" and opts.gemm_backend("cuda") is None
+    assert CompileOptions(offload_matmul=False).gemm_backend("cpu") is None
+    torch.manual_seed(0)
+    m = MLP()
+    ref = clone_module(m)
+    x = torch.randn(4, 32)
+    add_tvm_dispatch(m, (x,), options=opts, memory_budget=None)
+    compiled = m._tvm_dispatch.compiled
+    assert compiled.options == opts and compiled.split.recomputed == []  # capture="all"
+    assert "_gelu_fast" not in compiled.stages["fast_math"].script()
+    assert max(max_errors(run_step(m, (x,)), run_step(ref, (x,))).values()) <= 1e-5
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--capture", "everything"])
+    assert "unknown capture policy 'everything'" in capsys.readouterr().err
+
+
+def test_passes_are_tvm_pass_objects_that_instruments_see():
+    compiled = compile_training(MLP(), (torch.randn(4, 32),))
+    seen: list[str] = []
+
+    @tvm.instrument.pass_instrument
+    class Names:
+        def run_before_pass(self, mod, info):
+            seen.append(info.name)
+
+    with tvm.transform.PassContext(instruments=[Names()]):
+        mod = tvm.transform.Sequential([ExternalizeDropout(), Dedup(), Simplify()])(compiled.stages["convert"])
+    assert {"tvmbridge.ExternalizeDropout", "tvmbridge.RewriteBindings"} <= set(seen)
+    (site,) = dropout_sites(mod["main"])
+    assert site.p == 0.25 and site.shape == (4, 64) and site.dtype == "float32"
+    assert "R.nn.dropout" in compiled.stages["convert"].script()  # the input was not changed

@@ -1,0 +1,53 @@
+"""Lower and compile a Relax module for its target, and load it in a VM.
+
+The default ``tvm.compile`` pipeline legalizes but does not fuse; the bridge adds operator fusion
+so that elementwise chains become one kernel, on CPU its own schedules (``cpu_schedules``), and on
+GPU dlight's default schedules (untuned GPU kernels are not even valid).
+"""
+from __future__ import annotations
+
+import torch
+import tvm
+from tvm import relax
+
+from ..devices import prepare_cpu_runtime, tvm_device
+from ..errors import stage_errors
+
+
+def lower(
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True
+) -> tvm.IRModule:
+    """The bridge's Relax pipeline up to (not including) code generation. ``schedule=False``
+    leaves TVM's own CPU kernels unscheduled (serial loops), ``fuse=False`` keeps one kernel per
+    Relax op: both for measuring what each buys."""
+    seq = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()]
+    if fuse:
+        seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    seq.append(relax.transform.DeadCodeElimination())
+    with target:
+        mod = tvm.ir.transform.Sequential(seq)(mod)
+        if target.kind.name == "llvm" and schedule:
+            from .cpu_schedules import apply_cpu_schedules
+
+            mod = apply_cpu_schedules(mod, target)
+        if target.kind.name in ("cuda", "rocm"):
+            from tvm.s_tir import dlight
+
+            mod = dlight.ApplyDefaultSchedule(
+                dlight.gpu.Matmul(), dlight.gpu.Reduction(),
+                dlight.gpu.GeneralReduction(), dlight.gpu.Fallback(),
+            )(mod.clone())  # ApplyDefaultSchedule mutates its input
+    return mod
+
+
+def compile_module(
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True
+) -> tvm.runtime.Executable:
+    with stage_errors("build", what=f"compiling for {target.kind.name} failed"):
+        return tvm.compile(lower(mod, target, schedule, fuse), target=target)
+
+
+def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:
+    if device.type == "cpu":
+        prepare_cpu_runtime()
+    return relax.VirtualMachine(executable, tvm_device(device))

@@ -1,0 +1,323 @@
+"""Default CPU schedules for the kernels TVM keeps (everything but the offloaded matmuls).
+
+Untuned llvm kernels are serial scalar loops. dlight has CPU rules for GEMV and for row-wise
+reductions (softmax, norms); it has none for the elementwise chains that fusion produces (GELU
+and its gradient, bias adds, dropout multiplies) nor for column reductions (``collapse_sum`` of a
+bias gradient). Two rules fill that gap, in dlight's own form:
+
+* :class:`Elementwise`: inline every block into the last, fuse its loops, parallelize the outer
+  part over the cores and vectorize the inner part to the target's vector width;
+* :class:`SpatialParallel`: a fallback for any single reduction block: put the spatial loops
+  outermost and parallelize them (the reduction runs serially inside each thread).
+
+And one that improves on dlight's own row-reduction rule:
+
+* :class:`RowReduction`: softmax and layer-norm statistics. dlight's ``cpu.Reduction`` leaves
+  each reduction a serial chain of scalar adds (one FP-add latency per element); this rule first
+  ``rfactor``s every reduction into a vector of partial results (one lane per residue of the
+  innermost reduction index), then nests all blocks under the parallel row loop as dlight does.
+  (dlight avoids rfactor because it must come before ``compute_at``; done in that order it works.)
+
+:class:`Elementwise` also tiles transposes: when the output's innermost axis is not the one its
+largest input is contiguous in, both axes are split into vector-wide tiles so reads and writes
+each touch whole cache lines (attention's head split/merge copies).
+
+Rules are tried in order: ``RowReduction``, ``dlight.cpu.Reduction``, then ``Elementwise`` and
+``SpatialParallel``.
+
+How many threads run a parallel loop is the TVM runtime's choice, made once per process
+(``devices.prepare_cpu_runtime``); where it is one, the schedules' gain is vectorization and loop
+order. The README gives what each rule buys, measured.
+"""
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import get_extent
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+from tvm.target import Target
+from tvm.target.codegen import llvm_get_vector_width
+
+_MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread start-up dominates)
+
+
+def _vec_lanes(target: Target, sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
+    bits = llvm_get_vector_width(target)
+    stmt = sch.get(block)
+    dtype_bits = stmt.writes[0].source.dtype.bits if stmt.writes else 32
+    return max((bits if bits > 0 else 128) // dtype_bits, 2)
+
+
+def _static_product(extents) -> int | None:
+    """The product of extents known at compile time; None if one is symbolic."""
+    values = [int(e) if isinstance(e, (int, tirx.IntImm)) else None for e in extents]
+    return None if None in values else math.prod(values)
+
+
+def _numel(sch: s_tir.Schedule, loops: list) -> int | None:
+    return _static_product(get_extent(sch, loop) for loop in loops)
+
+
+class Elementwise(CPUScheduleRule):
+    """All-injective kernels: one fused loop, parallel outside, vectorized inside."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or not all(i.is_injective() for i in infos):
+            return None
+        for info in infos[:-1]:
+            try:
+                sch.compute_inline(info.block_rv)
+            except s_tir.ScheduleError:
+                return None
+        block = infos[-1].block_rv
+        loops = sch.get_loops(block)
+        if not loops:
+            return None
+        n = _numel(sch, loops)
+        if n is None:
+            return None
+        lanes = _vec_lanes(target, sch, block)
+        inner_extent = get_extent(sch, loops[-1])
+        tiled = _tile_transpose(sch, block, loops, lanes)
+        if tiled is not None:
+            if n >= _MIN_PARALLEL:
+                sch.parallel(tiled)
+            return sch
+        if len(loops) > 1 and isinstance(inner_extent, int) and inner_extent >= 4 * lanes:
+            # keep the innermost axis for contiguous vectors, parallelize the rest
+            outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+            if inner_extent % lanes == 0:
+                _, vec = sch.split(loops[-1], factors=[None, lanes])
+                sch.vectorize(vec)
+        else:
+            fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+            if n % lanes == 0 and n >= 2 * lanes:
+                outer, vec = sch.split(fused, factors=[None, lanes])
+                sch.vectorize(vec)
+            else:
+                outer = fused
+        if n >= _MIN_PARALLEL:
+            sch.parallel(outer)
+        return sch
+
+
+def _tile_transpose(sch: s_tir.Schedule, block, loops: list, lanes: int):
+    """If ``block`` is a transpose (its innermost loop does not index the contiguous axis of its
+    largest input, another loop does), tile both loops by ``lanes``: loops become
+    ``[rest, col_o, row_o, col_i, row_i (vector)]``; the fused outer loops are returned for
+    parallelizing. None (schedule untouched) if the block is not such a transpose."""
+    stmt = sch.get(block)
+    if len(loops) < 2 or len(loops) != len(stmt.iter_vars):
+        return None
+    reads = [r for r in stmt.reads if len(r.region) >= 2]
+    if not reads:
+        return None
+    big = max(reads, key=lambda r: _static_product(r.source.shape) or 0)
+    last_index_vars = tirx.analysis.undefined_vars(big.region[-1].min)
+    used = [any(iv.var.same_as(v) for v in last_index_vars) for iv in stmt.iter_vars]
+    if not any(used) or used[-1]:
+        return None
+    col = max(i for i, u in enumerate(used) if u)  # innermost loop the input is contiguous in
+    row_extent, col_extent = get_extent(sch, loops[-1]), get_extent(sch, loops[col])
+    if not (isinstance(row_extent, int) and isinstance(col_extent, int)):
+        return None
+    if row_extent % lanes or col_extent % lanes:
+        return None
+    rest = [lp for i, lp in enumerate(loops) if i not in (col, len(loops) - 1)]
+    col_o, col_i = sch.split(loops[col], factors=[None, lanes])
+    row_o, row_i = sch.split(loops[-1], factors=[None, lanes])
+    sch.reorder(*rest, col_o, row_o, col_i, row_i)
+    sch.vectorize(row_i)
+    return sch.fuse(*rest, col_o, row_o)
+
+
+class RowReduction(CPUScheduleRule):
+    """Row reductions with vectorized partial sums (see the module docstring): blocks sharing
+    leading spatial axes, as in ``dlight.cpu.Reduction``, whose last block may be injective
+    (softmax, layer norm) or the reduction itself (a row sum, softmax's backward ``sum(dy*y)``)."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or all(i.is_injective() for i in infos):
+            return None
+        if _inline_elementwise_chains(sch, infos):
+            infos = normalize_prim_func(sch)
+            if not infos:
+                return None
+        leading = []
+        for info in infos:
+            kinds = info.dom_kind()
+            if not kinds or kinds[0] != "S":
+                return None
+            leading.append(len(kinds) - len(kinds.lstrip("S")))
+        n_lead = min(leading)
+        lanes = _vec_lanes(target, sch, infos[-1].block_rv)
+        ends_in_reduction = not infos[-1].is_injective()
+        injective = [i.block_rv for i in infos[:-1] if i.is_injective()]
+        partials = []
+        for info in infos:  # rfactor first: each reduction still owns its loop nest
+            if info.is_injective():
+                continue
+            if len(info.dom_kind()) - leading[infos.index(info)] != 1 or not _reduces_rows(sch, info.block_rv):
+                return None  # one trailing reduction axis, along memory: a row reduction
+            r = sch.get_loops(info.block_rv)[-1]
+            extent = get_extent(sch, r)
+            if not isinstance(extent, int) or extent % lanes or extent < 2 * lanes:
+                return None
+            _, r_i = sch.split(r, factors=[None, lanes])
+            partials.append(sch.rfactor(r_i, factor_axis=len(sch.get(info.block_rv).iter_vars) - 1))
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        last = blocks[-1]  # the final injective block, or the last reduction's write-back
+        loops = sch.get_loops(last)
+        rows = sch.fuse(*loops[:n_lead]) if n_lead > 1 else loops[0]
+        sch.parallel(rows)
+        if not ends_in_reduction:
+            _vectorize_inner(sch, last, lanes)
+        for b in reversed(blocks[:-1]):
+            sch.compute_at(b, rows, preserve_unit_loops=True)
+        for b in injective:
+            _vectorize_inner(sch, b, lanes)
+        for b in partials:  # [rows, lane, 1..., r_o] -> [rows, 1..., r_o, lane (vector)]
+            loops = sch.get_loops(b)
+            lane = next(lp for lp in loops[1:-1] if get_extent(sch, lp) == lanes)
+            sch.reorder(loops[-1], lane)
+            sch.vectorize(lane)
+        return sch
+
+
+def _reduces_rows(sch: s_tir.Schedule, block) -> bool:
+    """Whether the block's reduction index is the contiguous (last) index of what it reads
+    (a row sum), not a strided one (a column sum such as a bias gradient's ``collapse_sum``)."""
+    stmt = sch.get(block)
+    r_var = stmt.iter_vars[-1].var
+    reads = [r for r in stmt.reads if len(r.region) >= 1]
+    return bool(reads) and all(
+        any(v.same_as(r_var) for v in tirx.analysis.undefined_vars(r.region[-1].min))
+        for r in reads if any(v.same_as(r_var) for reg in r.region
+                              for v in tirx.analysis.undefined_vars(reg.min))
+    )
+
+
+def _inline_elementwise_chains(sch: s_tir.Schedule, infos: list) -> bool:
+    """Inline injective blocks whose consumers are all injective (a dropout multiply after a
+    softmax, a subtract before an exp): no full-size intermediate between them. Producers read by
+    a reduction stay, so nothing is computed twice. True if anything was inlined."""
+    injective = {sch.get(i.block_rv).name_hint for i in infos if i.is_injective()}
+    changed = False
+    for info in reversed(infos[:-1]):
+        if not info.is_injective():
+            continue
+        consumers = sch.get_consumers(info.block_rv)
+        if consumers and all(sch.get(c).name_hint in injective for c in consumers):
+            try:
+                sch.compute_inline(info.block_rv)
+                changed = True
+            except s_tir.ScheduleError:
+                pass
+    return changed
+
+
+def _vectorize_inner(sch: s_tir.Schedule, block, lanes: int) -> None:
+    loops = sch.get_loops(block)
+    if len(loops) <= 1:
+        return
+    extent = get_extent(sch, loops[-1])
+    if not isinstance(extent, int):
+        return
+    if extent > lanes and extent % lanes == 0:
+        _, vec = sch.split(loops[-1], factors=[None, lanes])
+        sch.vectorize(vec)
+    elif 2 <= extent <= lanes:
+        sch.vectorize(loops[-1])
+
+
+class SpatialParallel(CPUScheduleRule):
+    """One reduction block (after inlining injective producers): spatial loops outermost and
+    parallel. Covers column reductions such as a bias gradient's ``collapse_sum``."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos:
+            return None
+        for info in infos[:-1]:
+            if not info.is_injective():
+                return None
+            try:
+                sch.compute_inline(info.block_rv)
+            except s_tir.ScheduleError:
+                return None
+        info = infos[-1]
+        loops = sch.get_loops(info.block_rv)
+        kinds = info.dom_kind()
+        if len(loops) != len(kinds) or "S" not in kinds:
+            return None
+        spatial = [lp for lp, k in zip(loops, kinds) if k == "S"]
+        reduce = [lp for lp, k in zip(loops, kinds) if k != "S"]
+        n = _numel(sch, spatial)
+        lanes = _vec_lanes(target, sch, info.block_rv)
+        col = _contiguous_spatial_loop(sch, info.block_rv, loops, kinds)
+        col_extent = get_extent(sch, col) if col is not None else None
+        if col is not None and isinstance(col_extent, int) and col_extent % lanes == 0 and col_extent >= 4 * lanes:
+            # column reduction (e.g. a bias gradient): threads own column blocks, rows stream
+            # through, columns are vectors: [spatial outer (parallel), reduce, columns (vector)]
+            col_o, col_i = sch.split(col, factors=[None, lanes])
+            rest = [lp for lp in spatial if not lp.same_as(col)]
+            outer = sch.fuse(*rest, col_o) if rest else col_o
+            sch.reorder(outer, *reduce, col_i)
+            sch.parallel(outer)
+            sch.decompose_reduction(info.block_rv, reduce[0])
+            return sch  # LLVM vectorizes the unit-stride column loop itself
+        sch.reorder(*spatial, *reduce)
+        fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
+        if n is not None and n >= 2:
+            sch.parallel(fused)
+        return sch
+
+
+def _contiguous_spatial_loop(sch: s_tir.Schedule, block, loops: list, kinds: str):
+    """The spatial loop that indexes the innermost (contiguous) axis of the block's input, if
+    any: the reduction then runs over rows while a vector of columns accumulates."""
+    stmt = sch.get(block)
+    if not stmt.reads:
+        return None
+    last = stmt.reads[0].region[-1].min
+    for loop, kind, iv in zip(loops, kinds, stmt.iter_vars):
+        if kind == "S" and last.same_as(iv.var):
+            return loop
+    return None
+
+
+class _Guarded(CPUScheduleRule):
+    """A rule whose failure leaves the kernel to the next rule (or unscheduled, still correct)
+    instead of aborting the build: dlight's analyses assert on shapes they do not expect."""
+
+    def __init__(self, rule: CPUScheduleRule) -> None:
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except (AssertionError, s_tir.ScheduleError, ValueError, tvm.TVMError):
+            return None
+
+
+def apply_cpu_schedules(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """Schedule every TIR function of ``mod`` that no rule has scheduled yet. (dlight's CPU GEMV
+    rule is left out: it asserts on scalar reductions, and dense matmuls are offloaded.)"""
+    rules = [RowReduction(), dlight.cpu.Reduction(), Elementwise(), SpatialParallel()]
+    with target:
+        return dlight.ApplyDefaultSchedule(*[_Guarded(r) for r in rules])(mod)

@@ -1,0 +1,47 @@
+"""Vectorizable float32 ``erf``/``exp``/``tanh`` (TVM's ``topi.fast_*``) for the built halves.
+
+LLVM lowers ``erf`` and ``exp`` to scalar libm calls, which cannot be vectorized;
+``topi.fast_erf`` and friends are polynomial approximations a few float32 ulps from libm (the
+README gives the measured speed and error), far below float32 training noise. So on float32 only:
+``nn.gelu`` is written as ``x/2 (1 + erf(x/sqrt2))`` and ``erf``, ``exp``, ``tanh`` and
+``softmax`` use the fast kernels.
+Float64 (where the checker compares against PyTorch at 1e-10) is never touched. It is the last
+Relax step before legalization, after the split: the graphs the analyses see are unchanged.
+Turn it off with ``add_tvm_dispatch(..., fast_math=False)``.
+"""
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax, topi
+from tvm.relax import Call, Expr, expr_functor
+from tvm.relax.transform.fast_math import FastMathCodeGenerator
+
+
+def _gelu_fast(x):
+    inner = topi.fast_erf(topi.multiply(x, 1.0 / math.sqrt(2.0)))
+    return topi.multiply(topi.multiply(x, 0.5), topi.add(inner, 1.0))
+
+
+@expr_functor.mutator
+class _Float32FastMath(FastMathCodeGenerator._cls):
+    def visit_call_(self, call: Call) -> Expr:
+        name = getattr(call.op, "name", "")
+        if name in ("relax.exp", "relax.erf", "relax.tanh", "relax.nn.softmax", "relax.nn.gelu"):
+            x = call.args[0]
+            if str(x.ty.dtype) == "float32":
+                if name == "relax.nn.gelu":
+                    return self.builder_.call_te(_gelu_fast, x)
+                return super().visit_call_(call)
+        return relax.PyExprMutator.visit_call_(self, call)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.FastMathFloat32")
+def FastMathFloat32(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:  # noqa: N802
+    """The float32 fast-math rewrite of every Relax function."""
+    gen = _Float32FastMath(mod)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            gen.builder_.update_func(gv, gen.visit_expr(func))
+    return gen.builder_.get()

@@ -1,0 +1,146 @@
+"""Offload dense matmuls to the GEMM libraries PyTorch ships, through ``R.call_pure_packed``.
+
+Untuned TVM matmuls on CPU are naive loops. This is the pattern TVM itself uses for
+cuBLAS/CUTLASS: the Relax matmul becomes a call of a registered packed function
+(``kernels/gemm.py``) on zero-copy views of TVM's tensors, whose result comes back the same way.
+Transposes feeding a matmul fold into flags, and a bias add into the call. Everything around the
+matmuls stays in TVM and is fused there.
+
+Backends, chosen per matmul at compile time (``backend=``): ``"torch"`` (``torch.matmul``, MKL on
+x86), ``"onednn"`` (oneDNN's inner product where it fits, else ``torch``), ``"auto"`` (oneDNN
+where it fits and its start-up probe passed, else ``torch``). The README has the measurements
+behind the default.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..kernels.gemm import GemmSpec, onednn_available, onednn_fits, register_gemms
+from ..options import GEMM_BACKENDS
+from ..passes.ir import RewriteBindings, Rule, is_op, static_shape
+
+
+def _swaps_last_two(value: relax.Expr) -> bool:
+    if not is_op(value, "relax.permute_dims"):
+        return False
+    shape = static_shape(value.args[0])
+    if shape is None or len(shape) < 2:
+        return False
+    n = len(shape)
+    axes = [int(a) for a in value.attrs.axes] if value.attrs.axes is not None else list(reversed(range(n)))
+    return axes == list(range(n - 2)) + [n - 1, n - 2]
+
+
+def _operand(expr: relax.Expr, bound: dict) -> tuple[relax.Expr, bool]:
+    """The matmul operand with a last-two-dims transpose folded into a flag."""
+    value = bound.get(expr) if isinstance(expr, relax.Var) else expr
+    if value is not None and _swaps_last_two(value):
+        return value.args[0], True
+    return expr, False
+
+
+def pick_library(backend: str, dtype: str, a_shape: tuple, b_shape: tuple, trans_a: bool) -> str:
+    """The library a matmul runs on under ``backend`` (see the module docstring)."""
+    if backend == "torch":
+        return "torch"
+    fits = onednn_fits(dtype, a_shape, b_shape, trans_a)
+    if backend == "onednn":
+        if not onednn_available():
+            raise RuntimeError("offload_matmul='onednn': PyTorch's oneDNN (torch.ops.mkldnn."
+                               "_linear_pointwise) is not available or disabled in this torch build")
+        return "onednn" if fits else "torch"
+    return "onednn" if fits and onednn_available() else "torch"
+
+
+def offloaded_call(value: relax.Expr) -> GemmSpec | None:
+    """The spec of a ``call_pure_packed`` of one of the bridge's GEMMs, else None."""
+    if not isinstance(value, relax.Call) or not is_op(value, "relax.call_pure_packed"):
+        return None
+    return GemmSpec.parse(str(value.args[0].global_symbol))
+
+
+def _offload_rule(backend: str) -> Rule:
+    def rule(value: relax.Expr, bound: dict) -> relax.Expr | None:
+        if not is_op(value, "relax.matmul") or getattr(value, "ty", None) is None:
+            return None
+        a, b = value.args
+        out_shape, a_shape, b_shape = static_shape(value), static_shape(a), static_shape(b)
+        if out_shape is None or a_shape is None or b_shape is None or len(a_shape) < 2 or len(b_shape) < 2:
+            return None
+        dtype = str(value.ty.dtype)
+        if dtype not in ("float32", "float64") or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
+            return None
+        (a, ta), (b, tb) = _operand(a, bound), _operand(b, bound)
+        library = pick_library(backend, dtype, static_shape(a), static_shape(b), ta)
+        return relax.op.call_pure_packed(
+            GemmSpec(library, ta, tb).name, a, b, ty_args=relax.TensorType(out_shape, dtype)
+        )
+
+    return rule
+
+
+def _bias_rule(uses: dict[relax.Var, int]) -> Rule:
+    """``add(bias, mm)`` over a 2-D offloaded matmul used only there, with a 1-D bias of the
+    output's last dim: one ``addmm``."""
+
+    def rule(value: relax.Expr, bound: dict) -> relax.Expr | None:
+        if not is_op(value, "relax.add") or getattr(value, "ty", None) is None:
+            return None
+        for mm, bias in (value.args, reversed(value.args)):
+            call = bound.get(mm) if isinstance(mm, relax.Var) else None
+            spec = offloaded_call(call)
+            if spec is None or spec.bias or uses.get(mm, 0) != 1:
+                continue
+            out = static_shape(value)
+            if out is None or len(out) != 2 or static_shape(bias) != (out[1],) or static_shape(mm) != out:
+                continue
+            if str(bias.ty.dtype) != str(value.ty.dtype):
+                continue
+            addmm = GemmSpec(spec.library, spec.trans_a, spec.trans_b, bias=True)
+            return relax.op.call_pure_packed(
+                addmm.name, call.args[1], call.args[2], bias, ty_args=relax.TensorType(out, str(value.ty.dtype))
+            )
+        return None
+
+    return rule
+
+
+def _use_counts(mod: tvm.IRModule) -> dict[relax.Var, int]:
+    uses: dict[relax.Var, int] = {}
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            for block in func.body.blocks:
+                for b in block.bindings:
+                    for v in relax.analysis.free_vars(b.value):
+                        uses[v] = uses.get(v, 0) + 1
+            for v in relax.analysis.free_vars(func.body.body):
+                uses[v] = uses.get(v, 0) + 1
+    return uses
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.OffloadMatmuls")
+class OffloadMatmuls:
+    """Every static-shape float32/float64 ``R.matmul`` becomes a call of a GEMM library
+    (``backend``: see the module docstring); a following bias add folds into ``addmm``."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in GEMM_BACKENDS:
+            raise ValueError(f"unknown matmul backend {backend!r}; expected one of {GEMM_BACKENDS}")
+        self.backend = backend
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        register_gemms()
+        mod = relax.transform.Normalize()(mod)
+        mod = RewriteBindings([_offload_rule(self.backend), _bias_rule(_use_counts(mod))])(mod)
+        return relax.transform.DeadCodeElimination()(mod)
+
+
+def offloaded_gemms(func: relax.Function) -> list[tuple[GemmSpec, list[tuple[int, ...]]]]:
+    """Every offloaded call in ``func`` as ``(spec, operand shapes)``, in program order: what
+    ``scripts/bench_train.py --gemm-table`` times on each library."""
+    return [
+        (spec, [static_shape(x) for x in b.value.args[1:]])
+        for block in func.body.blocks for b in block.bindings
+        if (spec := offloaded_call(b.value)) is not None
+    ]

@@ -1,0 +1,67 @@
+"""Torch devices and dtypes as TVM sees them: the compile target, the runtime device, dtype names.
+
+``llvm`` (with the host's CPU features and core count) on CPU, ``cuda`` for CUDA tensors, ``rocm``
+for ROCm (HIP) tensors. :func:`prepare_cpu_runtime` sets TVM's thread-pool policy before the first
+TVM kernel runs in this process (the pool reads it once, when it starts).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import tvm
+
+from .errors import ConversionError
+
+SUPPORTED = ("cpu", "cuda")  # torch device types; ROCm tensors are "cuda" devices in torch
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
+}
+
+
+def torch_dtype(tvm_dtype: str) -> torch.dtype:
+    """The torch dtype of a TVM dtype name (``"float32"`` -> ``torch.float32``)."""
+    return TORCH_DTYPES[str(tvm_dtype)]
+
+
+def target_for(device: torch.device) -> tvm.target.Target:
+    """The TVM target for a torch device."""
+    if device.type == "cpu":
+        cores = int(os.environ.get("TVMBRIDGE_NUM_CORES", os.cpu_count() or 1))
+        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": cores})
+    if device.type == "cuda":
+        if torch.version.hip:
+            return tvm.target.Target({"kind": "rocm"})
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(device)
+            return tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"})
+        return tvm.target.Target({"kind": "cuda", "arch": "sm_80"})  # compile-only (no GPU here)
+    raise ConversionError("build", f"no TVM target for device {device}; supported: cpu, cuda, rocm")
+
+
+@functools.cache
+def host_cpu() -> str:
+    """LLVM's name for this CPU (``znver4``, ``sapphirerapids``, ...), or ``generic``."""
+    try:
+        return str(tvm.target.codegen.llvm_get_system_cpu())
+    except Exception:  # noqa: BLE001 - older/newer builds name it differently
+        return "generic"
+
+
+def tvm_device(device: torch.device) -> tvm.runtime.Device:
+    if device.type == "cpu":
+        return tvm.cpu(0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tvm.rocm(index) if torch.version.hip else tvm.cuda(index)
+
+
+@functools.cache
+def prepare_cpu_runtime() -> None:
+    """TVM's CPU workers must not spin after a parallel kernel: the offloaded GEMMs run on
+    PyTorch's own threads in between, and spinning TVM workers steal their cores. A user's own
+    ``TVM_THREAD_POOL_SPIN_COUNT`` is respected. The pool's size is left to TVM
+    (``TVM_NUM_THREADS``, else half the logical CPUs on x86); the README gives the measurements."""
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")

@@ -1,0 +1,5 @@
+"""Kernels the compiled code calls at run time that are not TVM's own Relax lowering.
+
+``gemm``: GEMMs of the libraries PyTorch ships, as packed functions (named by ``GemmSpec``);
+``mt19937``: PyTorch's CPU random stream drawn by a vectorized TVM kernel, for dropout masks.
+"""

@@ -1,0 +1,131 @@
+"""GEMMs from the libraries PyTorch ships, as TVM packed functions on zero-copy DLPack views.
+
+One packed function per :class:`GemmSpec` (library, transpose flags, bias): it reads TVM's tensors
+as torch views (a transposed operand is a strided view, so a ``permute_dims`` feeding a matmul
+costs nothing), runs the library, and hands its own output back (no copy into a TVM buffer).
+
+Libraries:
+
+* ``"torch"``: ``torch.matmul``/``torch.addmm`` (MKL's sgemm on x86).
+* ``"onednn"``: PyTorch's bundled oneDNN inner product (``torch.ops.mkldnn._linear_pointwise``,
+  the kernel inductor's CPU freezing path calls), which dispatches on the CPU's ISA. Float32
+  only, and only where the right operand is 2-D (weight-like): :func:`onednn_fits`. It is an
+  internal op, so :func:`onednn_works` checks it once against ``torch.mm`` before it is used.
+
+Both are IEEE float32 GEMMs whose results differ by summation order only, unless the user lowered
+``torch.backends.mkldnn.matmul``'s precision, which then holds for eager PyTorch as well.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import tvm_ffi
+
+from .. import names
+
+LIBRARIES = ("torch", "onednn")
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """``op(a) @ op(b) (+ bias)`` on one library, ``op`` a transpose of the last two dims where
+    asked. Its :attr:`name` is the packed function's global name; :meth:`parse` reads one back."""
+
+    library: str
+    trans_a: bool
+    trans_b: bool
+    bias: bool = False
+
+    @property
+    def kind(self) -> str:
+        return f"{'addmm' if self.bias else 'matmul'}_{'t' if self.trans_a else 'n'}{'t' if self.trans_b else 'n'}"
+
+    @property
+    def name(self) -> str:
+        return f"{names.PACKED_PREFIX}{self.library}_{self.kind}"
+
+    @classmethod
+    def parse(cls, name: str) -> GemmSpec | None:
+        """The spec whose :attr:`name` is ``name``, else None."""
+        return _BY_NAME.get(name)
+
+    def flops(self, a_shape: tuple[int, ...], b_shape: tuple[int, ...]) -> int:
+        """2 * batch * m * k * n for operands of these (stored) shapes."""
+        m, k = (a_shape[-1], a_shape[-2]) if self.trans_a else (a_shape[-2], a_shape[-1])
+        n = b_shape[-2] if self.trans_b else b_shape[-1]
+        return 2 * math.prod(a_shape[:-2]) * m * k * n
+
+
+ALL_SPECS = [GemmSpec(lib, ta, tb, bias) for lib in LIBRARIES for ta, tb, bias in itertools.product((False, True), repeat=3)]
+_BY_NAME = {s.name: s for s in ALL_SPECS}
+
+
+def onednn_fits(dtype: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], trans_a: bool) -> bool:
+    """Where oneDNN's inner product applies: float32, a 2-D right operand, and a left operand it
+    can read as rows of ``k`` without a gather (2-D, or N-D untransposed)."""
+    return dtype == "float32" and len(b_shape) == 2 and (len(a_shape) == 2 or not trans_a)
+
+
+def _library(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """``(a, b, bias) -> a @ b (+ bias)`` on one library, operands already transposed views."""
+    if library == "onednn":
+        linear = torch.ops.mkldnn._linear_pointwise
+        # linear(x, w, bias) = x @ w.T + bias: the right operand goes in as a view ``b.mT``,
+        # which oneDNN reads in either layout.
+        return lambda a, b, bias: linear(a, b.mT, bias, "none", [], "")
+    return lambda a, b, bias: torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+def packed_function(spec: GemmSpec) -> Callable[..., Any]:
+    """The function TVM calls for ``spec``: DLPack tensors in, a DLPack tensor out."""
+    gemm = _library(spec.library)
+    to_torch = torch.from_dlpack
+
+    def operands(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ta, tb = to_torch(a), to_torch(b)
+        return (ta.mT if spec.trans_a else ta), (tb.mT if spec.trans_b else tb)
+
+    def from_torch(y: torch.Tensor) -> Any:  # TVM's kernels read compact row-major tensors
+        return tvm_ffi.from_dlpack(y if y.is_contiguous() else y.contiguous())
+
+    if spec.bias:
+        def addmm(a: Any, b: Any, c: Any) -> Any:
+            return from_torch(gemm(*operands(a, b), to_torch(c)))
+        return addmm
+
+    def matmul(a: Any, b: Any) -> Any:
+        return from_torch(gemm(*operands(a, b), None))
+
+    return matmul
+
+
+@functools.cache
+def register_gemms() -> None:
+    """Register every packed GEMM with TVM's FFI (once per process)."""
+    for spec in ALL_SPECS:
+        tvm_ffi.register_global_func(spec.name, packed_function(spec), override=True)
+
+
+def onednn_available() -> bool:
+    """oneDNN is built in, enabled now, and passed :func:`onednn_works`."""
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and onednn_works()
+
+
+@functools.cache
+def onednn_works() -> bool:
+    """Whether PyTorch's oneDNN inner product runs and agrees with ``torch.addmm`` on a probe
+    (a torch build without it or with a changed schema keeps ``torch`` instead of failing at run
+    time)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(5, 7, generator=g), torch.randn(3, 7, generator=g)
+        bias = torch.randn(3, generator=g)
+        y = _library("onednn")(x.mT.contiguous().mT, w.mT, bias)
+        return bool(torch.allclose(y, torch.addmm(bias, x, w.mT), rtol=1e-5, atol=1e-5))
+    except Exception:  # noqa: BLE001 - any failure means: do not use it
+        return False

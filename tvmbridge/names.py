@@ -1,0 +1,28 @@
+"""Names the stages agree on: Relax function names, parameter prefixes, packed-function prefix.
+
+One place for each, so that the stage that writes a name and the stage that reads it cannot drift.
+"""
+from __future__ import annotations
+
+MAIN = "main"  # the frontend's function
+ADJOINT = f"{MAIN}_adjoint"  # the name relax.transform.Gradient gives the differentiated MAIN
+FORWARD = "forward"  # primal params -> (outputs..., captures...)
+FORWARD_INFER = "forward_infer"  # primal params -> outputs (no_grad calls: nothing captured)
+BACKWARD = "backward"  # (captures..., primal params read..., grad_outs...) -> grads
+
+DROPOUT_MASK = "dropout_mask"  # prefix of the mask parameters the dropout pass adds
+GRAD_OUT = "grad_out"  # prefix of the output-gradient parameters of the adjoint
+VJP_PROD = "vjp_prod"  # prefix of the bindings o_i * grad_out_i of the VJP target
+SAVED = "saved_"  # prefix of the backward's parameters that receive captured values
+
+PACKED_PREFIX = "tvmbridge."  # global functions the bridge registers with TVM's FFI
+
+
+def vjp_prod(index: int) -> str:
+    return f"{VJP_PROD}{index}"
+
+
+def vjp_prod_index(name: str) -> int | None:
+    """``i`` for the name ``vjp_prod{i}``, else None."""
+    rest = name.removeprefix(VJP_PROD)
+    return int(rest) if rest != name and rest.isdigit() else None

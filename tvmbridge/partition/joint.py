@@ -1,0 +1,166 @@
+"""The joint graph: the adjoint function as named values with sizes, for the capture policy.
+
+The adjoint (``passes.gradient``) computes outputs and gradients in one function. Its bindings
+fall into two parts: the *primal* bindings (the module's own computation, which ``Gradient`` emits
+first) and the *adjoint* bindings it added. :class:`JointGraph` describes every value by a unique
+key, its op, its inputs, its bytes and its part; the policy decides over it what to capture and
+``split`` carries the decision out.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import relax
+
+from .. import names
+from ..errors import ConversionError
+from ..passes.gradient import GradientResult
+
+
+@dataclass(frozen=True)
+class JointNode:
+    """One value of the adjoint as the capture policy sees it."""
+
+    name: str
+    op: str  # Relax op name, "param", "tuple", "getitem", "var" or "const"
+    inputs: list[str]  # keys of the bindings/params read
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    nbytes: int
+    is_forward: bool  # a primal binding (or a primal parameter)
+    is_param: bool = False
+
+
+@dataclass(frozen=True)
+class JointGraph:
+    """The adjoint as a graph of named values, in binding order (params first)."""
+
+    nodes: dict[str, JointNode]
+    forward_outputs: list[str]
+    grad_outputs: list[str]
+    params: list[str]  # the primal parameters
+    grad_out_params: list[str]
+    keys: dict[relax.Var, str] = field(repr=False)  # var -> node key
+    output_vars: list[relax.Var] = field(repr=False)  # the primal outputs inside the adjoint
+
+    def backward_reads(self) -> set[str]:
+        """Forward values (primal bindings, not params) that some adjoint binding reads."""
+        reads: set[str] = set()
+        for node in self.nodes.values():
+            if not node.is_forward:
+                reads.update(i for i in node.inputs if self.nodes[i].is_forward and not self.nodes[i].is_param)
+        return reads
+
+    def bytes_of(self, keys: list[str]) -> int:
+        return sum(self.nodes[k].nbytes for k in keys)
+
+
+def op_name(value: relax.Expr) -> str:
+    if isinstance(value, relax.Call):
+        return str(value.op.name) if hasattr(value.op, "name") else "call"
+    if isinstance(value, relax.Tuple):
+        return "tuple"
+    if isinstance(value, relax.TupleGetItem):
+        return "getitem"
+    if isinstance(value, relax.Var):
+        return "var"
+    if isinstance(value, tvm.ir.expr.Constant):
+        return "const"
+    return type(value).__name__
+
+
+def free_vars(value: relax.Expr) -> list[relax.Var]:
+    return list(relax.analysis.free_vars(value))
+
+
+def tensor_info(var: relax.Expr) -> tuple[tuple[int, ...] | None, str | None, int]:
+    """``(shape, dtype, bytes)`` of a tensor with a static shape; ``(None, dtype or None, 0)``
+    otherwise."""
+    ty = var.ty
+    if not (isinstance(ty, relax.TensorType) and ty.shape is not None):
+        return None, None, 0
+    try:
+        shape = tuple(int(s) for s in ty.shape)
+    except (TypeError, ValueError):
+        return None, str(ty.dtype), 0
+    dt = tvm.DataType(str(ty.dtype))
+    return shape, str(ty.dtype), math.prod(shape) * max(1, dt.bits * dt.lanes // 8)
+
+
+def value_keys(func: relax.Function) -> dict[relax.Var, str]:
+    """A unique key per value of a one-block function: its name, suffixed ``#k`` where the name
+    was taken already (params first, then bindings in order). TVM's passes reuse names (``lv``)."""
+    keys: dict[relax.Var, str] = {}
+    taken: set[str] = set()
+    block_vars = [b.var for b in func.body.blocks[0].bindings] if func.body.blocks else []
+    for var in list(func.params) + block_vars:
+        k, n = var.name, 1
+        while k in taken:
+            n += 1
+            k = f"{var.name}#{n}"
+        taken.add(k)
+        keys[var] = k
+    return keys
+
+
+def count_primal_bindings(primal: relax.Function, adjoint: relax.Function) -> int:
+    """How many leading adjoint bindings are the primal ones (``Gradient`` emits them first;
+    simplification may have dropped dead ones, never reordered them)."""
+    primal_names = [b.var.name for b in primal.body.blocks[0].bindings]
+    adjoint_names = [b.var.name for b in adjoint.body.blocks[0].bindings]
+    j = 0
+    for name in primal_names:
+        if j < len(adjoint_names) and name == adjoint_names[j]:
+            j += 1
+    return j
+
+
+def joint_graph(grad: GradientResult, num_primal_bindings: int) -> JointGraph:
+    """Describe the adjoint for a capture policy; the first ``num_primal_bindings`` bindings are
+    the forward part."""
+    adj = grad.adjoint
+    keys = value_keys(adj)
+    nodes: dict[str, JointNode] = {}
+    for p in adj.params:
+        shape, dtype, nbytes = tensor_info(p)
+        nodes[keys[p]] = JointNode(keys[p], "param", [], shape, dtype, nbytes, is_forward=True, is_param=True)
+    for i, b in enumerate(adj.body.blocks[0].bindings):
+        shape, dtype, nbytes = tensor_info(b.var)
+        k = keys[b.var]
+        nodes[k] = JointNode(
+            k, op_name(b.value), [keys[v] for v in free_vars(b.value)], shape, dtype, nbytes,
+            is_forward=i < num_primal_bindings,
+        )
+    outputs = output_vars(adj, len(grad.grad_out_params))
+    return JointGraph(
+        nodes=nodes,
+        forward_outputs=[keys[v] for v in outputs],
+        grad_outputs=[keys[g] for g in result_grads(adj)],
+        params=[keys[p] for p in adj.params[: grad.num_primal_params]],
+        grad_out_params=[keys[p] for p in grad.grad_out_params],
+        keys=keys,
+        output_vars=outputs,
+    )
+
+
+def output_vars(adj: relax.Function, n: int) -> list[relax.Var]:
+    """The primal outputs, found where the VJP target reads them (``vjp_prod{i} = o_i * g_i``):
+    robust to the renaming and aliasing that simplification does."""
+    found: dict[int, relax.Var] = {}
+    for b in adj.body.blocks[0].bindings:
+        i = names.vjp_prod_index(b.var.name)
+        if i is not None and isinstance(b.value, relax.Call):
+            found[i] = b.value.args[0]
+    if sorted(found) != list(range(n)) or not all(isinstance(v, relax.Var) for v in found.values()):
+        raise ConversionError("split", "could not locate the module outputs in the adjoint")
+    return [found[i] for i in range(n)]
+
+
+def result_grads(adj: relax.Function) -> list[relax.Var]:
+    """The gradient values the adjoint returns, in order."""
+    result = adj.body.body
+    if not (isinstance(result, relax.Tuple) and len(result.fields) == 2 and isinstance(result.fields[1], relax.Tuple)):
+        raise ConversionError("split", "unexpected adjoint result layout (expected (target, (grads...)))")
+    return list(result.fields[1].fields)

@@ -1,0 +1,138 @@
+"""Gradients that Relax 0.27 does not register and that BERT, GPT-2 and ViT blocks need.
+
+Each is registered with TVM when this module is imported (``passes.gradient`` imports it), by the
+:func:`gradient` decorator, at a level above Relax's own (10) so that an upstream gradient, if TVM
+adds one later, does not silently replace ours in the middle of a release and vice versa. Every
+formula is exact: no op is swapped for an approximation (exact GELU stays erf-based).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from tvm import relax
+from tvm.ir import Call
+from tvm.relax import BlockBuilder, Expr, Var
+from tvm.relax.op import register_gradient
+from tvm.relax.op.grad import no_grad
+
+LEVEL = 11
+Gradient = Callable[[Var, Call, Var, BlockBuilder], list[Expr]]
+REGISTERED: dict[str, Gradient] = {}  # Relax op name -> the bridge's gradient
+
+
+def gradient(op_name: str) -> Callable[[Gradient], Gradient]:
+    """Register the decorated function as the gradient of Relax op ``op_name``."""
+
+    def register(fn: Gradient) -> Gradient:
+        register_gradient(op_name, fn, level=LEVEL)
+        REGISTERED[op_name] = fn
+        return fn
+
+    return register
+
+
+def _dtype(expr: Expr) -> str:
+    return str(expr.ty.dtype)
+
+
+def _c(value: float, like: Expr) -> Expr:
+    return relax.const(value, _dtype(like))
+
+
+@gradient("relax.nn.gelu")
+def gelu_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """y = x * Phi(x); dy/dx = Phi(x) + x * phi(x), Phi(x) = (1 + erf(x/sqrt2))/2,
+    phi(x) = exp(-x^2/2)/sqrt(2 pi)."""
+    x = orig_call.args[0]
+    op = relax.op
+    cdf = op.multiply(_c(0.5, x), op.add(_c(1.0, x), op.erf(op.multiply(x, _c(1 / math.sqrt(2), x)))))
+    pdf = op.multiply(
+        _c(1 / math.sqrt(2 * math.pi), x),
+        op.exp(op.multiply(_c(-0.5, x), op.multiply(x, x))),
+    )
+    return [op.multiply(output_grad, op.add(cdf, op.multiply(x, pdf)))]
+
+
+@gradient("relax.nn.gelu_tanh")
+def gelu_tanh_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """y = x/2 (1 + tanh(u)), u = k (x + 0.044715 x^3), k = sqrt(2/pi);
+    dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3*0.044715 x^2)."""
+    x = orig_call.args[0]
+    op = relax.op
+    k = math.sqrt(2 / math.pi)
+    x2 = op.multiply(x, x)
+    u = op.multiply(_c(k, x), op.add(x, op.multiply(_c(0.044715, x), op.multiply(x2, x))))
+    t = op.tanh(u)
+    du = op.multiply(_c(k, x), op.add(_c(1.0, x), op.multiply(_c(3 * 0.044715, x), x2)))
+    left = op.multiply(_c(0.5, x), op.add(_c(1.0, x), t))
+    right = op.multiply(op.multiply(_c(0.5, x), x), op.multiply(op.subtract(_c(1.0, x), op.multiply(t, t)), du))
+    return [op.multiply(output_grad, op.add(left, right))]
+
+
+@gradient("relax.erf")
+def erf_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """d erf(x)/dx = 2/sqrt(pi) exp(-x^2)."""
+    x = orig_call.args[0]
+    op = relax.op
+    d = op.multiply(_c(2 / math.sqrt(math.pi), x), op.exp(op.negative(op.multiply(x, x))))
+    return [op.multiply(output_grad, d)]
+
+
+@gradient("relax.rsqrt")
+def rsqrt_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """y = x^-1/2; dy/dx = -y^3/2."""
+    op = relax.op
+    y = orig_var
+    return [op.multiply(output_grad, op.multiply(_c(-0.5, y), op.multiply(y, op.multiply(y, y))))]
+
+
+@gradient("relax.squeeze")
+def squeeze_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """squeeze only drops size-1 axes: the gradient is a reshape back."""
+    return [relax.op.reshape(output_grad, orig_call.args[0].ty.shape)]
+
+
+def _ints(expr: Expr) -> list[int]:
+    """Integers of a Relax tuple of PrimValues/IntImms (how strided_slice holds axes and bounds)."""
+    fields = expr.fields if hasattr(expr, "fields") else expr
+    return [int(getattr(f, "value", f)) for f in fields]
+
+
+@gradient("relax.strided_slice")
+def strided_slice_grad(
+    orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder
+) -> list[Expr]:
+    """Pad the gradient with zeros back to the input's shape, one sliced axis at a time (a concat
+    of zeros before and after the slice). Strided (step != 1) slices are rejected rather than approximated; the bounds follow
+    Python slicing (negative begins wrap, ends clip)."""
+    op = relax.op
+    x = orig_call.args[0]
+    shape = [int(s) for s in x.ty.shape]
+    axes = _ints(orig_call.args[1])
+    begins = _ints(orig_call.args[2])
+    strides = _ints(orig_call.args[4]) if len(orig_call.args) > 4 else [1] * len(axes)
+    grad: Expr = output_grad
+    cur = [int(s) for s in orig_var.ty.shape]
+    for axis, b, s in zip(axes, begins, strides):
+        if s != 1:
+            raise NotImplementedError("gradient of strided_slice with a step other than 1")
+        axis = axis % len(shape)
+        n = shape[axis]
+        b = b + n if b < 0 else b
+        b = min(max(b, 0), n)
+        length = cur[axis]
+        parts = []
+        if b > 0:
+            pre = list(cur); pre[axis] = b
+            parts.append(op.zeros(pre, _dtype(x)))
+        parts.append(grad)
+        after = n - b - length
+        if after > 0:
+            post = list(cur); post[axis] = after
+            parts.append(op.zeros(post, _dtype(x)))
+        if len(parts) > 1:
+            grad = op.concat(parts, axis=axis)
+        cur[axis] = n
+    return [grad] + [no_grad(a) for a in orig_call.args[1:]]
+

@@ -1,0 +1,137 @@
+"""Relax IR helpers shared by the passes and the stages after them.
+
+The bridge works on functions of one dataflow block (what the frontend makes for a pure module).
+Rewrites are rules over bindings: each rule sees a binding's value and the values bound so far and
+may return a replacement of the same type (or an existing var to alias); :class:`RewriteBindings`
+is the module pass that applies a rule list, :func:`cleanup` the passes that fold what it leaves.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import tvm
+from tvm import relax
+
+from ..errors import ConversionError
+
+Rule = Callable[[relax.Expr, dict[relax.Var, relax.Expr]], relax.Expr | None]
+
+
+def only_dataflow_block(func: relax.Function, stage: str) -> relax.DataflowBlock:
+    """The function's single dataflow block; anything else is named, not half-handled."""
+    body = func.body
+    if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1 or not isinstance(
+        body.blocks[0], relax.DataflowBlock
+    ):
+        raise ConversionError(
+            stage, "expected a function with exactly one dataflow block (a pure module without "
+            "control flow or side effects)"
+        )
+    return body.blocks[0]
+
+
+def rebuild(
+    func: relax.Function,
+    params: list[relax.Var],
+    bindings: list[relax.Binding],
+    result: relax.Expr,
+    attrs: dict | None = None,
+) -> relax.Function:
+    """A new function with the given params and dataflow bindings, ``func``'s attributes (updated
+    by ``attrs``), normalized."""
+    body = relax.SeqExpr([relax.DataflowBlock(bindings)], result)
+    new = relax.Function(params, body, ret_ty=result.ty, is_pure=True)
+    merged = dict(func.attrs) if func.attrs is not None else {}
+    merged.update(attrs or {})
+    for k, v in merged.items():
+        new = new.with_attr(k, v)
+    return relax.transform.Normalize()(tvm.IRModule({"f": new}))["f"]
+
+
+def binding_map(block: relax.DataflowBlock) -> dict[relax.Var, relax.Expr]:
+    return {b.var: b.value for b in block.bindings}
+
+
+def is_op(expr: relax.Expr, name: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
+
+
+def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+    """The shape of a tensor-typed expression when every dimension is a known integer."""
+    ty = getattr(expr, "ty", None)
+    if isinstance(ty, relax.TensorType) and ty.shape is not None:
+        try:
+            return tuple(int(s) for s in ty.shape)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def same_tensor_type(a: relax.Expr, b: relax.Expr) -> bool:
+    sa, sb = static_shape(a), static_shape(b)
+    return sa is not None and sa == sb and str(a.ty.dtype) == str(b.ty.dtype)
+
+
+def rewrite_function(func: relax.Function, rules: list[Rule]) -> tuple[relax.Function, int]:
+    """Apply ``rules`` to every binding until none fires on it; returns the function and the
+    number of rewrites."""
+    body = func.body
+    if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1:
+        return func, 0
+    bound: dict[relax.Var, relax.Expr] = {}
+    out: list[relax.Binding] = []
+    count = 0
+    for b in body.blocks[0].bindings:
+        value, n = _rewrite_value(b.value, bound, rules)
+        count += n
+        bound[b.var] = value
+        out.append(b if value.same_as(b.value) else relax.VarBinding(b.var, value))
+    if not count:
+        return func, 0
+    return rebuild(func, list(func.params), out, body.body), count
+
+
+def _rewrite_value(value: relax.Expr, bound: dict, rules: list[Rule]) -> tuple[relax.Expr, int]:
+    count = 0
+    changed = True
+    while changed:
+        changed = False
+        for rule in rules:
+            new = rule(value, bound)
+            if new is not None and not new.same_as(value):
+                value, changed, count = new, True, count + 1
+                break
+    return value, count
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.RewriteBindings")
+class RewriteBindings:
+    """Apply binding rules to every Relax function of a module (a new module; the input is not
+    changed)."""
+
+    def __init__(self, rules: list[Rule]) -> None:
+        self.rules = rules
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        out = mod.clone()
+        for gv, func in list(mod.functions.items()):
+            if isinstance(func, relax.Function):
+                new, n = rewrite_function(func, self.rules)
+                if n:
+                    out[gv] = new
+        return out
+
+
+def cleanup() -> list[tvm.transform.Pass]:
+    """Fold the aliases a rewrite leaves, then common subexpressions and dead code."""
+    return [
+        relax.transform.CanonicalizeBindings(),
+        relax.transform.EliminateCommonSubexpr(),
+        relax.transform.CanonicalizeBindings(),
+        relax.transform.DeadCodeElimination(),
+    ]
+
+
+def rewrite_and_clean(rules: list[Rule]) -> tvm.transform.Pass:
+    """Normalize, apply ``rules``, clean up: one ``Sequential``."""
+    return tvm.transform.Sequential([relax.transform.Normalize(), RewriteBindings(rules), *cleanup()])

@@ -1,0 +1,1 @@
+"""Around the bridge: graphviz pictures, the demo, timing, the command line."""

@@ -1,0 +1,65 @@
+"""Command line: ``python -m tvmbridge demo`` (the main job) and ``viz`` (pictures of a compile).
+
+Both take every compile option as a flag (``--capture all``, ``--memory-budget 0.3``,
+``--fast-math false``, ...), the same :class:`~tvmbridge.options.CompileOptions` the API takes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..options import add_option_arguments, options_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tvmbridge", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="train a BertLayer through TVM next to PyTorch")
+    demo.add_argument("--batch", type=int, default=1)
+    demo.add_argument("--seq", type=int, default=14)
+    demo.add_argument("--steps", type=int, default=5, help="SGD steps compared against PyTorch")
+    demo.add_argument("--timing-runs", type=int, default=20, help="interleaved steps timed after a warm-up")
+    add_option_arguments(demo)
+    viz = sub.add_parser("viz", help="write SVG pictures of the built-in BertLayer's compile")
+    viz.add_argument("--out", default="bench_results/bert_split", help="path without extension")
+    viz.add_argument("--small", action="store_true", help="a small BertLayer (hidden 64) for a readable picture")
+    viz.add_argument("--seq", type=int, default=14)
+    viz.add_argument("--stage", default="split",
+                     help="'split' (the joint graph coloured by the split), a stage that holds Relax, "
+                          "or stage:function (e.g. offload:backward)")
+    add_option_arguments(viz)
+    args = parser.parse_args(argv)
+    try:
+        options = options_from_args(args)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    if args.cmd == "demo":
+        from .demo import run
+
+        run(batch=args.batch, seq=args.seq, steps=args.steps, options=options, timing_runs=args.timing_runs)
+    elif args.cmd == "viz":
+        _viz(args, options)
+    return 0
+
+
+def _viz(args: argparse.Namespace, options: object) -> None:
+    import os
+
+    from analysis.models import bert_layer, bert_layer_inputs
+
+    from ..pipeline import compile_training
+    from .visualize import draw_stage
+
+    layer = bert_layer(64, 4, 128) if args.small else bert_layer()
+    compiled = compile_training(layer, bert_layer_inputs(1, args.seq, 64 if args.small else 768), options=options)
+    try:
+        graph = draw_stage(compiled, args.stage)
+    except KeyError as exc:
+        raise SystemExit(f"tvmbridge viz: {exc.args[0]}") from None
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    path = graph.render(args.out, format="svg", cleanup=True)
+    print(f"{compiled.summary()}\nwrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
