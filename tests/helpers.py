@@ -66,10 +66,23 @@ def max_errors(a, b) -> dict[str, float]:
     """Max abs difference of every output and every gradient of two :func:`run_step` results."""
     outs_a, grads_a = a
     outs_b, grads_b = b
-    errs = {f"out{i}": (x - y).abs().max().item() for i, (x, y) in enumerate(zip(outs_a, outs_b))}
+
+    def err(x: torch.Tensor, y: torch.Tensor) -> float:
+        assert x.shape == y.shape, (x.shape, y.shape)
+        return (x - y).abs().max().item() if x.numel() else 0.0
+
+    errs = {f"out{i}": err(x, y) for i, (x, y) in enumerate(zip(outs_a, outs_b))}
     assert grads_a.keys() == grads_b.keys()
-    errs.update({k: (grads_a[k] - grads_b[k]).abs().max().item() for k in grads_a})
+    errs.update({k: err(grads_a[k], grads_b[k]) for k in grads_a})
     return errs
+
+
+def relative_errors(a, b) -> dict[str, float]:
+    """Like :func:`max_errors`, each divided by max(1, the reference's largest magnitude)."""
+    outs_b, grads_b = b
+    scale = {f"out{i}": y.abs().max().item() if y.numel() else 0.0 for i, y in enumerate(outs_b)}
+    scale.update({k: v.abs().max().item() if v.numel() else 0.0 for k, v in grads_b.items()})
+    return {k: v / max(1.0, scale[k]) for k, v in max_errors(a, b).items()}
 
 
 class MLP(torch.nn.Module):

@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "CompileOptions": "tvmbridge.options",
     "ConversionError": "tvmbridge.errors",
     "UnsupportedOpError": "tvmbridge.errors",
+    "FallbackWarning": "tvmbridge.errors",
     "CaptureReport": "tvmbridge.runtime.report",
     "visualize": "tvmbridge.tools.visualize",
     "visualize_split": "tvmbridge.tools.visualize",

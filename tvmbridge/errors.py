@@ -52,3 +52,8 @@ def stage_errors(
     except Exception as exc:  # noqa: BLE001 - torch and TVM raise many types
         prefix = f"{what}: " if what else ""
         raise error(stage, prefix + describe(exc), op=op) from exc
+
+
+class FallbackWarning(UserWarning):
+    """A call ran PyTorch instead of the compiled code; the message says why. Filter this class
+    (or pass ``warn_on_fallback=False``) to silence it."""

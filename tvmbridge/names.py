@@ -10,12 +10,13 @@ FORWARD = "forward"  # primal params -> (outputs..., captures...)
 FORWARD_INFER = "forward_infer"  # primal params -> outputs (no_grad calls: nothing captured)
 BACKWARD = "backward"  # (captures..., primal params read..., grad_outs...) -> grads
 
-DROPOUT_MASK = "dropout_mask"  # prefix of the mask parameters the dropout pass adds
+RANDOM_INPUT = "random"  # prefix of the per-call random inputs (dropout masks, noise, ...)
 GRAD_OUT = "grad_out"  # prefix of the output-gradient parameters of the adjoint
 VJP_PROD = "vjp_prod"  # prefix of the bindings o_i * grad_out_i of the VJP target
 SAVED = "saved_"  # prefix of the backward's parameters that receive captured values
 
 PACKED_PREFIX = "tvmbridge."  # global functions the bridge registers with TVM's FFI
+RANDOM_SITE = f"{PACKED_PREFIX}random_site"  # marker the importer emits, replaced by an input
 
 
 def vjp_prod(index: int) -> str:

@@ -45,6 +45,9 @@ class CompileOptions:
         "ATen's bernoulli_); off: ATen's serial bernoulli_"))
     fallback: bool = field(default=False, metadata=_doc(
         "on a compile failure warn once and keep PyTorch instead of raising"))
+    warn_on_fallback: bool = field(default=True, metadata=_doc(
+        "warn (tvmbridge.FallbackWarning, once per reason) when a call runs PyTorch because the "
+        "compiled code does not fit it"))
     verbose: bool = field(default=False, metadata=_doc("print a one-line summary after compiling"))
     progress: bool | None = field(default=None, metadata=_doc(
         "a progress bar over the compile stages (default: when stderr is a terminal)"))
@@ -61,7 +64,7 @@ class CompileOptions:
                 f"unknown matmul backend offload_matmul={self.offload_matmul!r}; choose one of "
                 f"{list(GEMM_BACKENDS)}, True (= 'auto'), False (TVM's own kernels) or None (device default)"
             )
-        for name in ("fast_math", "cpu_schedules", "fuse", "mask_kernel", "fallback", "verbose"):
+        for name in ("fast_math", "cpu_schedules", "fuse", "mask_kernel", "fallback", "warn_on_fallback", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if self.progress is not None and not isinstance(self.progress, bool):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,14 +30,13 @@ from .backend.offload import OffloadMatmuls
 from .devices import SUPPORTED, target_for, torch_dtype
 from .errors import ConversionError, stage_errors
 from .frontend.export import TracedModule, trace
-from .frontend.importer import to_relax
+from .frontend.importer import RandomSite, to_relax
 from .kernels.mt19937 import kernel_works
 from .options import CompileOptions, with_overrides
 from .partition.joint import JointGraph, count_primal_bindings, joint_graph
 from .partition.policy import capture_all, choose_captures, op_flops
 from .partition.split import SplitResult, split
-from .passes import (DecomposeForTraining, Dedup, DropoutSite, ExternalizeDropout, GradientResult,
-                     Simplify, build_adjoint, dropout_sites)
+from .passes import DecomposeForTraining, Dedup, ExternalizeRandom, GradientResult, Simplify, build_adjoint
 
 @dataclass(frozen=True)
 class Artifacts:
@@ -49,7 +49,8 @@ class Artifacts:
     device: torch.device | None = None
     traced: TracedModule | None = None
     primal: tvm.IRModule | None = None  # names.MAIN, through the passes before the gradient
-    dropout_sites: tuple[DropoutSite, ...] = ()
+    random_sites: tuple[RandomSite, ...] = ()
+    num_index_checks: int = 0
     grad_param_indices: tuple[int, ...] = ()  # primal params (user inputs, then params) with a grad
     gradient: GradientResult | None = None
     joint: JointGraph | None = None
@@ -57,7 +58,6 @@ class Artifacts:
     split: SplitResult | None = None
     halves: tvm.IRModule | None = None  # names.FORWARD, names.FORWARD_INFER, names.BACKWARD
     executable: tvm.runtime.Executable | None = None
-    vm: relax.VirtualMachine | None = None
 
 
 @dataclass(frozen=True)
@@ -81,20 +81,29 @@ def _inputs(a: Artifacts) -> Artifacts:
     device = a.device or next(iter(devices), torch.device("cpu"))
     if device.type not in SUPPORTED:
         raise ConversionError("inputs", f"device {device} is not supported by TVM dispatch (cpu, cuda, rocm)")
+    empty = [tuple(t.shape) for t in tensor_leaves((a.args, a.kwargs)) if t.numel() == 0]
+    if empty:  # TVM's reductions over an empty axis do not give PyTorch's zeros
+        raise ConversionError("inputs", f"the sample has a zero-size dimension {empty[0]}; compile for a "
+                              "non-empty sample (calls with empty tensors then run PyTorch)")
     return dataclasses.replace(a, device=device)
 
 
 def _trace(a: Artifacts) -> Artifacts:
-    return dataclasses.replace(a, traced=trace(a.module, a.args, a.kwargs))
+    # a sample call made under autocast still compiles float32 code (calls under autocast run
+    # PyTorch: the guard sees autocast), never autocast's casts baked in as constants
+    with torch.autocast(a.device.type, enabled=False):
+        return dataclasses.replace(a, traced=trace(a.module, a.args, a.kwargs))
 
 
 def _convert(a: Artifacts) -> Artifacts:
-    return dataclasses.replace(a, primal=to_relax(a.traced))
+    converted = to_relax(a.traced)
+    return dataclasses.replace(a, primal=converted.mod, random_sites=converted.random_sites,
+                               num_index_checks=converted.num_index_checks)
 
 
-def _dropout(a: Artifacts) -> Artifacts:
-    mod = tvm.transform.Sequential([ExternalizeDropout(), relax.transform.CanonicalizeBindings()])(a.primal)
-    return dataclasses.replace(a, primal=mod, dropout_sites=tuple(dropout_sites(mod[names.MAIN])))
+def _random(a: Artifacts) -> Artifacts:
+    mod = tvm.transform.Sequential([ExternalizeRandom(), relax.transform.CanonicalizeBindings()])(a.primal)
+    return dataclasses.replace(a, primal=mod)
 
 
 def _layer_norm(a: Artifacts) -> Artifacts:
@@ -105,20 +114,32 @@ def _dedup(a: Artifacts) -> Artifacts:
     return dataclasses.replace(a, primal=Dedup()(a.primal))
 
 
+def _is_float(dtype: Any) -> bool:
+    return str(dtype).startswith(("float", "bfloat"))
+
+
 def _grad_indices(a: Artifacts) -> tuple[int, ...]:
     """Float user inputs, then parameters that require grad, by primal parameter position."""
     func = a.primal[names.MAIN]
-    n_user = len(a.traced.user_input_names)
-    idx = [i for i in range(n_user) if str(func.params[i].ty.dtype).startswith(("float", "bfloat"))]
-    params = dict(a.module.named_parameters())
-    idx += [n_user + j for j, name in enumerate(a.traced.param_targets) if params[name].requires_grad]
+    n_user = a.traced.num_user_inputs
+    idx = [i for i in range(n_user) if _is_float(func.params[i].ty.dtype)]
+    state = a.traced.state
+    tensors = state.lookup(a.module)
+    idx += [n_user + j for j, t in enumerate(tensors) if state.is_parameter[j] and t.requires_grad]
     return tuple(idx)
+
+
+def differentiable_outputs(func: relax.Function, num_user_outputs: int) -> list[bool]:
+    """The module's own float outputs get a gradient; updated buffers and index flags do not."""
+    fields = func.ret_ty.fields if isinstance(func.ret_ty, relax.TupleType) else [func.ret_ty]
+    return [i < num_user_outputs and _is_float(f.dtype) for i, f in enumerate(fields)]
 
 
 def _gradient(a: Artifacts) -> Artifacts:
     indices = _grad_indices(a)
-    return dataclasses.replace(a, grad_param_indices=indices,
-                               gradient=build_adjoint(a.primal[names.MAIN], list(indices)))
+    func = a.primal[names.MAIN]
+    grad = build_adjoint(func, list(indices), differentiable_outputs(func, a.traced.num_user_outputs))
+    return dataclasses.replace(a, grad_param_indices=indices, gradient=grad)
 
 
 def _simplify(a: Artifacts) -> Artifacts:
@@ -157,16 +178,17 @@ def _fast_math(a: Artifacts) -> Artifacts:
 
 def _build(a: Artifacts) -> Artifacts:
     exe = backend_build.compile_module(a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse)
-    if a.device.type == "cpu" and a.dropout_sites and a.options.mask_kernel:
+    if a.device.type == "cpu" and a.random_sites and a.options.mask_kernel:
         kernel_works()  # builds and checks the mask kernel now, not on the first call
-    return dataclasses.replace(a, executable=exe, vm=backend_build.load(exe, a.device))
+    backend_build.load(exe, a.device)  # loads in this thread now: a failure is the build stage's
+    return dataclasses.replace(a, executable=exe)
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("inputs", _inputs, lambda a: a.device),
     Stage("trace", _trace, lambda a: a.traced.exported),
     Stage("convert", _convert, lambda a: a.primal),
-    Stage("dropout", _dropout, lambda a: a.primal),
+    Stage("random", _random, lambda a: a.primal),
     Stage("layer_norm", _layer_norm, lambda a: a.primal),
     Stage("dedup", _dedup, lambda a: a.primal),
     Stage("gradient", _gradient, lambda a: tvm.IRModule({names.ADJOINT: a.gradient.adjoint})),
@@ -209,24 +231,21 @@ class CompiledModule:
     traced: TracedModule
     device: torch.device
     options: CompileOptions
-    dropout_sites: list[DropoutSite]
-    grad_param_indices: list[int]  # primal params (user inputs, then params) that get a gradient
+    random_sites: list[RandomSite]
+    num_index_checks: int
+    grad_param_indices: list[int]  # primal params (user inputs, then state) that get a gradient
+    differentiable: tuple[bool, ...]  # per output
     adjoint: relax.Function = field(repr=False)  # the joint forward+backward, simplified
     split: SplitResult = field(repr=False)
     executable: tvm.runtime.Executable = field(repr=False)
-    vm: relax.VirtualMachine = field(repr=False)
-    compile_seconds: dict[str, float]
+    compile_seconds: dict[str, float] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
+    _local: threading.local = field(default_factory=threading.local, repr=False)
 
     @property
-    def forward_vm(self) -> relax.VirtualMachine:
-        """The VM holding ``forward`` and ``forward_infer`` (the one VM of this module)."""
-        return self.vm
-
-    @property
-    def backward_vm(self) -> relax.VirtualMachine:
-        """The VM holding ``backward`` (the one VM of this module)."""
-        return self.vm
+    def vm(self) -> relax.VirtualMachine:
+        """The calling thread's VM (``forward``, ``forward_infer`` and ``backward``)."""
+        return self.vm_for_thread()
 
     @functools.cached_property
     def output_meta(self) -> list[tuple[list[int], torch.dtype]]:
@@ -236,17 +255,27 @@ class CompiledModule:
 
     @property
     def num_outputs(self) -> int:
+        """All outputs: the module's own, then updated buffers, then index-range flags."""
         return self.split.num_outputs
+
+    def vm_for_thread(self) -> relax.VirtualMachine:
+        """A VM of this module's executable for the calling thread: a VM's registers are per
+        call, so two threads must not share one."""
+        vm = getattr(self._local, "vm", None)
+        if vm is None:
+            vm = self._local.vm = backend_build.load(self.executable, self.device)
+        return vm
 
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""
         return self.split.joint.bytes_of(self.split.captures)
 
     def mask_bytes(self) -> int:
-        """Bytes of the dropout masks the backward reads (kept alongside the captures)."""
+        """Bytes of the random inputs (dropout masks, ...) the backward reads (kept alongside the
+        captures)."""
         joint = self.split.joint
-        first_mask = len(joint.params) - len(self.dropout_sites)
-        return joint.bytes_of([joint.params[i] for i in self.split.backward_param_indices if i >= first_mask])
+        first = len(joint.params) - len(self.random_sites)
+        return joint.bytes_of([joint.params[i] for i in self.split.backward_param_indices if i >= first])
 
     def save_all_bytes(self) -> int:
         return self.split.joint.bytes_of(capture_all(self.split.joint))
@@ -259,7 +288,7 @@ class CompiledModule:
         t = self.compile_seconds
         return (
             f"{len(self.split.captures)} captured values ({self.captured_bytes() / 2**20:.2f} MiB), "
-            f"{len(self.split.recomputed)} recomputed, {len(self.dropout_sites)} dropout masks; "
+            f"{len(self.split.recomputed)} recomputed, {len(self.random_sites)} random inputs; "
             f"compile {t.get('total', 0):.1f}s (build {t.get('build', 0):.1f}s)"
         )
 
@@ -284,9 +313,10 @@ def compile_training(
     start = Artifacts(module=module, args=args, kwargs=dict(kwargs or {}), options=opts, device=device)
     done, shown, seconds = run_stages(start)
     return CompiledModule(
-        traced=done.traced, device=done.device, options=opts, dropout_sites=list(done.dropout_sites),
-        grad_param_indices=list(done.grad_param_indices), adjoint=done.gradient.adjoint, split=done.split,
-        executable=done.executable, vm=done.vm,
+        traced=done.traced, device=done.device, options=opts, random_sites=list(done.random_sites),
+        num_index_checks=done.num_index_checks,
+        grad_param_indices=list(done.grad_param_indices), differentiable=done.gradient.differentiable,
+        adjoint=done.gradient.adjoint, split=done.split, executable=done.executable,
         compile_seconds=seconds, stages=shown,
     )
 

@@ -29,6 +29,10 @@ class PartitionNode:
     recomputable: bool
     flops: float = 0.0
     is_input: bool = False  # a function input (parameter, user input, mask): always available
+    keepable: bool | None = None  # can be kept (a tensor); None: when it has bytes (> 0)
+
+    def can_keep(self) -> bool:
+        return self.nbytes > 0 if self.keepable is None else self.keepable
 
 
 @dataclass
@@ -70,8 +74,9 @@ def min_cut(graph: PartitionGraph, banned: set[str] | None = None) -> Partition:
         else:
             if name in banned:
                 g.add_edge("source", vin, capacity=inf)
-            # a value with no size (a tuple) can never be kept, only recomputed
-            g.add_edge(vin, vout, capacity=node.nbytes if node.nbytes > 0 else inf)
+            # a value that is no tensor (a tuple) can never be kept, only recomputed; a tensor with
+            # a zero-size dimension is kept for free
+            g.add_edge(vin, vout, capacity=node.nbytes if node.can_keep() else inf)
         if name in graph.backward_reads:
             g.add_edge(vout, "sink", capacity=inf)
         for u in users[name]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tvmbridge import ConversionError, UnsupportedOpError, add_tvm_dispatch
+from tvmbridge import ConversionError, FallbackWarning, UnsupportedOpError, add_tvm_dispatch
 from tvmbridge.kernels.gemm import onednn_available
 
 from ..helpers import MLP, TwoOutputs, bert_inputs, bert_layer, clone_module, is_tvm, max_errors, run_step
@@ -50,7 +50,8 @@ def test_dropout_is_active_and_matches_under_seed(bert32):
 def test_other_signature_falls_back_and_remove_restores(bert32):
     layer, ref, _ = bert32
     x2, m2 = bert_inputs(torch.float32, batch=2)
-    out = layer(x2.requires_grad_(), m2)
+    with pytest.warns(FallbackWarning, match="hidden_states dim 0 is 2, compiled for 1"):
+        out = layer(x2.requires_grad_(), m2)
     assert out.grad_fn is not None and not is_tvm(out)
     torch.manual_seed(1)
     a = layer(x2, m2)
@@ -66,7 +67,8 @@ def test_eval_mode_runs_pytorch(bert32):
     layer, ref, inputs = bert32
     layer.eval(); ref.eval()
     try:
-        out = layer(*inputs)
+        with pytest.warns(FallbackWarning, match="BertLayer.training is False, compiled for True"):
+            out = layer(*inputs)
         assert not is_tvm(out)
         assert torch.equal(out, ref(*inputs))
     finally:
@@ -167,7 +169,8 @@ def test_tuple_outputs_and_unused_output():
     errs = max_errors(got, want)
     assert max(errs.values()) <= 1e-5, errs
     # another constant is another signature: PyTorch runs it
-    assert not is_tvm(m(x.requires_grad_(), scale=2.0)[0])
+    with pytest.warns(FallbackWarning, match="scale is left at its default, compiled for scale=3.0"):
+        assert not is_tvm(m(x.requires_grad_(), scale=2.0)[0])
     # a loss on one output only: the other's gradient is zero, not an error
     xa = x.detach().clone().requires_grad_()
     xb = x.detach().clone().requires_grad_()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tvmbridge.frontend.importer import RandomSite
 from tvmbridge.kernels import mt19937 as rng
-from tvmbridge.passes.dropout import DropoutSite
-from tvmbridge.runtime.masks import draw_masks
+from tvmbridge.runtime.random import draw
 
 pytestmark = pytest.mark.skipif(not rng.kernel_works(), reason="mask kernel's start-up check failed here")
 
@@ -45,16 +45,19 @@ def test_refuses_what_it_does_not_reproduce():
 
 @pytest.mark.parametrize("fast", [True, False], ids=["kernel", "fallback"])
 def test_draw_masks_equal_eager_dropout(monkeypatch, fast):
-    """The masks draw_masks makes are F.dropout's masks, with the kernel and without it."""
-    sites = [DropoutSite(shape=(4, 12, 64, 64), p=0.1, dtype="float32"),  # above MIN_ELEMENTS
-             DropoutSite(shape=(4, 16, 64), p=0.25, dtype="float32"),  # below: PyTorch's loop
-             DropoutSite(shape=(16, 64, 128), p=0.5, dtype="float32")]
+    """The masks draw makes are F.dropout's masks, with the kernel and without it."""
+    def site(shape, p):
+        return RandomSite("dropout", shape, torch.empty(shape).stride(), torch.float32, p=p)
+
+    sites = [site((4, 12, 64, 64), 0.1),  # above MIN_ELEMENTS
+             site((4, 16, 64), 0.25),  # below: PyTorch's loop
+             site((16, 64, 128), 0.5)]
     assert sites[0].shape[2] * 4 * 12 * 64 >= rng.MIN_ELEMENTS > 4 * 16 * 64
     calls = []
     kernel = rng.bernoulli_
     monkeypatch.setattr(rng, "bernoulli_", lambda t, p: calls.append(t.numel()) or kernel(t, p))
     torch.manual_seed(9)
-    masks = draw_masks(sites, torch.device("cpu"), use_kernel=fast)
+    masks = draw(sites, torch.device("cpu"), use_kernel=fast)
     assert len(calls) == (2 if fast else 0)
     torch.manual_seed(9)
     for s, mask in zip(sites, masks):

@@ -11,7 +11,7 @@ import tvm
 
 from tvmbridge import STAGE_NAMES, CompileOptions, ConversionError, add_tvm_dispatch, compile_training
 from tvmbridge import pipeline
-from tvmbridge.passes import Dedup, ExternalizeDropout, Simplify, dropout_sites
+from tvmbridge.passes import Dedup, ExternalizeRandom, Simplify
 from tvmbridge.tools import cli
 
 from ..helpers import MLP, clone_module, is_tvm, max_errors, run_step
@@ -23,10 +23,11 @@ def test_every_stage_is_recorded_and_timed():
     assert set(STAGE_NAMES) | {"total"} == set(compiled.compile_seconds)
     assert compiled.compile_seconds["total"] >= sum(v for k, v in compiled.compile_seconds.items() if k != "total") * 0.99
     assert isinstance(compiled.stages["trace"], torch.export.ExportedProgram)
-    for name in ("convert", "dropout", "layer_norm", "dedup", "gradient", "simplify", "split", "offload", "fast_math"):
+    for name in ("convert", "random", "layer_norm", "dedup", "gradient", "simplify", "split", "offload", "fast_math"):
         assert isinstance(compiled.stages[name], tvm.IRModule), name
-    assert "R.nn.dropout" in compiled.stages["convert"].script()
-    assert "R.nn.dropout" not in compiled.stages["dropout"].script()
+    assert "tvmbridge.random_site" in compiled.stages["convert"].script()  # the dropout's mask, a marker
+    assert "tvmbridge.random_site" not in compiled.stages["random"].script()
+    assert [s.kind for s in compiled.random_sites] == ["dropout"] and compiled.random_sites[0].p == 0.25
     assert {gv.name_hint for gv in compiled.stages["split"].functions} == {"forward", "forward_infer", "backward"}
     assert set(compiled.split.captures) <= set(compiled.stages["capture"])  # unused ones are dropped
 
@@ -99,8 +100,7 @@ def test_passes_are_tvm_pass_objects_that_instruments_see():
             seen.append(info.name)
 
     with tvm.transform.PassContext(instruments=[Names()]):
-        mod = tvm.transform.Sequential([ExternalizeDropout(), Dedup(), Simplify()])(compiled.stages["convert"])
-    assert {"tvmbridge.ExternalizeDropout", "tvmbridge.RewriteBindings"} <= set(seen)
-    (site,) = dropout_sites(mod["main"])
-    assert site.p == 0.25 and site.shape == (4, 64) and site.dtype == "float32"
-    assert "R.nn.dropout" in compiled.stages["convert"].script()  # the input was not changed
+        mod = tvm.transform.Sequential([ExternalizeRandom(), Dedup(), Simplify()])(compiled.stages["convert"])
+    assert {"tvmbridge.ExternalizeRandom", "tvmbridge.RewriteBindings"} <= set(seen)
+    assert mod["main"].params[-1].name == "random0" and tuple(mod["main"].params[-1].ty.shape) == (4, 64)
+    assert "tvmbridge.random_site" in compiled.stages["convert"].script()  # the input was not changed

@@ -18,7 +18,7 @@ from tvm import relax
 
 from ..kernels.gemm import GemmSpec, onednn_available, onednn_fits, register_gemms
 from ..options import GEMM_BACKENDS
-from ..passes.ir import RewriteBindings, Rule, is_op, static_shape
+from ..ir import RewriteBindings, Rule, is_op, static_shape
 
 
 def _swaps_last_two(value: relax.Expr) -> bool:

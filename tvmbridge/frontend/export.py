@@ -1,54 +1,153 @@
 """Trace one call of a module with ``torch.export``, decomposed to core ATen.
 
 The call is first put in canonical form (``signature``); its non-tensor leaves are bound as
-constants (:class:`FlatCall`), so the exported program takes tensors only. What the export learned
-(the call's structure, the constants it specialised on, the order of inputs and parameters) is
-kept in :class:`TracedModule` for the guard and the runtime.
+constants (:class:`FlatCall`). The module's state (parameters and buffers, each tied tensor once)
+becomes ordinary inputs after the call's tensors, through ``torch.func.functional_call``: nothing
+is compiled in as a constant, so ``load_state_dict``, an optimizer step or a replaced
+``Parameter`` is seen by the next call. Buffers the call updates in place (BatchNorm's running
+statistics in train mode) come back as extra outputs, after the module's own. What the export
+learned is kept in :class:`TracedModule` for the guard and the runtime.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from ..errors import ConversionError, describe
 from .signature import canonical_call
 
 
 @dataclass(frozen=True)
+class ModuleState:
+    """The tensors of a module that a compiled call reads, each tied tensor once, in input order:
+    parameters, then buffers. ``aliases`` maps every other name of a tied tensor to its name here."""
+
+    names: tuple[str, ...]
+    is_parameter: tuple[bool, ...]
+    aliases: dict[str, str]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> ModuleState:
+        names, is_param, seen, aliases = [], [], {}, {}
+        for kind, items in ((True, module.named_parameters(remove_duplicate=False)),
+                            (False, module.named_buffers(remove_duplicate=False))):
+            for name, t in items:
+                if id(t) in seen:
+                    aliases[name] = seen[id(t)]
+                    continue
+                seen[id(t)] = name
+                names.append(name)
+                is_param.append(kind)
+        return cls(tuple(names), tuple(is_param), aliases)
+
+    def lookup(self, module: torch.nn.Module) -> list[torch.Tensor | None]:
+        """The module's current tensor under each name (None where there is none any more)."""
+        return [self.lookup_one(module, name) for name in self.names]
+
+    @staticmethod
+    def lookup_one(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+        owner, _, leaf = name.rpartition(".")
+        try:
+            sub = module.get_submodule(owner) if owner else module
+        except AttributeError:
+            return None
+        return sub._parameters.get(leaf) if leaf in sub._parameters else sub._buffers.get(leaf)
+
+
+@dataclass(frozen=True)
 class TracedModule:
-    """What tracing learned about a module and one call signature."""
+    """What tracing learned about a module and one call signature.
+
+    The exported program takes ``user tensors + state tensors`` and returns ``user outputs +
+    updated buffers`` (flat)."""
 
     exported: ExportedProgram
     in_spec: pytree.TreeSpec  # of the canonical (args, kwargs)
-    out_spec: pytree.TreeSpec
+    out_spec: pytree.TreeSpec  # of the module's own output
     constant_leaves: dict[int, Any]  # leaf index -> the non-tensor value the export specialised on
-    user_input_names: list[str]  # tensor placeholders in Relax parameter order
-    param_targets: list[str]  # module parameter names in Relax parameter order
-    num_outputs: int
+    num_user_inputs: int
+    state: ModuleState
+    num_user_outputs: int
+    updated_buffers: tuple[str, ...]  # state names whose new values follow the user outputs
+
+
+class _Seen:
+    """What tracing saw: the output's structure (shared, not copied, if the tracer copies the
+    module)."""
+
+    out_spec: pytree.TreeSpec | None = None
+
+    def __deepcopy__(self, memo: dict) -> _Seen:
+        return self
 
 
 class FlatCall(torch.nn.Module):
-    """Calls ``inner`` from the tensor leaves of one call signature, the non-tensor leaves bound as
-    constants, so that the exported program has tensors only as user inputs."""
+    """``inner`` called from flat tensors: the call's tensor leaves (the non-tensor leaves bound
+    as constants), then the state tensors. Returns the output's leaves, then the new values of
+    ``updated`` buffers (updated on clones, so the export sees values, not mutations)."""
 
-    def __init__(self, inner: torch.nn.Module, in_spec: pytree.TreeSpec, leaves: list[Any]) -> None:
+    def __init__(self, inner: torch.nn.Module, in_spec: pytree.TreeSpec, leaves: list[Any],
+                 state: ModuleState, updated: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.inner = inner
+        object.__setattr__(self, "inner", inner)  # not a submodule: its state comes in as inputs
         self.in_spec = in_spec
         self.template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.state = state
+        self.updated = updated
+        object.__setattr__(self, "seen", _Seen())
 
-    def forward(self, *tensors: torch.Tensor) -> Any:
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self.template)
         for i, t in zip(self.slots, tensors):
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
-        return self.inner(*args, **kwargs)
+        values = dict(zip(self.state.names, tensors[len(self.slots):]))
+        for name in self.updated:
+            values[name] = values[name].clone()
+        out = torch.func.functional_call(self.inner, values, args, kwargs, tie_weights=True, strict=False)
+        out_leaves, self.seen.out_spec = pytree.tree_flatten(out)
+        return (*out_leaves, *(values[n] for n in self.updated))
+
+
+def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple) -> ExportedProgram:
+    with warnings.catch_warnings():
+        # torch.export deep-copies tree specs and trips torch's own LeafSpec deprecation
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        try:
+            return torch.export.export(flat, args=inputs, strict=False)
+        except Exception as exc:  # noqa: BLE001 - torch raises many types here
+            raise ConversionError(
+                "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}"
+            ) from exc
+
+
+def _decomposition_table() -> dict:
+    """torch.export's default table without the random ops: decomposing one can change how it
+    draws from the generator (``bernoulli(p)`` becomes ``rand_like(p) < p``), and the per-call
+    draws must be PyTorch's own."""
+    table = torch.export.default_decompositions()
+    for op in list(table):
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            del table[op]
+    return table
+
+
+def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        try:
+            return ep.run_decompositions(_decomposition_table())
+        except Exception as exc:  # noqa: BLE001
+            raise ConversionError(
+                "trace", f"decomposing {type(module).__name__} to core ATen failed: {describe(exc)}"
+            ) from exc
 
 
 def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> TracedModule:
@@ -56,39 +155,41 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> T
     call_args, call_kwargs = canonical_call(module.forward, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
-    try:
-        ep = torch.export.export(FlatCall(module, in_spec, leaves), args=tensors, strict=False)
-        ep = ep.run_decompositions()
-    except Exception as exc:  # noqa: BLE001 - torch raises many types here
-        raise ConversionError(
-            "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}"
-        ) from exc
-    _check_state_is_not_mutated(ep)
+    state = ModuleState.of(module)
+    inputs = tensors + tuple(t.detach() for t in state.lookup(module))
+    flat = FlatCall(module, in_spec, leaves, state)
+    ep = _decompose(module, _export(module, flat, inputs))
+    updated = _updated_buffers(ep, len(tensors), state)
+    if updated:  # again, updating clones: their new values become ordinary outputs
+        flat = FlatCall(module, in_spec, leaves, state, updated)
+        ep = _decompose(module, _export(module, flat, inputs))
     num_outputs = _check_outputs(ep)
-    user_inputs = _user_input_names(ep)
-    if len(user_inputs) != len(tensors):
+    user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(user_inputs) != len(inputs) or len(ep.graph_signature.input_specs) != len(inputs):
         raise ConversionError(
-            "trace", f"expected {len(tensors)} tensor inputs in the export, found {len(user_inputs)}"
+            "trace", f"expected {len(inputs)} tensor inputs in the export (the call's {len(tensors)} and the "
+            f"module's {len(state.names)} parameters and buffers), found {len(ep.graph_signature.input_specs)}"
         )
-    params = [
-        s.target.removeprefix("inner.") for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER
-    ]
     return TracedModule(
-        exported=ep, in_spec=in_spec, out_spec=ep.call_spec.out_spec,
+        exported=ep, in_spec=in_spec, out_spec=flat.seen.out_spec,
         constant_leaves={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
-        user_input_names=user_inputs, param_targets=params, num_outputs=num_outputs,
+        num_user_inputs=len(tensors), state=state, num_user_outputs=num_outputs - len(updated),
+        updated_buffers=updated,
     )
 
 
-def _check_state_is_not_mutated(ep: ExportedProgram) -> None:
-    bad = [s for s in ep.graph_signature.output_specs if s.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT)]
-    if bad:
-        raise ConversionError(
-            "trace",
-            "the module mutates state during forward "
-            f"({', '.join(f'{s.kind.name} {s.target}' for s in bad)}), e.g. BatchNorm running "
-            "statistics in train mode; only functional modules can be compiled",
-        )
+def _updated_buffers(ep: ExportedProgram, num_user: int, state: ModuleState) -> tuple[str, ...]:
+    """State names the call mutates in place: buffers (e.g. running statistics) are supported,
+    parameters are not (a forward that writes its own weights cannot be differentiated)."""
+    specs = ep.graph_signature.input_specs
+    mutated = set(ep.graph_signature.user_inputs_to_mutate.values())
+    names = [state.names[i - num_user] for i, s in enumerate(specs) if s.arg.name in mutated]
+    if any(i < num_user for i, s in enumerate(specs) if s.arg.name in mutated):
+        raise ConversionError("trace", "the module writes into one of its inputs in place; only functional calls can be compiled")
+    params = [n for n in names if state.is_parameter[state.names.index(n)]]
+    if params:
+        raise ConversionError("trace", f"the module writes its own parameters in forward ({', '.join(params)})")
+    return tuple(names)
 
 
 def _check_outputs(ep: ExportedProgram) -> int:
@@ -101,12 +202,3 @@ def _check_outputs(ep: ExportedProgram) -> int:
                 "returned by a compiled module"
             )
     return len(out_nodes)
-
-
-def _user_input_names(ep: ExportedProgram) -> list[str]:
-    values = {n.name: n.meta.get("val") for n in ep.graph.find_nodes(op="placeholder")}
-    return [
-        s.arg.name for s in ep.graph_signature.input_specs
-        if s.kind == InputKind.USER_INPUT and isinstance(values.get(getattr(s.arg, "name", None)), torch.Tensor)
-    ]
-

@@ -1,29 +1,86 @@
 """Convert an exported program to a Relax ``IRModule`` with the bridge's converters.
 
-The Relax frontend is built for inference. The bridge changes three things about it:
+The Relax frontend is built for inference. The bridge changes what it would get silently wrong
+for training, and makes every other failure name its aten op:
 
-* train-mode dropout becomes ``R.nn.dropout`` instead of identity, so that the dropout pass can
-  turn it into a multiplication by a mask that PyTorch draws (``passes/dropout.py``);
-* matmul-like ops keep the input dtype (the frontend fixes ``out_dtype="float32"``, which breaks
-  float64);
-* a converter that fails names its aten op, and ops without a converter are listed up front.
+* random ops (dropout in every form, ``bernoulli``, ``rand*``, ``randn*``, ...) become
+  :class:`RandomSite` markers that ``passes.random`` turns into per-call inputs, drawn from
+  PyTorch's generator at every call (``runtime/random.py``): never values frozen at compile time.
+  A random op whose draw depends on computed values is refused;
+* BatchNorm is written out in arithmetic the gradient pass knows, in train mode with the batch
+  statistics (and the new running statistics) computed in double as ATen's CPU kernel does, in
+  eval mode with the running statistics;
+* embeddings read clipped indices and return a flag that they were all in range, so an index
+  out of range raises like PyTorch instead of reading out of bounds; ``padding_idx`` gets no
+  gradient, as in PyTorch;
+* matmul-like ops keep the input dtype (the frontend fixes ``out_dtype="float32"``);
+* arguments the frontend would ignore (``avg_pool2d``'s ``divisor_override`` with ``ceil_mode``,
+  ``max_pool2d``'s indices) are refused instead of converted wrong.
 """
 from __future__ import annotations
 
+import math
+import operator
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import tvm
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 from tvm import relax
 from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
+from tvm.relax.op.grad import no_grad
 
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError, stage_errors
+from ..ir import only_dataflow_block, rebuild
 from .export import TracedModule
 
-_DROPOUT_OPS = ("dropout.default", "native_dropout.default", "dropout_.default")
+aten = torch.ops.aten
+_DROPOUT_OPS = {"dropout.default", "native_dropout.default"}
+# random ops whose tensor arguments give only a shape, dtype and layout: replayable per call
+_SHAPE_ONLY_RANDOM = {
+    "bernoulli.p", "rand_like.default", "randn_like.default", "randint_like.default", "randint_like.low_dtype",
+    "uniform.default", "exponential.default", "geometric.default", "log_normal.default", "cauchy.default",
+    "random.default", "random.from", "random.to", "normal_functional.default",
+}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, strides and dtype of a tensor argument of a random op (its values are not used)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class RandomSite:
+    """One random value the compiled code needs per call, drawn by PyTorch in graph order.
+
+    ``kind`` ``"dropout"``: the scaled mask of a dropout of rate ``p`` over a tensor laid out as
+    ``shape``/``stride``; ``"op"``: the result of ``op(*args, **kwargs)`` with every
+    :class:`TensorMeta` argument replaced by an empty tensor of that layout."""
+
+    kind: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    p: float = 0.0
+    op: Any = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """The Relax module and what the runtime needs to call it: the random inputs to draw and how
+    many index-range flags follow the other outputs."""
+
+    mod: tvm.IRModule
+    random_sites: tuple[RandomSite, ...]
+    num_index_checks: int
 
 
 def is_train_dropout(node: torch.fx.Node) -> bool:
@@ -35,21 +92,45 @@ def is_train_dropout(node: torch.fx.Node) -> bool:
     return bool(train) and p > 0.0
 
 
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        v = value.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            raise ConversionError("convert", f"random op argument {value} is not a tensor")
+        return TensorMeta(tuple(v.shape), tuple(v.stride()), v.dtype)
+    return value
+
+
+def _uses_of_item(node: torch.fx.Node, index: int) -> list[torch.fx.Node]:
+    return [u for u in node.users if u.target is operator.getitem and u.args[1] == index and u.users]
+
+
 class BridgeImporter(ExportedProgramImporter):
-    """The Relax frontend with the bridge's converters (training dropout, dtype-preserving matmul)
-    and errors that name the aten op."""
+    """The Relax frontend with the bridge's converters and errors that name the aten op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.random_sites: list[RandomSite] = []
+        self.index_checks: list[relax.Expr] = []
 
     def create_convert_map(self) -> dict[str, Callable]:
         table = super().create_convert_map()
         table.update({
             "dropout.default": self._dropout_value,
-            "dropout_.default": self._dropout_value,
-            "native_dropout.default": self._dropout_expr,
+            "native_dropout.default": self._dropout_tuple,
             "matmul.default": self._matmul,
             "mm.default": self._matmul,
             "bmm.default": self._matmul,
             "addmm.default": self._addmm_keep_dtype,
             "linear.default": self._linear_keep_dtype,
+            "_native_batch_norm_legit_functional.default": self._batch_norm_train,
+            "_native_batch_norm_legit.no_stats": self._batch_norm_no_stats,
+            "_native_batch_norm_legit_no_training.default": self._batch_norm_eval,
+            "batch_norm.default": self._batch_norm_aten,
+            "embedding.default": self._embedding,
+            "avg_pool2d.default": self._avg_pool2d_checked,
+            "max_pool2d_with_indices.default": self._max_pool_values_only(table["max_pool2d_with_indices.default"]),
+            "max_pool3d_with_indices.default": self._max_pool_values_only(table["max_pool3d_with_indices.default"]),
         })
         return {name: self._named(name, fn) for name, fn in table.items()}
 
@@ -61,18 +142,46 @@ class BridgeImporter(ExportedProgramImporter):
                 return fn(node, *rest)
         return convert
 
-    # --- dropout: keep it, as R.nn.dropout, when it is a training dropout -----------------------
+    # --- randomness: a per-call input for every random value ------------------------------------
+    def random_input(self, site: RandomSite, dtype: str) -> relax.Var:
+        """A marker for the ``len(random_sites)``-th random input (``passes.random`` makes it a
+        function parameter)."""
+        index = len(self.random_sites)
+        self.random_sites.append(site)
+        return self.block_builder.emit(relax.op.call_pure_packed(
+            names.RANDOM_SITE, relax.prim_value(index), ty_args=relax.TensorType(site.shape, dtype)))
+
+    def convert_random(self, node: torch.fx.Node) -> relax.Var:
+        """Any other random op: replayed per call when its tensor arguments give only a layout."""
+        name = f"{node.target.__name__}"
+        tensor_args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+        if tensor_args and name not in _SHAPE_ONLY_RANDOM:
+            raise UnsupportedOpError(
+                "convert", f"random op {name} draws from values the module computes; only random ops "
+                "whose tensor arguments give a shape can become per-call inputs (use fallback=True)", op=name)
+        val = node.meta["val"]
+        site = RandomSite("op", tuple(val.shape), tuple(val.stride()), val.dtype, op=node.target,
+                          args=tuple(_meta(a) for a in node.args),
+                          kwargs={k: _meta(v) for k, v in node.kwargs.items()})
+        return self.random_input(site, str(val.dtype).removeprefix("torch."))
+
     def _dropout_expr(self, node: torch.fx.Node) -> relax.Expr:
         x = self.env[node.args[0]]
         if not is_train_dropout(node):
-            return relax.Tuple([x, x])
-        return self.block_builder.emit(relax.op.nn.dropout(x, rate=float(node.args[1])))
+            return x
+        if _uses_of_item(node, 1) and node.target.__name__ == "native_dropout.default":
+            raise UnsupportedOpError("convert", "the boolean mask output of native_dropout is used", op="native_dropout")
+        val = node.args[0].meta["val"]
+        site = RandomSite("dropout", tuple(val.shape), tuple(val.stride()), val.dtype, p=float(node.args[1]))
+        mask = self.random_input(site, str(x.ty.dtype))
+        return self.block_builder.emit(relax.op.multiply(x, mask))
 
     def _dropout_value(self, node: torch.fx.Node) -> relax.Expr:
+        return self._dropout_expr(node)
+
+    def _dropout_tuple(self, node: torch.fx.Node) -> relax.Expr:
         out = self._dropout_expr(node)
-        if isinstance(out, relax.Tuple):
-            return out.fields[0]
-        return self.block_builder.emit(relax.TupleGetItem(out, 0))
+        return self.block_builder.emit(relax.Tuple([out, out]))
 
     # --- matmuls in the input's dtype -----------------------------------------------------------
     def _matmul(self, node: torch.fx.Node) -> relax.Var:
@@ -99,19 +208,166 @@ class BridgeImporter(ExportedProgramImporter):
         bias = args[2] if len(args) > 2 else None
         return self.block_builder.emit(relax.op.linear(args[0], args[1], bias, str(args[0].ty.dtype)))
 
+    # --- batch norm ----------------------------------------------------------------------------
+    def _channel(self, v: relax.Expr | None, ndim: int) -> relax.Expr | None:
+        """A per-channel vector shaped to broadcast over (N, C, ...)."""
+        if v is None:
+            return None
+        return self.block_builder.emit(relax.op.reshape(v, [1, -1] + [1] * (ndim - 2)))
+
+    def _affine(self, y: relax.Expr, weight: Any, bias: Any, ndim: int) -> relax.Expr:
+        bb = self.block_builder
+        if weight is not None:
+            y = bb.emit(relax.op.multiply(y, self._channel(self.env[weight], ndim)))
+        if bias is not None:
+            y = bb.emit(relax.op.add(y, self._channel(self.env[bias], ndim)))
+        return y
+
+    def _batch_stats(self, x: relax.Expr, eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, int]:
+        """Mean, biased variance and invstd over all axes but the channel's, accumulated in
+        double as ATen's CPU kernel does (two passes); mean and invstd rounded to x's dtype."""
+        bb = self.block_builder
+        dtype = str(x.ty.dtype)
+        acc = "float64" if dtype in ("float32", "float64") else "float32"
+        shape = [int(s) for s in x.ty.shape]
+        axes = [0] + list(range(2, len(shape)))
+        count = math.prod(shape[a] for a in axes)
+        xa = bb.emit(relax.op.astype(x, acc)) if acc != dtype else x
+        mean = bb.emit(relax.op.mean(xa, axis=axes, keepdims=True))
+        centered = bb.emit(relax.op.subtract(xa, mean))
+        var = bb.emit(relax.op.mean(bb.emit(relax.op.multiply(centered, centered)), axis=axes, keepdims=True))
+        invstd = bb.emit(relax.op.divide(relax.const(1.0, acc), relax.op.sqrt(relax.op.add(var, relax.const(eps, acc)))))
+        return mean, var, invstd, count
+
+    def _normalize(self, x: relax.Expr, mean: relax.Expr, invstd: relax.Expr) -> relax.Expr:
+        bb = self.block_builder
+        dtype = str(x.ty.dtype)
+        m, s = (bb.emit(relax.op.astype(v, dtype)) if str(v.ty.dtype) != dtype else v for v in (mean, invstd))
+        return bb.emit(relax.op.multiply(bb.emit(relax.op.subtract(x, m)), s))
+
+    def _batch_norm_train(self, node: torch.fx.Node) -> relax.Expr:
+        """``(out, save_mean, save_invstd, new_running_mean, new_running_var)``."""
+        x_node, weight, bias, rm, rv, _training, momentum, eps = node.args[:8]
+        bb = self.block_builder
+        x = self.env[x_node]
+        ndim = len(x.ty.shape)
+        mean, var, invstd, count = self._batch_stats(x, float(eps))
+        out = self._affine(self._normalize(x, mean, invstd), weight, bias, ndim)
+        new_stats = []
+        unbiased = bb.emit(relax.op.multiply(var, relax.const(count / max(count - 1, 1), str(var.ty.dtype))))
+        for running, batch in ((rm, mean), (rv, unbiased)):
+            r = self.env[running]
+            acc = str(batch.ty.dtype)
+            flat = bb.emit(relax.op.reshape(batch, [-1]))
+            upd = relax.op.add(relax.op.multiply(flat, relax.const(float(momentum), acc)),
+                               relax.op.multiply(relax.op.astype(r, acc), relax.const(1.0 - float(momentum), acc)))
+            new_stats.append(bb.emit(relax.op.astype(bb.emit(upd), str(r.ty.dtype))))
+        dtype = str(x.ty.dtype)
+        save = [bb.emit(relax.op.astype(relax.op.reshape(v, [-1]), dtype)) for v in (mean, invstd)]
+        return bb.emit(relax.Tuple([out, *save, *new_stats]))
+
+    def _batch_norm_no_stats(self, node: torch.fx.Node) -> relax.Expr:
+        x_node, weight, bias, _training, _momentum, eps = node.args[:6]
+        bb = self.block_builder
+        x = self.env[x_node]
+        mean, _var, invstd, _ = self._batch_stats(x, float(eps))
+        out = self._affine(self._normalize(x, mean, invstd), weight, bias, len(x.ty.shape))
+        dtype = str(x.ty.dtype)
+        save = [bb.emit(relax.op.astype(relax.op.reshape(v, [-1]), dtype)) for v in (mean, invstd)]
+        return bb.emit(relax.Tuple([out, *save]))
+
+    def _eval_norm(self, x_node: Any, weight: Any, bias: Any, rm: Any, rv: Any, eps: float) -> relax.Expr:
+        """With the running statistics: ``(x - mean) / sqrt(var + eps) * w + b``."""
+        bb = self.block_builder
+        x = self.env[x_node]
+        ndim = len(x.ty.shape)
+        mean = self._channel(self.env[rm], ndim)
+        var = self._channel(self.env[rv], ndim)
+        invstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, str(var.ty.dtype)))))
+        return self._affine(self._normalize(x, mean, invstd), weight, bias, ndim)
+
+    def _batch_norm_eval(self, node: torch.fx.Node) -> relax.Expr:
+        x_node, weight, bias, rm, rv, _momentum, eps = node.args[:7]
+        out = self._eval_norm(x_node, weight, bias, rm, rv, float(eps))
+        return self.block_builder.emit(relax.Tuple([out, out, out]))
+
+    def _batch_norm_aten(self, node: torch.fx.Node) -> relax.Expr:
+        x_node, weight, bias, rm, rv, training, _momentum, eps = node.args[:8]
+        if training or rm is None:
+            raise UnsupportedOpError("convert", "batch_norm in training mode outside the functional form", op="batch_norm")
+        return self._eval_norm(x_node, weight, bias, rm, rv, float(eps))
+
+    # --- embedding: clipped reads, a range flag, no gradient at padding_idx ----------------------
+    def _embedding(self, node: torch.fx.Node) -> relax.Expr:
+        weight, indices = self.env[node.args[0]], self.env[node.args[1]]
+        padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        scale = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
+        sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
+        if scale or sparse:
+            raise UnsupportedOpError("convert", "embedding with scale_grad_by_freq or sparse gradients", op="embedding")
+        bb = self.block_builder
+        rows = int(weight.ty.shape[0])
+        idx = bb.emit(relax.op.astype(indices, "int64"))
+        low = relax.op.greater_equal(idx, relax.const(0, "int64"))
+        high = relax.op.less(idx, relax.const(rows, "int64"))
+        self.index_checks.append(bb.emit(relax.op.min(relax.op.astype(relax.op.logical_and(low, high), "int32"))))
+        flat = bb.emit(relax.op.reshape(idx, [-1]))
+        out = bb.emit(relax.op.take(weight, flat, axis=0, mode="clip"))
+        if padding_idx is not None and padding_idx >= 0:
+            # forward: the row as it is; gradient: none from positions at padding_idx
+            dtype = str(weight.ty.dtype)
+            keep = bb.emit(relax.op.astype(relax.op.not_equal(flat, relax.const(padding_idx, "int64")), dtype))
+            keep = bb.emit(relax.op.expand_dims(keep, axis=1))
+            drop = bb.emit(relax.op.subtract(relax.const(1.0, dtype), keep))
+            out = bb.emit(relax.op.add(relax.op.multiply(out, keep), relax.op.multiply(no_grad(out), drop)))
+        shape = [int(s) for s in indices.ty.shape] + [int(weight.ty.shape[1])]
+        return bb.emit(relax.op.reshape(out, shape))
+
+    # --- pooling: what the frontend would ignore -------------------------------------------------
+    def _avg_pool2d_checked(self, node: torch.fx.Node) -> relax.Expr:
+        """``divisor_override`` (which the frontend ignores): without ceil_mode and with padding
+        counted, every window has kh*kw elements, so the sum over ``d`` is the mean times kh*kw/d."""
+        names_ = ("self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+        given = {**dict(zip(names_, node.args)), **node.kwargs}
+        divisor = given.get("divisor_override")
+        out = self._avg_pool2d(node)
+        if divisor is None:
+            return out
+        if given.get("ceil_mode", False) or not given.get("count_include_pad", True):
+            raise UnsupportedOpError(
+                "convert", "avg_pool2d with divisor_override and ceil_mode or count_include_pad=False", op="avg_pool2d")
+        kernel = given["kernel_size"]
+        kh, kw = (kernel, kernel) if isinstance(kernel, int) else (kernel[0], kernel[-1])
+        scale = relax.const(kh * kw / float(divisor), str(out.ty.dtype))
+        return self.block_builder.emit(relax.op.multiply(out, scale))
+
+    def _max_pool_values_only(self, convert: Callable) -> Callable:
+        def values_only(node: torch.fx.Node) -> relax.Expr:
+            if _uses_of_item(node, 1):
+                raise UnsupportedOpError(
+                    "convert", f"{node.target.__name__}: the indices output (return_indices=True) is not "
+                    "supported; use fallback=True", op=node.target.__name__)
+            return convert(node)
+        return values_only
+
 
 def unsupported_ops(ep: ExportedProgram) -> list[str]:
-    """aten ops in the graph that the importer has no converter for."""
+    """aten ops in the graph that the importer has no converter for (random ops are all handled)."""
     known = BridgeImporter().convert_map
     return sorted({
         n.target.__name__ for n in ep.graph.nodes
-        if n.op == "call_function" and n.target.__name__ not in known
+        if n.op == "call_function" and n.target.__name__ not in known and not _is_random(n)
     })
 
 
-def to_relax(traced: TracedModule) -> tvm.IRModule:
-    """Convert the traced program to Relax (function ``names.MAIN``); parameters stay function
-    inputs (after user inputs), so optimizer updates are seen without recompiling."""
+def _is_random(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def to_relax(traced: TracedModule) -> Converted:
+    """Convert the traced program to Relax (function ``names.MAIN``): every input a parameter
+    (the call's tensors, then the module's state), the outputs followed by one int32 flag per
+    embedding (1: all indices were in range)."""
     ep = traced.exported
     missing = unsupported_ops(ep)
     if missing:
@@ -120,15 +376,28 @@ def to_relax(traced: TracedModule) -> tvm.IRModule:
             "tvmbridge.frontend.importer.BridgeImporter or call with fallback=True to keep PyTorch",
             op=missing[0],
         )
+    importer = BridgeImporter()
+    random_ops = {n.target.__name__ for n in ep.graph.nodes
+                  if n.op == "call_function" and _is_random(n) and n.target.__name__ not in _DROPOUT_OPS}
+    custom = {name: importer._named(name, lambda node, _importer: importer.convert_random(node)) for name in random_ops}
     with stage_errors("convert"):
-        mod = BridgeImporter().from_exported_program(ep, True, False, False, None)
+        mod = importer.from_exported_program(ep, True, False, False, custom)
     func = mod[names.MAIN]
-    params = [p.name for p in func.params]
-    expected = traced.user_input_names + [
-        s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER
-    ]
-    if params != expected:
-        raise ConversionError("convert", f"unexpected Relax parameter order {params}, expected {expected}")
-    # The params attribute holds copies of the weights: the bridge passes live tensors instead.
-    mod[names.MAIN] = func.without_attr("params")  # a module of our own, fresh from the frontend
-    return mod
+    if len(func.params) != traced.num_user_inputs + len(traced.state.names):
+        raise ConversionError("convert", f"unexpected Relax parameters {[p.name for p in func.params]}")
+    func = func.without_attr("params")  # copies of the weights: the bridge passes live tensors
+    if importer.index_checks:
+        func = _append_outputs(func, importer.index_checks)
+    mod[names.MAIN] = func  # a module of our own, fresh from the frontend
+    return Converted(mod, tuple(importer.random_sites), len(importer.index_checks))
+
+
+def _append_outputs(func: relax.Function, extra: list[relax.Expr]) -> relax.Function:
+    """``func`` returning its output tuple's fields and then ``extra`` (values of its block)."""
+    block = only_dataflow_block(func, "convert")
+    result = func.body.body
+    value = {b.var: b.value for b in block.bindings}.get(result, result)
+    fields = list(value.fields) if isinstance(value, relax.Tuple) else [result]
+    out = relax.Var("outputs_and_checks", relax.TupleType([f.ty for f in fields + extra]))
+    bindings = list(block.bindings) + [relax.VarBinding(out, relax.Tuple(fields + extra))]
+    return rebuild(func, list(func.params), bindings, out)

@@ -66,9 +66,10 @@ _BY_NAME = {s.name: s for s in ALL_SPECS}
 
 
 def onednn_fits(dtype: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], trans_a: bool) -> bool:
-    """Where oneDNN's inner product applies: float32, a 2-D right operand, and a left operand it
-    can read as rows of ``k`` without a gather (2-D, or N-D untransposed)."""
-    return dtype == "float32" and len(b_shape) == 2 and (len(a_shape) == 2 or not trans_a)
+    """Where oneDNN's inner product applies: float32, a 2-D right operand, a left operand it can
+    read as rows of ``k`` without a gather (2-D, or N-D untransposed), and no empty dimension."""
+    return (dtype == "float32" and len(b_shape) == 2 and (len(a_shape) == 2 or not trans_a)
+            and 0 not in a_shape and 0 not in b_shape)
 
 
 def _library(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:

@@ -133,7 +133,7 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int) -> JointGraph:
             k, op_name(b.value), [keys[v] for v in free_vars(b.value)], shape, dtype, nbytes,
             is_forward=i < num_primal_bindings,
         )
-    outputs = output_vars(adj, len(grad.grad_out_params))
+    outputs = output_vars(adj, len(grad.differentiable))
     return JointGraph(
         nodes=nodes,
         forward_outputs=[keys[v] for v in outputs],

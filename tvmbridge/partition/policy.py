@@ -80,6 +80,7 @@ def partition_graph(joint: JointGraph) -> PartitionGraph:
             recomputable=node.is_param or recomputable(joint, node),
             flops=op_flops(joint, node) if not node.is_param else 0.0,
             is_input=node.is_param,
+            keepable=node.shape is not None,
         )
     return PartitionGraph(nodes=nodes, backward_reads=joint.backward_reads())
 

@@ -15,7 +15,7 @@ from tvm import relax
 from .. import names
 from ..errors import ConversionError
 from ..passes.gradient import GradientResult
-from ..passes.ir import rebuild
+from ..ir import rebuild
 from .joint import JointGraph, free_vars, result_grads
 
 

@@ -1,13 +1,13 @@
 """Relax-to-Relax passes before the split, one concern per module.
 
-Order used by the pipeline (``tvmbridge.pipeline.STAGES``): dropout externalization, LayerNorm
+Order used by the pipeline (``tvmbridge.pipeline.STAGES``): random inputs, LayerNorm
 decomposition, dedup, gradient (with the gradients Relax lacks registered), simplify. The pure
-``IRModule -> IRModule`` ones are TVM pass objects (``ExternalizeDropout``,
+``IRModule -> IRModule`` ones are TVM pass objects (``ExternalizeRandom``,
 ``DecomposeForTraining``, ``Dedup``, ``Simplify``), so TVM's ``PassContext`` instruments work on
 them; ``build_adjoint`` returns extra data and stays a function.
 """
 from .dedup import Dedup
-from .dropout import DropoutSite, ExternalizeDropout, dropout_sites
+from .random import ExternalizeRandom
 from .gradient import GradientResult, build_adjoint
 from .layer_norm import DecomposeForTraining
 from .simplify import Simplify
@@ -15,10 +15,8 @@ from .simplify import Simplify
 __all__ = [
     "DecomposeForTraining",
     "Dedup",
-    "DropoutSite",
-    "ExternalizeDropout",
+    "ExternalizeRandom",
     "GradientResult",
     "Simplify",
     "build_adjoint",
-    "dropout_sites",
 ]

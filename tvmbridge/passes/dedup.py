@@ -10,7 +10,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
+from ..ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
 
 
 def _lookup(expr: relax.Expr, bound: dict) -> relax.Expr:

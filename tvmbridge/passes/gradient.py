@@ -3,8 +3,11 @@
 ``Gradient`` differentiates a scalar. For a module with outputs ``o_i`` we differentiate
 ``sum_i sum(o_i * g_i)`` with the output gradients ``g_i`` as extra inputs: its gradient with
 respect to any input is exactly the vector-Jacobian product autograd asks for. Gradients are asked
-only for the inputs that can have one (float user inputs and parameters), so masks and ``g_i``
-get none. The gradients Relax lacks are registered by importing ``gradients``.
+only for the inputs that can have one (float user inputs and parameters), so random inputs and
+``g_i`` get none. Outputs that have no gradient (integer results, updated running statistics,
+index-range flags) get no ``g_i``: they enter the target through ``no_grad``, which keeps them
+alive in the adjoint (the split finds every output there) and lets nothing flow back. The
+gradients Relax lacks are registered by importing ``gradients``.
 """
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import relax
+from tvm.relax.op.grad import no_grad
 
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError
 from . import gradients  # noqa: F401 - registers the bridge's gradients with TVM
-from .ir import binding_map, only_dataflow_block, rebuild
+from ..ir import binding_map, only_dataflow_block, rebuild
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,8 @@ class GradientResult:
 
     adjoint: relax.Function
     num_primal_params: int
-    grad_out_params: list[relax.Var]
+    grad_out_params: list[relax.Var]  # one per differentiable output, in output order
+    differentiable: tuple[bool, ...]  # per output
 
 
 def function_outputs(func: relax.Function) -> list[relax.Expr]:
@@ -42,27 +47,34 @@ def function_outputs(func: relax.Function) -> list[relax.Expr]:
     return [result]
 
 
-def with_vjp_target(func: relax.Function) -> relax.Function:
-    """``func`` returning ``target = sum_i sum(o_i * g_i)``, the ``g_i`` trailing params; each
-    product is bound to ``names.vjp_prod(i)``, which is how the split finds the outputs again."""
+def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.Function:
+    """``func`` returning ``target = sum_i sum(o_i * g_i)`` over the differentiable outputs (the
+    ``g_i`` trailing params) plus ``sum(no_grad(o_j))`` over the others; the binding that reads
+    output ``i`` is ``names.vjp_prod(i)``, which is how the split finds the outputs again."""
     block = only_dataflow_block(func, "gradient")
     outputs = function_outputs(func)
     for o in outputs:
         if not isinstance(o, relax.Var) or not isinstance(o.ty, relax.TensorType):
             raise ConversionError("gradient", f"output {o} is not a tensor variable")
-    grad_outs = [relax.Var(f"{names.GRAD_OUT}{i}", o.ty) for i, o in enumerate(outputs)]
+    target_dtype = next((str(o.ty.dtype) for o, d in zip(outputs, differentiable) if d), "float32")
+    grad_outs = [relax.Var(f"{names.GRAD_OUT}{i}", o.ty) for i, o in enumerate(outputs) if differentiable[i]]
+    g = iter(grad_outs)
     bindings = list(block.bindings)
     total: relax.Expr | None = None
-    for i, (o, g) in enumerate(zip(outputs, grad_outs)):
-        dt = str(o.ty.dtype)
+    for i, o in enumerate(outputs):
         prod = relax.DataflowVar(names.vjp_prod(i), o.ty)
-        bindings.append(relax.VarBinding(prod, relax.op.multiply(o, g)))
-        part = relax.DataflowVar(f"vjp_sum{i}", relax.TensorType((), dt))
-        bindings.append(relax.VarBinding(part, relax.op.sum(prod)))
+        if differentiable[i]:
+            bindings.append(relax.VarBinding(prod, relax.op.multiply(o, next(g))))
+            summed = relax.op.sum(prod)
+        else:
+            bindings.append(relax.VarBinding(prod, no_grad(o)))
+            summed = relax.op.sum(relax.op.astype(prod, target_dtype))
+        part = relax.DataflowVar(f"vjp_sum{i}", relax.TensorType((), target_dtype))
+        bindings.append(relax.VarBinding(part, summed))
         if total is None:
             total = part
         else:
-            acc = relax.DataflowVar(f"vjp_acc{i}", relax.TensorType((), dt))
+            acc = relax.DataflowVar(f"vjp_acc{i}", relax.TensorType((), target_dtype))
             bindings.append(relax.VarBinding(acc, relax.op.add(total, part)))
             total = acc
     target = relax.Var("vjp_target", total.ty)
@@ -70,9 +82,10 @@ def with_vjp_target(func: relax.Function) -> relax.Function:
     return rebuild(func, list(func.params) + grad_outs, bindings, target)
 
 
-def build_adjoint(func: relax.Function, grad_param_indices: list[int]) -> GradientResult:
-    """Differentiate ``func`` w.r.t. the params at ``grad_param_indices``."""
-    mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: with_vjp_target(func)}))
+def build_adjoint(func: relax.Function, grad_param_indices: list[int], differentiable: list[bool]) -> GradientResult:
+    """Differentiate ``func`` w.r.t. the params at ``grad_param_indices``; ``differentiable``
+    says which outputs receive a gradient."""
+    mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: with_vjp_target(func, differentiable)}))
     require = [mod[names.MAIN].params[i] for i in grad_param_indices]
     try:
         mod = relax.transform.Gradient(names.MAIN, require_grads=require, target_index=0)(mod)
@@ -86,7 +99,7 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int]) -> Gradie
     adjoint = mod[names.ADJOINT]
     return GradientResult(
         adjoint=adjoint, num_primal_params=len(func.params),
-        grad_out_params=list(adjoint.params[len(func.params):]),
+        grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),
     )
 
 

@@ -40,6 +40,13 @@ def _c(value: float, like: Expr) -> Expr:
     return relax.const(value, _dtype(like))
 
 
+@gradient("relax.grad.no_grad")
+def no_grad_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """``no_grad`` marks a value whose gradient is not wanted (outputs that get none, such as
+    updated running statistics, and the forward of ``padding_idx`` rows): nothing flows back."""
+    return [no_grad(orig_call.args[0])]
+
+
 @gradient("relax.nn.gelu")
 def gelu_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """y = x * Phi(x); dy/dx = Phi(x) + x * phi(x), Phi(x) = (1 + erf(x/sqrt2))/2,

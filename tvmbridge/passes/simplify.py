@@ -13,7 +13,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
+from ..ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
 
 
 def constant_value(expr: relax.Expr, bound: dict, depth: int = 0) -> float | None:

@@ -1,135 +1,240 @@
-"""``add_tvm_dispatch``: run a module's forward and backward through TVM for one call signature.
+"""``add_tvm_dispatch``: run a module's forward and backward through TVM where the compiled code fits.
 
-The module's ``forward`` is replaced by a guard: a call whose signature matches the compiled one
-(tensor shapes, dtypes, device, non-tensor arguments, parameter layout, training mode) runs the
-compiled halves; any other call runs the original forward, unchanged.
+The module's ``forward`` is replaced by a :class:`Dispatcher`. Every call is either run by the
+compiled code, because every guard (``guards``) says it fits (the call, the module's state, its
+attributes, submodules and hooks, no autocast), or by the original forward, with a
+:class:`~tvmbridge.errors.FallbackWarning` naming the reason (once per reason;
+``warn_on_fallback=False`` silences it). ``module._tvm_dispatch.explain()`` says what happened.
+
+The call reads the module's parameters and buffers afresh every time (they are inputs of the
+compiled code), writes the buffers the module updates (BatchNorm's running statistics), checks
+the embeddings' index-range flags, and is opaque to ``torch.compile`` (a graph break).
+A dispatched module can be deep-copied, pickled and saved: the copy recompiles on first use.
 """
 from __future__ import annotations
 
+import collections
 import inspect
-import types
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import ConversionError
+from ..errors import ConversionError, FallbackWarning
 from ..frontend.signature import canonical_call
 from ..options import CompileOptions, with_overrides
 from ..pipeline import CompiledModule, compile_training
-from .function import TVMFunction, infer
-from .masks import draw_masks
+from .function import Call, TVMFunction, infer
+from .guards import InputGuard, Mismatch, StateGuard
+from .random import draw
 
 if TYPE_CHECKING:
     from .report import CaptureReport
 
-_MISSING = object()
+def _leaf_labels(cargs: tuple, ckwargs: dict) -> list[str]:
+    """``arg 0``, ``hidden_states``, ``past[1]``...: a name for every leaf of a canonical call."""
+    paths = pytree.tree_flatten_with_path((cargs, ckwargs))[0]
+    labels = []
+    for path, _ in paths:
+        head, rest = path[0], path[1:]
+        name = f"arg {rest[0].idx}" if head.idx == 0 else str(rest[0].key)
+        labels.append(name + pytree.keystr(rest[1:]))
+    return labels
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device)
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside torch and tvmbridge."""
+    import os
+    import sys
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _functorch_wrapped(tensors: list[torch.Tensor]) -> bool:
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 class Dispatcher:
-    """Holds the compiled module and decides, per call, whether it applies."""
+    """The module's ``forward`` while dispatched: guards, the compiled call, the fallback."""
 
-    def __init__(
-        self, module: torch.nn.Module, compiled: CompiledModule, original_forward: Any, sample: tuple[tuple, dict]
-    ) -> None:
+    def __init__(self, module: torch.nn.Module, sample: tuple[tuple, dict], options: CompileOptions) -> None:
         self.module = module
         self.sample = sample
-        self.compiled = compiled
-        self.original_forward = original_forward
-        self.instance_forward: Any = _MISSING  # a forward set on the instance before dispatch
-        self.signature = inspect.signature(original_forward)
-        traced = compiled.traced
-        self.in_spec = traced.in_spec
-        self.constants = traced.constant_leaves
-        self.training = module.training
-        self.params = [module.get_parameter(n) for n in traced.param_targets]
-        self.param_keys = [(_tensor_key(p), p.requires_grad) for p in self.params]
-        self.input_keys = [
-            _tensor_key(t) for t in pytree.tree_leaves(canonical_call(self.signature, *sample))
-            if isinstance(t, torch.Tensor)
-        ]
-        # Fast path, decided once: a call of n positional tensors with no keywords has the same
-        # canonical form as the sample when the sample's leaves are exactly the first n
-        # (positional-or-keyword) parameters, all tensors, and no constants.
-        self.positional_fast = self._positional_form(sample)
+        self.options = options
+        self.forward_fn = type(module).forward  # the class's forward, bound at each call
+        self.instance_forward: Any = module.__dict__.get("forward")  # a forward set on the instance
+        self._reset()
+
+    def _reset(self) -> None:
+        self.compiled: CompiledModule | None = None
+        self.signature = inspect.signature(self.forward_fn.__get__(self.module))
         self.calls_tvm = 0
         self.calls_fallback = 0
+        self.fallback_reasons: collections.Counter[str] = collections.Counter()
+        self.last_decision = "not called yet"
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self._eager = threading.local()
 
-    def _positional_form(self, sample: tuple[tuple, dict]) -> int | None:
-        cargs, ckwargs = canonical_call(self.signature, *sample)
-        params = list(self.signature.parameters.values())
-        n = len(ckwargs)
-        if cargs or self.constants or n > len(params):
-            return None
-        if list(ckwargs) != [p.name for p in params[:n]]:
-            return None
-        if any(p.kind != inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:n]):
-            return None
-        if not all(isinstance(v, torch.Tensor) for v in ckwargs.values()):
-            return None
-        # omitted trailing parameters must be ones the canonical form drops (defaults)
-        if any(p.default is inspect.Parameter.empty for p in params[n:] if p.kind == p.POSITIONAL_OR_KEYWORD):
-            return None
-        return n
+    # --- pickling and copying: the copy recompiles on first use
+    def __getstate__(self) -> dict:
+        keep = ("module", "sample", "options", "forward_fn", "instance_forward")
+        return {k: self.__dict__[k] for k in keep}
 
-    def matches(self, leaves: list[Any], spec: pytree.TreeSpec) -> bool:
-        if spec != self.in_spec or self.module.training != self.training:
-            return False
-        keys = [_tensor_key(x) for x in leaves if isinstance(x, torch.Tensor)]
-        if keys != self.input_keys:
-            return False
-        for i, c in self.constants.items():
-            if leaves[i] is not c and leaves[i] != c:
-                return False
-        return [(_tensor_key(p), p.requires_grad) for p in self.params] == self.param_keys
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset()
 
-    def _fast_matches(self, args: tuple) -> bool:
-        return (
-            self.module.training == self.training
-            and all(isinstance(a, torch.Tensor) for a in args)
-            and [_tensor_key(a) for a in args] == self.input_keys
-            and [(_tensor_key(p), p.requires_grad) for p in self.params] == self.param_keys
-        )
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs and len(args) == self.positional_fast and self._fast_matches(args):
-            tensors = list(args)
-        else:
-            try:
+    # --- compile
+    def compile(self) -> CompiledModule:
+        """Compile for the sample call (done by ``add_tvm_dispatch``, or on first use of a copy)."""
+        with self._lock:
+            if self.compiled is None:
+                args, kwargs = self.sample
+                installed = self.module.__dict__.get("forward") is self  # a copy compiling lazily
+                if installed:  # tracing must see the module's own forward
+                    self._uninstall()
+                try:
+                    compiled = compile_training(self.module, args, kwargs, self.options)
+                finally:
+                    if installed:
+                        self.module.forward = self
                 cargs, ckwargs = canonical_call(self.signature, args, kwargs)
-            except ConversionError:
-                return self.fallback(args, kwargs)
-            leaves, spec = pytree.tree_flatten((cargs, ckwargs))
-            if not self.matches(leaves, spec):
-                return self.fallback(args, kwargs)
-            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        self.calls_tvm += 1
-        compiled = self.compiled
-        masks = draw_masks(compiled.dropout_sites, compiled.device, compiled.options.mask_kernel)
-        if torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.params) or any(t.requires_grad for t in tensors)
-        ):
-            outs = TVMFunction.apply(compiled, masks, *tensors, *self.params)
-        else:
-            outs = infer(compiled, [*tensors, *self.params, *masks])
-        return pytree.tree_unflatten(list(outs), compiled.traced.out_spec)
+                leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+                self.input_guard = InputGuard(leaves, spec, _leaf_labels(cargs, ckwargs), (cargs, ckwargs))
+                n_user = compiled.traced.num_user_inputs
+                with_grad = {i - n_user for i in compiled.grad_param_indices if i >= n_user}
+                self.state_guard = StateGuard(self.module, compiled.traced.state, with_grad)
+                self.compiled = compiled
+        return self.compiled
 
-    def report(self) -> "CaptureReport":
+    def _uninstall(self) -> None:
+        if self.instance_forward is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.instance_forward
+
+    def original_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.instance_forward is not None:
+            return self.instance_forward(*args, **kwargs)
+        return self.forward_fn(self.module, *args, **kwargs)
+
+    # --- every call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self._eager, "active", False):
+            return self.original_forward(*args, **kwargs)
+        compiled = self.compiled if self.compiled is not None else self.compile()
+        tensors, reason = self._fit(compiled, args, kwargs)
+        if reason is not None:
+            return self._fallback(reason, args, kwargs)
+        with self._lock:
+            self.calls_tvm += 1
+        self.last_decision = "ran the compiled code"
+        return self._run(compiled, tensors)
+
+    __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
+
+    def _fit(self, compiled: CompiledModule, args: tuple, kwargs: dict) -> tuple[list | None, Mismatch | None]:
+        """The call's tensors then the state's, if every guard passes; else the first reason."""
+        if torch.is_autocast_enabled(compiled.device.type):
+            return None, Mismatch("autocast", "autocast is on; mixed precision runs PyTorch until the bridge supports it")
+        try:
+            cargs, ckwargs = canonical_call(self.signature, args, kwargs)
+        except ConversionError as exc:
+            return None, Mismatch("signature", str(exc))
+        leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+        reason = self.input_guard.check(leaves, spec, (cargs, ckwargs))
+        if reason is not None:
+            return None, reason
+        user = [x for x in leaves if isinstance(x, torch.Tensor)]
+        state, reason = self.state_guard.tensors(self.module)
+        if reason is None:
+            reason = self.state_guard.check(self.module)
+        if reason is None and _functorch_wrapped(user + state):
+            reason = Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)")
+        return (user + state, None) if reason is None else (None, reason)
+
+    def _run(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> Any:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        rng = self._rng_states(compiled) if needs_grad and compiled.random_sites else None
+        randoms = draw(compiled.random_sites, compiled.device, compiled.options.mask_kernel)
+        if needs_grad:
+            outs = TVMFunction.apply(Call(compiled, randoms, self._eager_outputs, rng), *tensors)
+        else:
+            outs = infer(compiled, tensors + randoms)
+        traced = compiled.traced
+        n_user, n_state = traced.num_user_outputs, len(traced.updated_buffers)
+        for flag in outs[n_user + n_state:]:
+            if int(flag) != 1:
+                raise IndexError("index out of range in self")
+        if n_state:
+            by_name = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
+            with torch.no_grad():
+                for name, new in zip(traced.updated_buffers, outs[n_user:n_user + n_state]):
+                    by_name[name].copy_(new)
+        return pytree.tree_unflatten(list(outs[:n_user]), traced.out_spec)
+
+    @staticmethod
+    def _rng_states(compiled: CompiledModule) -> dict[str, torch.Tensor]:
+        states = {"cpu": torch.get_rng_state()}
+        if compiled.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(compiled.device)
+        return states
+
+    def _eager_outputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """PyTorch's forward on the given call and state tensors (buffers it updates are cloned,
+        so they are not updated twice): the flat outputs, as the compiled code returns them."""
+        traced = self.compiled.traced
+        user = iter(tensors[:traced.num_user_inputs])
+        leaves = [traced.constant_leaves[i] if i in traced.constant_leaves else next(user)
+                  for i in range(traced.in_spec.num_leaves)]
+        args, kwargs = pytree.tree_unflatten(leaves, traced.in_spec)
+        state = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
+        state.update({n: state[n].clone() for n in traced.updated_buffers})
+        self._eager.active = True
+        try:
+            out = torch.func.functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
+        finally:
+            self._eager.active = False
+        return pytree.tree_leaves(out)
+
+    def _fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            self.calls_fallback += 1
+            self.fallback_reasons[reason.message] += 1
+            first = reason.key not in self._warned
+            self._warned.add(reason.key)
+        self.last_decision = f"ran PyTorch: {reason.message}"
+        if first and self.options.warn_on_fallback:
+            warnings.warn(f"tvmbridge: fell back to PyTorch for {type(self.module).__name__}: {reason.message}",
+                          FallbackWarning, stacklevel=_caller_stacklevel())
+        return self.original_forward(*args, **kwargs)
+
+    # --- reporting
+    def explain(self) -> str:
+        """What the last call did and why, and how often each path ran."""
+        lines = [f"{type(self.module).__name__}: last call {self.last_decision}",
+                 f"calls: {self.calls_tvm} compiled, {self.calls_fallback} PyTorch"]
+        lines += [f"  {n} x PyTorch: {reason}" for reason, n in self.fallback_reasons.most_common()]
+        return "\n".join(lines)
+
+    def report(self) -> CaptureReport:
         """Captured bytes, PyTorch's saved bytes for the same call, recompute cost (runs the
         original forward once for real to measure PyTorch)."""
         from .report import capture_report
 
         args, kwargs = self.sample
-        return capture_report(self.compiled, self.original_forward, self.module, args, kwargs)
+        return capture_report(self.compile(), self.original_forward, self.module, args, kwargs)
 
-    def fallback(self, args: tuple, kwargs: dict) -> Any:
-        self.calls_fallback += 1
-        return self.original_forward(*args, **kwargs)
+    def remove(self) -> torch.nn.Module:
+        """Undo :func:`add_tvm_dispatch`: the module's own forward again."""
+        return remove_tvm_dispatch(self.module)
 
 
 def add_tvm_dispatch(
@@ -140,7 +245,7 @@ def add_tvm_dispatch(
     **overrides: Any,
 ) -> torch.nn.Module:
     """Compile ``module``'s forward and backward for the signature of the sample call and route
-    matching calls through TVM. Returns ``module`` (patched in place).
+    calls that fit through TVM. Returns ``module`` (patched in place).
 
     Args:
         sample_inputs: positional arguments of a sample call (a tensor or a tuple).
@@ -154,18 +259,17 @@ def add_tvm_dispatch(
     if getattr(module, "_tvm_dispatch", None) is not None:
         raise RuntimeError("module already has a TVM dispatch; call module.remove_tvm_dispatch() first")
     args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    dispatcher = Dispatcher(module, (args, dict(sample_kwargs or {})), opts)
     try:
-        compiled = compile_training(module, args, sample_kwargs, opts)
+        compiled = dispatcher.compile()
     except ConversionError as exc:
         if not opts.fallback:
             raise
-        warnings.warn(f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", stacklevel=2)
+        warnings.warn(f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning, stacklevel=2)
         return module
-    dispatcher = Dispatcher(module, compiled, module.forward, (args, dict(sample_kwargs or {})))
-    dispatcher.instance_forward = module.__dict__.get("forward", _MISSING)
     module._tvm_dispatch = dispatcher
     module.forward = dispatcher
-    module.remove_tvm_dispatch = types.MethodType(remove_tvm_dispatch, module)
+    module.remove_tvm_dispatch = dispatcher.remove
     if opts.verbose:
         print(f"tvmbridge: {type(module).__name__}: {compiled.summary()}")
     return module
@@ -176,11 +280,8 @@ def remove_tvm_dispatch(module: torch.nn.Module) -> torch.nn.Module:
     dispatcher = getattr(module, "_tvm_dispatch", None)
     if dispatcher is None:
         return module
-    original = dispatcher.instance_forward
-    if original is _MISSING:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = original
+    dispatcher._uninstall()
     module.__dict__.pop("remove_tvm_dispatch", None)
     module._tvm_dispatch = None
     return module
+

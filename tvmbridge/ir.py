@@ -12,7 +12,7 @@ from typing import Callable
 import tvm
 from tvm import relax
 
-from ..errors import ConversionError
+from .errors import ConversionError
 
 Rule = Callable[[relax.Expr, dict[relax.Var, relax.Expr]], relax.Expr | None]
 

@@ -1,0 +1,424 @@
+"""Never silently wrong: each case a careful user hits, against plain PyTorch (outputs and every
+gradient), or the clear error / warned fallback the bridge gives instead."""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tvmbridge import ConversionError, FallbackWarning, UnsupportedOpError, add_tvm_dispatch
+
+from ..helpers import clone_module, is_tvm, max_errors, relative_errors, run_step
+
+
+def _compare(module: nn.Module, args: tuple, tol: float = 1e-5, **opts) -> nn.Module:
+    """Dispatch ``module`` and check one step (fixed seeds) against its PyTorch copy (errors
+    relative to each tensor's magnitude)."""
+    ref = clone_module(module)
+    add_tvm_dispatch(module, args, **opts)
+    got, want = run_step(module, args), run_step(ref, args)
+    assert is_tvm(got[0][0]), module._tvm_dispatch.explain()
+    errs = relative_errors(got, want)
+    assert max(errs.values()) <= tol, errs
+    return ref
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.norm = nn.LayerNorm(2 * d)
+
+    def forward(self, x):
+        return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+# --- threads -------------------------------------------------------------------------------------
+def test_four_threads_hundred_calls_with_grads_all_exact():
+    torch.manual_seed(0)
+    m = Block()
+    ref = clone_module(m)
+    xs = [torch.randn(4, 16) for _ in range(8)]
+    add_tvm_dispatch(m, (xs[0],))
+    want = {}
+    for i, x in enumerate(xs):
+        x = x.clone().requires_grad_()
+        out = ref(x)
+        want[i] = (out.detach(), *torch.autograd.grad(out.square().sum(), [x, *ref.parameters()]))
+    errors: list[str] = []
+
+    def work(tid: int) -> None:
+        for k in range(100):
+            i = (tid + k) % len(xs)
+            x = xs[i].clone().requires_grad_()
+            out = m(x)
+            got = (out.detach(), *torch.autograd.grad(out.square().sum(), [x, *m.parameters()]))
+            if not is_tvm(out):
+                errors.append("fell back")
+            elif any((a - b).abs().max().item() > 1e-5 for a, b in zip(got, want[i])):
+                errors.append(f"thread {tid} call {k} wrong")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    assert m._tvm_dispatch.calls_tvm == 400
+
+
+# --- module state ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dims", [1, 2])
+def test_batchnorm_eval_uses_running_statistics(dims):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(6) if dims == 1 else nn.BatchNorm2d(6)
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(0.5, 1.5)
+    m = nn.Sequential(bn, nn.ReLU()).eval()
+    x = torch.randn(4, 6) if dims == 1 else torch.randn(4, 6, 5, 5)
+    _compare(m, (x,))
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_batchnorm_train_updates_running_statistics_like_pytorch(dims):
+    torch.manual_seed(0)
+    conv = nn.Linear(6, 6) if dims == 1 else nn.Conv2d(3, 6, 3, padding=1)
+    m = nn.Sequential(conv, nn.BatchNorm1d(6) if dims == 1 else nn.BatchNorm2d(6), nn.ReLU()).train()
+    x = torch.randn(8, 6) if dims == 1 else torch.randn(4, 3, 6, 6)
+    ref = _compare(m, (x,), tol=1e-4)
+    for _ in range(3):  # more steps: the statistics keep following PyTorch's
+        for mod in (m, ref):
+            mod(x * 1.5 + 0.3)
+    for (name, a), (_, b) in zip(m.named_buffers(), ref.named_buffers()):
+        assert a.dtype == b.dtype and (a.double() - b.double()).abs().max().item() <= 1e-6 * max(1, b.abs().max().item()), name
+    assert int(m[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == 4
+    assert m._tvm_dispatch.calls_tvm == 4
+
+
+def test_load_state_dict_changing_a_buffer_is_seen():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).eval()
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(m, (x,))
+    sd = copy.deepcopy(m.state_dict())
+    sd["1.running_mean"] = torch.randn(6)
+    sd["1.running_var"] = torch.rand(6) + 0.5
+    m.load_state_dict(sd)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).eval()
+    ref.load_state_dict(sd)
+    out = m(x)
+    assert is_tvm(out) or m._tvm_dispatch.calls_tvm == 1
+    assert torch.allclose(out, ref(x), atol=1e-5)
+
+
+def test_replaced_parameter_is_used_and_gets_the_grad():
+    torch.manual_seed(0)
+    m = Block()
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    old = m.fc1.weight
+    m.fc1.weight = nn.Parameter(torch.randn_like(old))
+    ref = clone_module(m)
+    ref.remove_tvm_dispatch()
+    out = m(x)
+    out.sum().backward()
+    ref(x).sum().backward()
+    assert is_tvm(out)
+    assert old.grad is None and m.fc1.weight.grad is not None
+    assert torch.allclose(m.fc1.weight.grad, ref.fc1.weight.grad, atol=1e-5)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.1)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) * self.scale
+
+
+@pytest.mark.parametrize("change", ["dropout p", "python float", "submodule eval", "hook"])
+def test_changed_module_attributes_are_never_stale(change):
+    torch.manual_seed(0)
+    m = Scaled()
+    x = torch.randn(4, 8)
+    add_tvm_dispatch(m, (x,))
+    if change == "dropout p":
+        m.drop.p = 0.5
+    elif change == "python float":
+        m.scale = 3.0
+    elif change == "submodule eval":
+        m.drop.eval()
+    else:
+        m.fc.register_forward_hook(lambda mod, i, o: o * 0)
+    ref = clone_module(m)
+    ref.remove_tvm_dispatch()
+    with pytest.warns(FallbackWarning, match="fell back to PyTorch for Scaled"):
+        torch.manual_seed(3)
+        got = m(x)
+    torch.manual_seed(3)
+    assert torch.equal(got, ref(x)) and not is_tvm(got)
+    assert "ran PyTorch" in m._tvm_dispatch.explain()
+
+
+def test_fallback_warns_once_per_reason_and_can_be_silenced():
+    m = Block()
+    add_tvm_dispatch(m, (torch.randn(4, 16),))
+    with pytest.warns(FallbackWarning, match="dim 0 is 5, compiled for 4") as rec:
+        m(torch.randn(5, 16))
+        m(torch.randn(5, 16))
+    assert len([w for w in rec if issubclass(w.category, FallbackWarning)]) == 1
+    assert m._tvm_dispatch.calls_fallback == 2
+    quiet = Block()
+    add_tvm_dispatch(quiet, (torch.randn(4, 16),), warn_on_fallback=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        quiet(torch.randn(5, 16))
+    assert "dim 0 is 5" in quiet._tvm_dispatch.explain()
+
+
+# --- randomness --------------------------------------------------------------------------------------
+class Noisy(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.drop = {"dropout1d": nn.Dropout1d(0.3), "dropout2d": nn.Dropout2d(0.3),
+                     "alpha": nn.AlphaDropout(0.3)}.get(kind, nn.Identity())
+
+    def forward(self, x):
+        h = self.conv(x)
+        if self.kind == "dropout1d":
+            return self.drop(h.flatten(2))
+        if self.kind == "randn_like":
+            return h + 0.1 * torch.randn_like(h)
+        if self.kind == "drop_path":
+            keep = h.new_empty(h.shape[0], 1, 1, 1).bernoulli_(0.7)
+            return h * keep / 0.7
+        if self.kind == "channels_last":
+            return F.dropout(h.contiguous(memory_format=torch.channels_last), 0.4, training=True)
+        return self.drop(h)
+
+
+@pytest.mark.parametrize("kind", ["dropout1d", "dropout2d", "alpha", "randn_like", "drop_path", "channels_last"])
+def test_random_ops_draw_per_call_like_pytorch(kind):
+    torch.manual_seed(0)
+    m = Noisy(kind).train()
+    x = torch.randn(8, 3, 6, 6)
+    _compare(m, (x,))
+    torch.manual_seed(5)
+    outs = [m(x) for _ in range(3)]
+    assert all(is_tvm(o) for o in outs)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])  # never frozen
+    assert outs[0].abs().sum() > 0
+
+
+def test_random_op_of_computed_values_is_refused():
+    class Sample(nn.Module):
+        def forward(self, p):
+            return torch.bernoulli(torch.sigmoid(p))
+
+    with pytest.raises(UnsupportedOpError, match="bernoulli"):
+        add_tvm_dispatch(Sample(), (torch.randn(4),))
+
+
+# --- autograd semantics -------------------------------------------------------------------------------
+def test_gradient_penalty_create_graph():
+    torch.manual_seed(0)
+    m = Block()
+    ref = clone_module(m)
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    grads = {}
+    for name, mod in (("tvm", m), ("torch", ref)):
+        xi = x.clone().requires_grad_()
+        out = mod(xi)
+        loss = out.square().mean()
+        (gx,) = torch.autograd.grad(loss, xi, create_graph=True)
+        (loss + gx.square().sum()).backward()
+        grads[name] = [p.grad.clone() for p in mod.parameters()]
+    for a, b in zip(grads["tvm"], grads["torch"]):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+def test_in_place_edit_of_an_output_the_backward_reads_raises():
+    class Tanh(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x))
+
+    m = Tanh()
+    x = torch.randn(3, 8)
+    add_tvm_dispatch(m, (x,), capture="all")
+    y = m(x)
+    assert is_tvm(y)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+# --- ops the frontend got wrong ------------------------------------------------------------------------
+def test_embedding_index_out_of_range_raises_like_pytorch():
+    m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+    ids = torch.tensor([[1, 2, 3]])
+    _compare(m, (ids,))
+    with pytest.raises(IndexError, match="index out of range"):
+        m(torch.tensor([[1, 2, 10]]))
+    with pytest.raises(IndexError, match="index out of range"):
+        m(torch.tensor([[-1, 2, 3]]))
+
+
+def test_embedding_padding_idx_gets_no_gradient():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 4, padding_idx=0), nn.Linear(4, 2))
+    _compare(m, (torch.tensor([[0, 2, 0, 5]]),))
+
+
+def test_avg_pool_divisor_override():
+    class P(nn.Module):
+        def forward(self, x):
+            return F.avg_pool2d(x, 2, divisor_override=3)
+
+    _compare(P(), (torch.randn(2, 3, 4, 4),))
+
+
+def test_max_pool_indices_are_refused_not_wrong():
+    class P(nn.Module):
+        def forward(self, x):
+            return F.max_pool2d(x, 2, return_indices=True)
+
+    with pytest.raises(UnsupportedOpError, match="indices"):
+        add_tvm_dispatch(P(), (torch.randn(1, 2, 4, 4),))
+
+
+# --- autocast ---------------------------------------------------------------------------------------------
+def test_call_under_autocast_falls_back_with_autocast_semantics():
+    m = Block()
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(FallbackWarning, match="autocast"):
+            out = m(x)
+    assert out.dtype == torch.bfloat16 and not is_tvm(out)
+
+
+def test_dispatched_under_autocast_compiles_float32_and_falls_back_under_it():
+    torch.manual_seed(0)
+    m = Block()
+    ref = clone_module(m)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        add_tvm_dispatch(m, (x,))
+        with pytest.warns(FallbackWarning, match="autocast"):
+            assert m(x).dtype == torch.bfloat16
+    out = m(x)
+    assert is_tvm(out) and out.dtype == torch.float32
+    assert torch.allclose(out, ref(x), atol=1e-5)
+
+
+# --- what used to crash ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_recompile_on_first_use(how):
+    torch.manual_seed(0)
+    m = Block()
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    if how == "deepcopy":
+        c = copy.deepcopy(m)
+    elif how == "pickle":
+        c = pickle.loads(pickle.dumps(m))
+    else:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        c = torch.load(buf, weights_only=False)
+    assert c._tvm_dispatch is not m._tvm_dispatch and c._tvm_dispatch.module is c
+    ref = clone_module(m)
+    ref.remove_tvm_dispatch()
+    got, want = run_step(c, (x,)), run_step(ref, (x,))
+    assert is_tvm(got[0][0]) and max(max_errors(got, want).values()) <= 1e-5
+    assert m._tvm_dispatch.calls_tvm == 0  # the original is untouched
+    c.remove_tvm_dispatch()
+    assert not is_tvm(c(x.requires_grad_()))
+
+
+def test_tied_weights():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    m = Tied()
+    _compare(m, (torch.randn(3, 8),))
+    m.b.weight = nn.Parameter(torch.randn(8, 8))  # untied after compiling: never stale
+    with pytest.warns(FallbackWarning, match="no longer tied"):
+        m(torch.randn(3, 8))
+
+
+def test_integer_outputs_come_back_without_gradient():
+    class Classify(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 5)
+
+        def forward(self, x):
+            logits = self.fc(x)
+            return logits, logits.argmax(-1)
+
+    torch.manual_seed(0)
+    m = Classify()
+    ref = clone_module(m)
+    x = torch.randn(4, 8)
+    add_tvm_dispatch(m, (x,))
+    logits, labels = m(x.requires_grad_())
+    assert is_tvm(logits) and labels.dtype == torch.int64 and not labels.requires_grad
+    assert torch.equal(labels, ref(x)[1])
+    logits.sum().backward()
+    assert m.fc.weight.grad is not None
+
+
+def test_zero_size_dimension_is_refused_clearly_and_empty_calls_run_pytorch():
+    with pytest.raises(ConversionError, match="zero-size dimension") as err:
+        add_tvm_dispatch(Block(), (torch.randn(0, 16),))
+    assert err.value.stage == "inputs"
+    torch.manual_seed(0)
+    m = Block()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(4, 16),))
+    x = torch.randn(0, 16, requires_grad=True)
+    with pytest.warns(FallbackWarning, match="dim 0 is 0"):
+        out = m(x)
+    out.sum().backward()
+    ref(x.detach()).sum().backward()
+    assert not is_tvm(out) and torch.equal(m.fc1.bias.grad, ref.fc1.bias.grad)
+
+
+def test_torch_compile_of_a_parent_graph_breaks_around_the_dispatched_child():
+    torch.manual_seed(0)
+    parent = nn.Sequential(nn.Linear(16, 16), Block(), nn.ReLU())
+    ref = clone_module(parent)
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(parent[1], (x,))
+    compiled = torch.compile(parent, backend="aot_eager")
+    out = compiled(x)
+    assert torch.allclose(out, ref(x), atol=1e-5)
+    assert parent[1]._tvm_dispatch.calls_tvm >= 1

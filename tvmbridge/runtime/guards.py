@@ -1,0 +1,181 @@
+"""What a compiled variant depends on, checked cheaply at every call, with the reason it does not fit.
+
+In the spirit of torch.compile's guards: the compiled code is specialised on the call (tensor
+shapes, dtypes, devices, which inputs require grad, the non-tensor arguments), on the module's
+state layout (which parameters and buffers, tied how, with what shape, dtype, device and
+``requires_grad``), on every plain Python attribute of every submodule (``p``, ``eps``,
+``training``, flags, a config object's fields: whatever ``forward`` may have read while tracing),
+on the submodules themselves and on the hooks present. Any difference is a :class:`Mismatch`
+naming what changed; the dispatcher then runs PyTorch instead of stale compiled code.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.nn.modules import module as nn_module
+
+from ..frontend.export import ModuleState
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+_MODULE_INTERNALS = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+    "_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_is_full_backward_hook", "_compiled_call_impl", "forward", "_tvm_dispatch", "remove_tvm_dispatch",
+})
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a call does not fit: ``key`` groups calls that differ the same way (one warning per
+    key), ``message`` says what differs."""
+
+    key: str
+    message: str
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+def _describe_tensor_difference(what: str, got: torch.Tensor, want: tuple) -> Mismatch:
+    shape, dtype, device = want
+    if tuple(got.shape) != shape:
+        if len(got.shape) != len(shape):
+            return Mismatch(f"{what} rank", f"{what} has {got.dim()} dims, compiled for {len(shape)}")
+        dim = next(i for i, (a, b) in enumerate(zip(got.shape, shape)) if a != b)
+        return Mismatch(f"{what} dim {dim}", f"{what} dim {dim} is {got.shape[dim]}, compiled for {shape[dim]}")
+    if got.dtype != dtype:
+        return Mismatch(f"{what} dtype", f"{what} is {got.dtype}, compiled for {dtype}")
+    return Mismatch(f"{what} device", f"{what} is on {got.device}, compiled for {device}")
+
+
+class InputGuard:
+    """The call's structure, tensor metadata and non-tensor values, as compiled."""
+
+    def __init__(self, leaves: list[Any], spec: pytree.TreeSpec, labels: list[str], call: tuple[tuple, dict]) -> None:
+        self.spec = spec
+        self.labels = labels
+        self.num_args, self.kwargs = len(call[0]), dict(call[1])
+        self.keys = [tensor_key(x) if isinstance(x, torch.Tensor) else None for x in leaves]
+        self.constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+
+    def structure(self, call: tuple[tuple, dict]) -> Mismatch:
+        """What differs in a call whose structure is not the compiled one."""
+        args, kwargs = call
+        if len(args) != self.num_args:
+            return Mismatch("positional count", f"{len(args)} positional arguments, compiled for {self.num_args}")
+        for name, value in self.kwargs.items():
+            if name not in kwargs:
+                return Mismatch(f"{name} omitted", f"{name} is left at its default, compiled for {name}={value!r}")
+        for name in kwargs:
+            if name not in self.kwargs:
+                return Mismatch(f"{name} given", f"{name} is given, compiled with it left at its default")
+        return Mismatch("call structure", "the nesting of tuples/lists/dicts in the arguments differs from the compiled call")
+
+    def check(self, leaves: list[Any], spec: pytree.TreeSpec, call: tuple[tuple, dict]) -> Mismatch | None:
+        if spec != self.spec:
+            return self.structure(call)
+        for i, x in enumerate(leaves):
+            want = self.keys[i]
+            if want is None:
+                c = self.constants[i]
+                if isinstance(x, torch.Tensor) or not (x is c or (type(x) is type(c) and x == c)):
+                    return Mismatch(f"{self.labels[i]} value", f"{self.labels[i]} is {x!r}, compiled for {c!r}")
+            elif not isinstance(x, torch.Tensor):
+                return Mismatch(f"{self.labels[i]} type", f"{self.labels[i]} is a {type(x).__name__}, compiled for a tensor")
+            elif tensor_key(x) != want:
+                return _describe_tensor_difference(self.labels[i], x, want)
+        return None
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, (tuple, list, frozenset)) and len(value) <= 64:
+        return all(_plain(v) for v in value)
+    return False
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True)
+class _AttrCheck:
+    label: str
+    owner: Any
+    name: str
+    expected: Any
+    by_identity: bool
+
+
+def _module_checks(path: str, m: torch.nn.Module) -> list[_AttrCheck]:
+    label = path or type(m).__name__
+    checks = []
+    for name, value in vars(m).items():
+        if name in _MODULE_INTERNALS or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            continue
+        if _plain(value):
+            checks.append(_AttrCheck(f"{label}.{name}", m, name, _frozen(value), False))
+            continue
+        checks.append(_AttrCheck(f"{label}.{name}", m, name, value, True))
+        for sub, v in getattr(value, "__dict__", {}).items():  # a config object's fields
+            if _plain(v):
+                checks.append(_AttrCheck(f"{label}.{name}.{sub}", value, sub, _frozen(v), False))
+    for name, child in m._modules.items():
+        checks.append(_AttrCheck(f"{label}.{name} (the submodule)", m._modules, name, child, True))
+    return checks
+
+
+class StateGuard:
+    """The module's state layout and tensor metadata, attributes, submodules and hooks."""
+
+    def __init__(self, module: torch.nn.Module, state: ModuleState, with_grad: set[int]) -> None:
+        self.state = state
+        self.keys = [tensor_key(t) for t in state.lookup(module)]
+        self.with_grad = with_grad  # state positions the compiled backward computes a gradient for
+        self.checks: list[_AttrCheck] = []
+        self.hooks: list[tuple[str, dict, int]] = []
+        for path, m in module.named_modules(remove_duplicate=False):
+            self.checks += _module_checks(path, m)
+            self.hooks += [(f"{path or type(m).__name__} {h}", getattr(m, h), len(getattr(m, h))) for h in _HOOKS]
+        self.global_hooks = [(h, getattr(nn_module, h), len(getattr(nn_module, h))) for h in _GLOBAL_HOOKS]
+
+    def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+        """The state tensors for this call, or why there are none that fit."""
+        tensors = self.state.lookup(module)
+        for j, (name, t, want) in enumerate(zip(self.state.names, tensors, self.keys)):
+            if t is None:
+                return None, Mismatch(f"{name} gone", f"{name} is no longer a parameter or buffer of the module")
+            if tensor_key(t) != want:
+                return None, _describe_tensor_difference(name, t, want)
+            if t.requires_grad and j not in self.with_grad:
+                return None, Mismatch(f"{name} requires_grad", f"{name} requires grad, compiled without its gradient")
+        by_name = dict(zip(self.state.names, tensors))
+        for alias, name in self.state.aliases.items():
+            if self.state.lookup_one(module, alias) is not by_name[name]:
+                return None, Mismatch(f"{alias} tie", f"{alias} is no longer tied to {name}")
+        return tensors, None
+
+    def check(self, module: torch.nn.Module) -> Mismatch | None:
+        for c in self.checks:
+            value = c.owner.get(c.name, _MISSING) if isinstance(c.owner, dict) else vars(c.owner).get(c.name, _MISSING)
+            same = value is c.expected if c.by_identity else (_plain(value) and _frozen(value) == c.expected)
+            if not same:
+                shown = "gone" if value is _MISSING else f"{value!r}" if not c.by_identity else "another object"
+                return Mismatch(c.label, f"{c.label} is {shown}, compiled for {c.expected!r}")
+        for label, hooks, n in self.hooks + self.global_hooks:
+            if len(hooks) != n:
+                return Mismatch(label, f"{label}: {len(hooks)} registered, compiled with {n} (hooks do not run "
+                                "inside compiled code)")
+        return None
