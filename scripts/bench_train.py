@@ -67,7 +67,7 @@ def infer_step(module, x, mask) -> Callable[[int], None]:
 
 def kernel_breakdown(layer, x, mask, steps: int = 5, top: int = 10) -> list[tuple[str, float]]:
     """Per-kernel time of the TVM step (ms per step), from the VM's instrument hook."""
-    vm = layer._tvm_dispatch.compiled.vm
+    compiled = layer._tvm_dispatch.compiled
     acc: dict[str, float] = collections.defaultdict(float)
     start: dict[str, float] = {}
 
@@ -78,13 +78,13 @@ def kernel_breakdown(layer, x, mask, steps: int = 5, top: int = 10) -> list[tupl
             acc[name] += time.perf_counter() - start.pop(name)
         return 0
 
-    vm.set_instrument(instrument)
+    compiled.set_instrument(instrument)
     try:
         step = train_step(layer, x, mask)
         for i in range(steps):
             step(i)
     finally:
-        vm.set_instrument(lambda *a: 0)
+        compiled.set_instrument(None)
     rows = sorted(((k, v / steps * 1e3) for k, v in acc.items()), key=lambda kv: -kv[1])
     return rows[:top] + [("(all kernels)", sum(v for _, v in rows))]
 

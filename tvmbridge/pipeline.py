@@ -8,13 +8,14 @@ into a :class:`~tvmbridge.errors.ConversionError` naming the stage.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import tvm
@@ -240,12 +241,9 @@ class CompiledModule:
     executable: tvm.runtime.Executable = field(repr=False)
     compile_seconds: dict[str, float] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
-    _local: threading.local = field(default_factory=threading.local, repr=False)
-
-    @property
-    def vm(self) -> relax.VirtualMachine:
-        """The calling thread's VM (``forward``, ``forward_infer`` and ``backward``)."""
-        return self.vm_for_thread()
+    _pool: list[relax.VirtualMachine] = field(default_factory=list, repr=False)
+    _pool_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _instrument: Callable | None = field(default=None, repr=False)
 
     @functools.cached_property
     def output_meta(self) -> list[tuple[list[int], torch.dtype]]:
@@ -258,13 +256,29 @@ class CompiledModule:
         """All outputs: the module's own, then updated buffers, then index-range flags."""
         return self.split.num_outputs
 
-    def vm_for_thread(self) -> relax.VirtualMachine:
-        """A VM of this module's executable for the calling thread: a VM's registers are per
-        call, so two threads must not share one."""
-        vm = getattr(self._local, "vm", None)
+    @contextlib.contextmanager
+    def vm(self) -> Iterator[relax.VirtualMachine]:
+        """A VM of this module's executable, for one call: a VM's registers belong to the call
+        running on it, so concurrent calls each borrow their own (from a pool: making one costs
+        far more than a call, so short-lived threads reuse them)."""
+        with self._pool_lock:
+            vm = self._pool.pop() if self._pool else None
         if vm is None:
-            vm = self._local.vm = backend_build.load(self.executable, self.device)
-        return vm
+            vm = backend_build.load(self.executable, self.device)
+            if self._instrument is not None:
+                vm.set_instrument(self._instrument)
+        try:
+            yield vm
+        finally:
+            with self._pool_lock:
+                self._pool.append(vm)
+
+    def set_instrument(self, instrument: Callable | None) -> None:
+        """``VirtualMachine.set_instrument`` on every VM of this module, now and later (None: off)."""
+        self._instrument = instrument
+        with self._pool_lock:
+            for vm in self._pool:
+                vm.set_instrument(instrument if instrument is not None else (lambda *a: 0))
 
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""

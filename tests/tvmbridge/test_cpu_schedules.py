@@ -97,3 +97,27 @@ def test_transpose_tiles(shape, axes):
     assert (tile is not None) == (shape[1] % 16 == 0)  # a lanes x lanes tile, inner part vectors
     x = _x(shape)
     np.testing.assert_array_equal(_run(mod, x), x.transpose(axes))
+
+
+def test_max_pool_gradient_is_not_left_to_a_rule_that_mis_schedules_it():
+    """max-pool's gradient is a tuple reduction (argmax and max together); dlight's cpu.Reduction
+    gave wrong input gradients for it fused with a residual add (found by the property test)."""
+    from tvmbridge import add_tvm_dispatch
+
+    from ..helpers import clone_module, relative_errors, run_step
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool, self.fc = torch.nn.MaxPool2d(3, 1, 1), torch.nn.Linear(4 * 6 * 6, 6)
+
+        def forward(self, x):
+            return self.fc((x + self.pool(x)).flatten(1))
+
+    torch.manual_seed(0)
+    m = Residual()
+    ref = clone_module(m)
+    x = torch.randn(3, 4, 6, 6)
+    add_tvm_dispatch(m, (x,))
+    errs = relative_errors(run_step(m, (x,)), run_step(ref, (x,)))
+    assert max(errs.values()) <= 1e-5, errs

@@ -139,7 +139,7 @@ def _kernels_run(module, args) -> set[str]:
         names.add(str(name))
         return 0
 
-    module._tvm_dispatch.compiled.vm.set_instrument(instrument)
+    module._tvm_dispatch.compiled.set_instrument(instrument)
     run_step(module, args)
     return names
 

@@ -316,9 +316,26 @@ class Guarded(CPUScheduleRule):
             return None
 
 
+class SingleOutputReductions(CPUScheduleRule):
+    """``rule`` only for kernels whose blocks each write one buffer: dlight's ``cpu.Reduction``
+    mis-schedules tuple reductions (max-pool's gradient keeps an argmax and a max together) and
+    gives wrong gradients; such kernels go to the next rule."""
+
+    def __init__(self, rule: CPUScheduleRule) -> None:
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        sch = s_tir.Schedule(func)
+        if any(len(sch.get(b).writes) > 1 for b in sch.get_child_blocks(sch.get_sblock("root"))):
+            return None
+        return self.rule.apply(func, target, tunable)
+
+
 def apply_cpu_schedules(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
     """Schedule every TIR function of ``mod`` that no rule has scheduled yet. (dlight's CPU GEMV
     rule is left out: it asserts on scalar reductions, and dense matmuls are offloaded.)"""
-    rules = [RowReduction(), dlight.cpu.Reduction(), Elementwise(), SpatialParallel()]
+    rules = [RowReduction(), SingleOutputReductions(dlight.cpu.Reduction()), Elementwise(), SpatialParallel()]
     with target:
         return dlight.ApplyDefaultSchedule(*[Guarded(r) for r in rules])(mod)

@@ -44,6 +44,22 @@ def _leaf_labels(cargs: tuple, ckwargs: dict) -> list[str]:
     return labels
 
 
+def _positional_form(signature: inspect.Signature, args: tuple, kwargs: dict, leaves: list[Any]) -> int | None:
+    """``n`` when the compiled call is ``f(t_1, ..., t_n)`` with tensors: binding a call of ``n``
+    tensors and no keywords then gives the compiled structure, so the guard can skip binding."""
+    params = list(signature.parameters.values())
+    n = len(args)
+    if kwargs or n > len(params) or len(leaves) != n or not all(isinstance(a, torch.Tensor) for a in args):
+        return None
+    if any(p.kind != inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:n]):
+        return None
+    # the parameters after them must be ones the canonical form drops (non-tensor defaults)
+    if any(p.default is inspect.Parameter.empty or isinstance(p.default, torch.Tensor)
+           for p in params[n:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
+        return None
+    return n
+
+
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside torch and tvmbridge."""
     import os
@@ -54,10 +70,6 @@ def _caller_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _functorch_wrapped(tensors: list[torch.Tensor]) -> bool:
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
 class Dispatcher:
@@ -107,7 +119,8 @@ class Dispatcher:
                         self.module.forward = self
                 cargs, ckwargs = canonical_call(self.signature, args, kwargs)
                 leaves, spec = pytree.tree_flatten((cargs, ckwargs))
-                self.input_guard = InputGuard(leaves, spec, _leaf_labels(cargs, ckwargs), (cargs, ckwargs))
+                self.input_guard = InputGuard(leaves, spec, _leaf_labels(cargs, ckwargs), (cargs, ckwargs),
+                                              _positional_form(self.signature, args, kwargs, leaves))
                 n_user = compiled.traced.num_user_inputs
                 with_grad = {i - n_user for i in compiled.grad_param_indices if i >= n_user}
                 self.state_guard = StateGuard(self.module, compiled.traced.state, with_grad)
@@ -144,21 +157,29 @@ class Dispatcher:
         """The call's tensors then the state's, if every guard passes; else the first reason."""
         if torch.is_autocast_enabled(compiled.device.type):
             return None, Mismatch("autocast", "autocast is on; mixed precision runs PyTorch until the bridge supports it")
+        if self.input_guard.fast(args, kwargs):
+            user, reason = list(args), None
+        else:
+            user, reason = self._bind(args, kwargs)
+        if reason is None:
+            reason = self.state_guard.check(self.module)
+        if reason is not None:
+            return None, reason
+        state, reason = self.state_guard.tensors(self.module)
+        if reason is None and torch._C._functorch.peek_interpreter_stack() is not None:
+            reason = Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)")
+        if reason is not None:
+            return None, reason
+        return user + state, None
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
         try:
             cargs, ckwargs = canonical_call(self.signature, args, kwargs)
         except ConversionError as exc:
             return None, Mismatch("signature", str(exc))
         leaves, spec = pytree.tree_flatten((cargs, ckwargs))
         reason = self.input_guard.check(leaves, spec, (cargs, ckwargs))
-        if reason is not None:
-            return None, reason
-        user = [x for x in leaves if isinstance(x, torch.Tensor)]
-        state, reason = self.state_guard.tensors(self.module)
-        if reason is None:
-            reason = self.state_guard.check(self.module)
-        if reason is None and _functorch_wrapped(user + state):
-            reason = Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)")
-        return (user + state, None) if reason is None else (None, reason)
+        return ([x for x in leaves if isinstance(x, torch.Tensor)], None) if reason is None else (None, reason)
 
     def _run(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> Any:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)

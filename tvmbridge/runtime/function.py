@@ -64,7 +64,8 @@ class TVMFunction(torch.autograd.Function):
     def forward(ctx: Any, call: Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         compiled = call.compiled
         primal = list(tensors) + call.randoms
-        result = [to_torch(r) for r in compiled.vm_for_thread()[names.FORWARD](*[to_tvm(t) for t in primal])]
+        with compiled.vm() as vm:
+            result = [to_torch(r) for r in vm[names.FORWARD](*[to_tvm(t) for t in primal])]
         n = compiled.num_outputs
         outputs, captured = result[:n], result[n:]
         # an output over an input's memory (the input returned as is) is copied: edits of it must not
@@ -92,7 +93,8 @@ class TVMFunction(torch.autograd.Function):
                 grads_in.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=compiled.device))
         saved = ctx.saved_tensors[: ctx.num_saved]  # unpacking all of them checks their versions
         args = [to_tvm(t) for t in saved] + [to_tvm(g) for g in grads_in]
-        grads = compiled.vm_for_thread()[names.BACKWARD](*args)
+        with compiled.vm() as vm:
+            grads = vm[names.BACKWARD](*args)
         result: list[torch.Tensor | None] = [None] * len(ctx.inputs)
         needs = ctx.needs_input_grad[1:]
         for g, i in zip(grads, compiled.grad_param_indices):
@@ -130,5 +132,6 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
 
 def infer(compiled: CompiledModule, primal: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Outputs only, through ``forward_infer`` (nothing captured)."""
-    result = compiled.vm_for_thread()[names.FORWARD_INFER](*[to_tvm(t) for t in primal])
+    with compiled.vm() as vm:
+        result = vm[names.FORWARD_INFER](*[to_tvm(t) for t in primal])
     return tuple(to_torch(r) for r in result)

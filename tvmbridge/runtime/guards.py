@@ -10,6 +10,7 @@ naming what changed; the dispatcher then runs PyTorch instead of stale compiled 
 """
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -62,12 +63,23 @@ def _describe_tensor_difference(what: str, got: torch.Tensor, want: tuple) -> Mi
 class InputGuard:
     """The call's structure, tensor metadata and non-tensor values, as compiled."""
 
-    def __init__(self, leaves: list[Any], spec: pytree.TreeSpec, labels: list[str], call: tuple[tuple, dict]) -> None:
+    def __init__(self, leaves: list[Any], spec: pytree.TreeSpec, labels: list[str], call: tuple[tuple, dict],
+                 positional: int | None) -> None:
         self.spec = spec
         self.labels = labels
         self.num_args, self.kwargs = len(call[0]), dict(call[1])
+        self.positional = positional  # a call of this many tensors, no keywords, is the compiled form
         self.keys = [tensor_key(x) if isinstance(x, torch.Tensor) else None for x in leaves]
         self.constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+
+    def fast(self, args: tuple, kwargs: dict) -> bool:
+        """A plain positional call of tensors that fits (no signature binding needed)."""
+        if kwargs or self.positional is None or len(args) != self.positional:
+            return False
+        for x, (shape, dtype, device) in zip(args, self.keys):
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device != device:
+                return False
+        return True
 
     def structure(self, call: tuple[tuple, dict]) -> Mismatch:
         """What differs in a call whose structure is not the compiled one."""
@@ -106,76 +118,84 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _frozen(value: Any) -> Any:
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
-
-
-@dataclass(frozen=True)
-class _AttrCheck:
-    label: str
-    owner: Any
-    name: str
-    expected: Any
-    by_identity: bool
-
-
-def _module_checks(path: str, m: torch.nn.Module) -> list[_AttrCheck]:
+def _module_checks(path: str, m: torch.nn.Module) -> list[tuple[str, dict, str, Any, bool]]:
+    """``(label, dict holding the value, key, expected value, compare by identity)`` for every
+    attribute of ``m`` that the compiled code may depend on."""
     label = path or type(m).__name__
     checks = []
     for name, value in vars(m).items():
         if name in _MODULE_INTERNALS or isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
-        if _plain(value):
-            checks.append(_AttrCheck(f"{label}.{name}", m, name, _frozen(value), False))
+        if _plain(value):  # a copy: an in-place edit of a list must show
+            checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False))
             continue
-        checks.append(_AttrCheck(f"{label}.{name}", m, name, value, True))
-        for sub, v in getattr(value, "__dict__", {}).items():  # a config object's fields
+        checks.append((f"{label}.{name}", vars(m), name, value, True))
+        fields = getattr(value, "__dict__", None)
+        for sub, v in (fields or {}).items():  # a config object's fields
             if _plain(v):
-                checks.append(_AttrCheck(f"{label}.{name}.{sub}", value, sub, _frozen(v), False))
+                checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False))
     for name, child in m._modules.items():
-        checks.append(_AttrCheck(f"{label}.{name} (the submodule)", m._modules, name, child, True))
+        checks.append((f"{label}.{name} (the submodule)", m._modules, name, child, True))
     return checks
 
 
+def _same(value: Any, expected: Any, by_identity: bool) -> bool:
+    if value is expected:
+        return True
+    return not by_identity and type(value) is type(expected) and value == expected
+
+
 class StateGuard:
-    """The module's state layout and tensor metadata, attributes, submodules and hooks."""
+    """The module's state layout and tensor metadata, attributes, submodules and hooks.
+
+    :meth:`check` runs first: once it passed, the submodules are the compiled ones, so
+    :meth:`tensors` reads each parameter and buffer straight from its owner's dict."""
 
     def __init__(self, module: torch.nn.Module, state: ModuleState, with_grad: set[int]) -> None:
         self.state = state
         self.keys = [tensor_key(t) for t in state.lookup(module)]
         self.with_grad = with_grad  # state positions the compiled backward computes a gradient for
-        self.checks: list[_AttrCheck] = []
+        self.checks: list[tuple[str, dict, str, Any, bool]] = []
         self.hooks: list[tuple[str, dict, int]] = []
         for path, m in module.named_modules(remove_duplicate=False):
             self.checks += _module_checks(path, m)
             self.hooks += [(f"{path or type(m).__name__} {h}", getattr(m, h), len(getattr(m, h))) for h in _HOOKS]
-        self.global_hooks = [(h, getattr(nn_module, h), len(getattr(nn_module, h))) for h in _GLOBAL_HOOKS]
+        self.hooks += [(h, getattr(nn_module, h), len(getattr(nn_module, h))) for h in _GLOBAL_HOOKS]
+        self.slots = [self._slot(module, name) for name in state.names]
+        self.alias_slots = [(self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()]
 
-    def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
-        """The state tensors for this call, or why there are none that fit."""
-        tensors = self.state.lookup(module)
-        for j, (name, t, want) in enumerate(zip(self.state.names, tensors, self.keys)):
-            if t is None:
-                return None, Mismatch(f"{name} gone", f"{name} is no longer a parameter or buffer of the module")
-            if tensor_key(t) != want:
-                return None, _describe_tensor_difference(name, t, want)
-            if t.requires_grad and j not in self.with_grad:
-                return None, Mismatch(f"{name} requires_grad", f"{name} requires grad, compiled without its gradient")
-        by_name = dict(zip(self.state.names, tensors))
-        for alias, name in self.state.aliases.items():
-            if self.state.lookup_one(module, alias) is not by_name[name]:
-                return None, Mismatch(f"{alias} tie", f"{alias} is no longer tied to {name}")
-        return tensors, None
+    @staticmethod
+    def _slot(module: torch.nn.Module, name: str) -> tuple[dict, str]:
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        return (sub._parameters if leaf in sub._parameters else sub._buffers), leaf
 
     def check(self, module: torch.nn.Module) -> Mismatch | None:
-        for c in self.checks:
-            value = c.owner.get(c.name, _MISSING) if isinstance(c.owner, dict) else vars(c.owner).get(c.name, _MISSING)
-            same = value is c.expected if c.by_identity else (_plain(value) and _frozen(value) == c.expected)
-            if not same:
-                shown = "gone" if value is _MISSING else f"{value!r}" if not c.by_identity else "another object"
-                return Mismatch(c.label, f"{c.label} is {shown}, compiled for {c.expected!r}")
-        for label, hooks, n in self.hooks + self.global_hooks:
+        for label, holder, name, expected, by_identity in self.checks:
+            value = holder.get(name, _MISSING)
+            if not _same(value, expected, by_identity):
+                shown = "gone" if value is _MISSING else "another object" if by_identity else repr(value)
+                return Mismatch(label, f"{label} is {shown}, compiled for {expected!r}")
+        for label, hooks, n in self.hooks:
             if len(hooks) != n:
                 return Mismatch(label, f"{label}: {len(hooks)} registered, compiled with {n} (hooks do not run "
                                 "inside compiled code)")
         return None
+
+    def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+        """The state tensors for this call, or why there are none that fit (after :meth:`check`)."""
+        tensors = [holder.get(leaf) for holder, leaf in self.slots]
+        for j, (t, (shape, dtype, device)) in enumerate(zip(tensors, self.keys)):
+            name = self.state.names[j]
+            if t is None:
+                return None, Mismatch(f"{name} gone", f"{name} is no longer a parameter or buffer of the module")
+            if t.shape != shape or t.dtype != dtype or t.device != device:
+                return None, _describe_tensor_difference(name, t, (shape, dtype, device))
+            if t.requires_grad and j not in self.with_grad:
+                return None, Mismatch(f"{name} requires_grad", f"{name} requires grad, compiled without its gradient")
+        for (holder, leaf), j in self.alias_slots:
+            if holder.get(leaf) is not tensors[j]:
+                name = self.state.names[j]
+                alias = next(a for a, n in self.state.aliases.items() if n == name)
+                return None, Mismatch(f"{alias} tie", f"{alias} is no longer tied to {name}")
+        return tensors, None
