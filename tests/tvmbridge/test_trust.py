@@ -422,3 +422,101 @@ def test_torch_compile_of_a_parent_graph_breaks_around_the_dispatched_child():
     out = compiled(x)
     assert torch.allclose(out, ref(x), atol=1e-5)
     assert parent[1]._tvm_dispatch.calls_tvm >= 1
+
+
+# --- more of what users do -------------------------------------------------------------------------------------
+def test_checkpoint_around_the_dispatched_module():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    m = Scaled()
+    ref = clone_module(m)
+    x = torch.randn(4, 8)
+    add_tvm_dispatch(m, (x,))
+    grads = {}
+    for name, mod in (("tvm", m), ("torch", ref)):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        out = checkpoint(mod, xi, use_reentrant=False)
+        out.square().sum().backward()
+        grads[name] = [xi.grad, *[p.grad for p in mod.parameters()]]
+    assert m._tvm_dispatch.calls_tvm == 2  # forward, and its recomputation in backward
+    for a, b in zip(grads["tvm"], grads["torch"]):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_backward_twice_with_retain_graph_and_once_more_without():
+    torch.manual_seed(0)
+    m = Block()
+    ref = clone_module(m)
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    for mod in (m, ref):
+        out = mod(x.clone().requires_grad_()).square().sum()
+        out.backward(retain_graph=True)
+        out.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.backward()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
+def test_functional_call_with_other_parameters():
+    torch.manual_seed(0)
+    m = Block()
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    params = {n: torch.randn_like(p, requires_grad=True) for n, p in m.named_parameters()}
+    out = torch.func.functional_call(m, params, (x,))
+    plain = Block()
+    plain.load_state_dict({n: p.detach() for n, p in params.items()})
+    assert is_tvm(out) and torch.allclose(out, plain(x), atol=1e-5)
+    out.sum().backward()
+    assert params["fc1.weight"].grad is not None and m.fc1.weight.grad is None
+
+
+def test_a_flop_counter_or_an_analysis_trace_sees_pytorch_ops():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = Block()
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    with FlopCounterMode(display=False) as fc, pytest.warns(FallbackWarning, match="TorchDispatchMode"):
+        m(x)
+    assert fc.get_total_flops() == 2 * (2 * 4 * 16 * 32)
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as the analysis tools run a module
+        out = m(torch.empty(4, 16))
+    assert isinstance(out, FakeTensor) and out.shape == (4, 16)
+
+
+def test_hooks_on_the_dispatched_module_itself_still_run_on_the_compiled_path():
+    m = Block()
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    seen = []
+    m.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    out = m(x.requires_grad_())
+    assert is_tvm(out) and seen == [(4, 16)]
+
+
+def test_nested_dispatch_parent_compiles_through_the_child():
+    torch.manual_seed(0)
+    parent = nn.Sequential(nn.Linear(16, 16), Block())
+    ref = clone_module(parent)
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(parent[1], (x,))
+    add_tvm_dispatch(parent, (x,))
+    got, want = run_step(parent, (x,)), run_step(ref, (x,))
+    assert is_tvm(got[0][0]) and max(relative_errors(got, want).values()) <= 1e-5
+
+
+def test_dtype_change_after_dispatch_falls_back():
+    m = Block()
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(m, (x,))
+    m.double()
+    with pytest.warns(FallbackWarning, match="torch.float64, compiled for torch.float32"):
+        out = m(x.double())
+    assert out.dtype == torch.float64

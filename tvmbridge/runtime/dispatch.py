@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
+
+from analysis.tensors import tensor_leaves
 
 from ..errors import ConversionError, FallbackWarning
 from ..frontend.signature import canonical_call
@@ -58,6 +61,14 @@ def _positional_form(signature: inspect.Signature, args: tuple, kwargs: dict, le
            for p in params[n:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
         return None
     return n
+
+
+def _tracing(args: tuple, kwargs: dict) -> bool:
+    """Inside torch.compile/torch.export, or called with fake or meta tensors (a tracer, the
+    analysis tools): the module's own forward is what they must see."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return True
+    return any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensor_leaves((args, kwargs)))
 
 
 def _caller_stacklevel() -> int:
@@ -140,7 +151,7 @@ class Dispatcher:
 
     # --- every call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self._eager, "active", False):
+        if getattr(self._eager, "active", False) or _tracing(args, kwargs):
             return self.original_forward(*args, **kwargs)
         compiled = self.compiled if self.compiled is not None else self.compile()
         tensors, reason = self._fit(compiled, args, kwargs)
@@ -157,6 +168,9 @@ class Dispatcher:
         """The call's tensors then the state's, if every guard passes; else the first reason."""
         if torch.is_autocast_enabled(compiled.device.type):
             return None, Mismatch("autocast", "autocast is on; mixed precision runs PyTorch until the bridge supports it")
+        if torch._C._len_torch_dispatch_stack():
+            return None, Mismatch("dispatch mode", "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): "
+                                  "it must see PyTorch's ops")
         if self.input_guard.fast(args, kwargs):
             user, reason = list(args), None
         else:

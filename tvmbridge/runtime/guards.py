@@ -159,7 +159,8 @@ class StateGuard:
         self.hooks: list[tuple[str, dict, int]] = []
         for path, m in module.named_modules(remove_duplicate=False):
             self.checks += _module_checks(path, m)
-            self.hooks += [(f"{path or type(m).__name__} {h}", getattr(m, h), len(getattr(m, h))) for h in _HOOKS]
+            if path:  # the module's own hooks run around the dispatched forward, as always
+                self.hooks += [(f"{path} {h}", getattr(m, h), len(getattr(m, h))) for h in _HOOKS]
         self.hooks += [(h, getattr(nn_module, h), len(getattr(nn_module, h))) for h in _GLOBAL_HOOKS]
         self.slots = [self._slot(module, name) for name in state.names]
         self.alias_slots = [(self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()]
