@@ -11,6 +11,8 @@ import tvm
 from tvm import relax
 
 from ..devices import prepare_cpu_runtime, tvm_device
+from ..kernels.barrier import register_barrier
+from ..kernels.gemm import register_gemms
 from ..errors import stage_errors
 
 
@@ -48,6 +50,8 @@ def compile_module(
 
 
 def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:
+    register_barrier()  # the packed functions the compiled code may call
+    register_gemms()
     if device.type == "cpu":
         prepare_cpu_runtime()
     return relax.VirtualMachine(executable, tvm_device(device))

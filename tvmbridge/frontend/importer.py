@@ -24,6 +24,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import tvm
 from torch.export import ExportedProgram
@@ -34,6 +35,7 @@ from tvm.relax.op.grad import no_grad
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError, stage_errors
 from ..ir import only_dataflow_block, rebuild
+from ..kernels.barrier import BARRIER
 from .export import TracedModule
 
 aten = torch.ops.aten
@@ -208,83 +210,93 @@ class BridgeImporter(ExportedProgramImporter):
         bias = args[2] if len(args) > 2 else None
         return self.block_builder.emit(relax.op.linear(args[0], args[1], bias, str(args[0].ty.dtype)))
 
-    # --- batch norm ----------------------------------------------------------------------------
-    def _channel(self, v: relax.Expr | None, ndim: int) -> relax.Expr | None:
+    # --- batch norm: ATen's CPU arithmetic, step by step ----------------------------------------
+    def _channel(self, v: relax.Expr, ndim: int) -> relax.Expr:
         """A per-channel vector shaped to broadcast over (N, C, ...)."""
-        if v is None:
-            return None
         return self.block_builder.emit(relax.op.reshape(v, [1, -1] + [1] * (ndim - 2)))
 
-    def _affine(self, y: relax.Expr, weight: Any, bias: Any, ndim: int) -> relax.Expr:
-        bb = self.block_builder
-        if weight is not None:
-            y = bb.emit(relax.op.multiply(y, self._channel(self.env[weight], ndim)))
-        if bias is not None:
-            y = bb.emit(relax.op.add(y, self._channel(self.env[bias], ndim)))
-        return y
+    def _c(self, value: float, dtype: str) -> relax.Expr:
+        """A constant rounded to ``dtype`` first, as C++ rounds ``static_cast<float>(momentum)``."""
+        return relax.const(np.array(value, dtype=dtype), dtype)
 
-    def _batch_stats(self, x: relax.Expr, eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, int]:
-        """Mean, biased variance and invstd over all axes but the channel's, accumulated in
-        double as ATen's CPU kernel does (two passes); mean and invstd rounded to x's dtype."""
+    def _apply_affine(self, x: relax.Expr, mean: relax.Expr, invstd: relax.Expr, weight: Any, bias: Any) -> relax.Expr:
+        """``x * alpha + beta`` with ``alpha = invstd * w`` and ``beta = b - mean * alpha`` per
+        channel, the form ATen's CPU kernel computes."""
         bb = self.block_builder
         dtype = str(x.ty.dtype)
-        acc = "float64" if dtype in ("float32", "float64") else "float32"
+        alpha = invstd if weight is None else bb.emit(relax.op.multiply(invstd, self.env[weight]))
+        shift = bb.emit(relax.op.multiply(mean, alpha))
+        beta = (bb.emit(relax.op.negative(shift)) if bias is None
+                else bb.emit(relax.op.subtract(self.env[bias], shift)))
+        ndim = len(x.ty.shape)
+        out = bb.emit(relax.op.multiply(x, self._channel(bb.emit(relax.op.astype(alpha, dtype)), ndim)))
+        return bb.emit(relax.op.add(out, self._channel(bb.emit(relax.op.astype(beta, dtype)), ndim)))
+
+    def _product(self, c: float, v: relax.Expr) -> relax.Expr:
+        """``c * v`` rounded to v's dtype and stored (``kernels.barrier``): fused with the add
+        after it, LLVM could make one FMA of them, one rounding less than ATen's C++."""
+        bb = self.block_builder
+        product = bb.emit(relax.op.multiply(self._c(c, str(v.ty.dtype)), v))
+        return bb.emit(relax.op.call_pure_packed(BARRIER, product, ty_args=product.ty))
+
+    def _batch_stats(self, x: relax.Expr, eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, int]:
+        """Per channel, as ATen's contiguous CPU kernel: the mean summed in double and rounded
+        to float; the squared deviations from that float mean computed in float and summed in
+        double, rounded to float; ``invstd = 1/sqrt(var_sum/n + eps)`` in double from the float
+        ``var_sum/n``. Returns ``(mean, var_sum, invstd, n)``."""
+        bb = self.block_builder
+        dtype = str(x.ty.dtype)
         shape = [int(s) for s in x.ty.shape]
         axes = [0] + list(range(2, len(shape)))
         count = math.prod(shape[a] for a in axes)
-        xa = bb.emit(relax.op.astype(x, acc)) if acc != dtype else x
-        mean = bb.emit(relax.op.mean(xa, axis=axes, keepdims=True))
-        centered = bb.emit(relax.op.subtract(xa, mean))
-        var = bb.emit(relax.op.mean(bb.emit(relax.op.multiply(centered, centered)), axis=axes, keepdims=True))
-        invstd = bb.emit(relax.op.divide(relax.const(1.0, acc), relax.op.sqrt(relax.op.add(var, relax.const(eps, acc)))))
-        return mean, var, invstd, count
-
-    def _normalize(self, x: relax.Expr, mean: relax.Expr, invstd: relax.Expr) -> relax.Expr:
-        bb = self.block_builder
-        dtype = str(x.ty.dtype)
-        m, s = (bb.emit(relax.op.astype(v, dtype)) if str(v.ty.dtype) != dtype else v for v in (mean, invstd))
-        return bb.emit(relax.op.multiply(bb.emit(relax.op.subtract(x, m)), s))
+        total = relax.op.sum(relax.op.astype(x, "float64"), axis=axes)  # sum / n: mean() scales by 1/n
+        mean = bb.emit(relax.op.astype(relax.op.divide(total, relax.const(float(count), "float64")), dtype))
+        dev = bb.emit(relax.op.subtract(x, self._channel(mean, len(shape))))
+        squares = bb.emit(relax.op.astype(relax.op.multiply(dev, dev), "float64"))
+        var_sum = bb.emit(relax.op.astype(relax.op.sum(squares, axis=axes), dtype))
+        var = relax.op.astype(relax.op.divide(var_sum, self._c(count, dtype)), "float64")
+        invstd = relax.op.divide(relax.const(1.0, "float64"), relax.op.sqrt(relax.op.add(var, relax.const(eps, "float64"))))
+        return mean, var_sum, bb.emit(relax.op.astype(invstd, dtype)), count
 
     def _batch_norm_train(self, node: torch.fx.Node) -> relax.Expr:
-        """``(out, save_mean, save_invstd, new_running_mean, new_running_var)``."""
+        """``(out, save_mean, save_invstd, new_running_mean, new_running_var)``; the running
+        statistics as ATen's CPU kernel updates them (float and double where it uses each)."""
         x_node, weight, bias, rm, rv, _training, momentum, eps = node.args[:8]
         bb = self.block_builder
         x = self.env[x_node]
-        ndim = len(x.ty.shape)
-        mean, var, invstd, count = self._batch_stats(x, float(eps))
-        out = self._affine(self._normalize(x, mean, invstd), weight, bias, ndim)
-        new_stats = []
-        unbiased = bb.emit(relax.op.multiply(var, relax.const(count / max(count - 1, 1), str(var.ty.dtype))))
-        for running, batch in ((rm, mean), (rv, unbiased)):
-            r = self.env[running]
-            acc = str(batch.ty.dtype)
-            flat = bb.emit(relax.op.reshape(batch, [-1]))
-            upd = relax.op.add(relax.op.multiply(flat, relax.const(float(momentum), acc)),
-                               relax.op.multiply(relax.op.astype(r, acc), relax.const(1.0 - float(momentum), acc)))
-            new_stats.append(bb.emit(relax.op.astype(bb.emit(upd), str(r.ty.dtype))))
         dtype = str(x.ty.dtype)
-        save = [bb.emit(relax.op.astype(relax.op.reshape(v, [-1]), dtype)) for v in (mean, invstd)]
-        return bb.emit(relax.Tuple([out, *save, *new_stats]))
+        if dtype != "float32":
+            raise UnsupportedOpError("convert", f"batch_norm in train mode on {dtype}", op="batch_norm")
+        mean, var_sum, invstd, count = self._batch_stats(x, float(eps))
+        out = self._apply_affine(x, mean, invstd, weight, bias)
+        m = float(np.float32(momentum))
+        keep = float(np.float32(1.0) - np.float32(momentum))
+        running_mean, running_var = self.env[rm], self.env[rv]
+        new_mean = bb.emit(relax.op.add(self._product(m, mean), self._product(keep, running_mean)))
+        unbiased = relax.op.astype(relax.op.divide(var_sum, self._c(max(count - 1, 1), dtype)), "float64")
+        new_var = bb.emit(relax.op.astype(relax.op.add(
+            relax.op.multiply(relax.const(m, "float64"), unbiased),
+            relax.op.astype(relax.op.multiply(self._c(keep, dtype), running_var), "float64")), dtype))
+        return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
 
     def _batch_norm_no_stats(self, node: torch.fx.Node) -> relax.Expr:
         x_node, weight, bias, _training, _momentum, eps = node.args[:6]
-        bb = self.block_builder
         x = self.env[x_node]
-        mean, _var, invstd, _ = self._batch_stats(x, float(eps))
-        out = self._affine(self._normalize(x, mean, invstd), weight, bias, len(x.ty.shape))
-        dtype = str(x.ty.dtype)
-        save = [bb.emit(relax.op.astype(relax.op.reshape(v, [-1]), dtype)) for v in (mean, invstd)]
-        return bb.emit(relax.Tuple([out, *save]))
+        if str(x.ty.dtype) != "float32":
+            raise UnsupportedOpError("convert", f"batch_norm in train mode on {x.ty.dtype}", op="batch_norm")
+        mean, _var_sum, invstd, _ = self._batch_stats(x, float(eps))
+        out = self._apply_affine(x, mean, invstd, weight, bias)
+        return self.block_builder.emit(relax.Tuple([out, mean, invstd]))
 
     def _eval_norm(self, x_node: Any, weight: Any, bias: Any, rm: Any, rv: Any, eps: float) -> relax.Expr:
-        """With the running statistics: ``(x - mean) / sqrt(var + eps) * w + b``."""
+        """With the running statistics: ``invstd = 1 / sqrt(var + eps)`` in double, rounded to
+        the statistics' dtype, as ATen computes it."""
         bb = self.block_builder
-        x = self.env[x_node]
-        ndim = len(x.ty.shape)
-        mean = self._channel(self.env[rm], ndim)
-        var = self._channel(self.env[rv], ndim)
-        invstd = bb.emit(relax.op.rsqrt(relax.op.add(var, relax.const(eps, str(var.ty.dtype)))))
-        return self._affine(self._normalize(x, mean, invstd), weight, bias, ndim)
+        running_var = self.env[rv]
+        var = relax.op.add(relax.op.astype(running_var, "float64"), relax.const(eps, "float64"))
+        invstd = relax.op.divide(relax.const(1.0, "float64"), relax.op.sqrt(var))
+        invstd = bb.emit(relax.op.astype(invstd, str(running_var.ty.dtype)))
+        return self._apply_affine(self.env[x_node], self.env[rm], invstd, weight, bias)
 
     def _batch_norm_eval(self, node: torch.fx.Node) -> relax.Expr:
         x_node, weight, bias, rm, rv, _momentum, eps = node.args[:7]

@@ -138,6 +138,20 @@ class Dispatcher:
                 self.compiled = compiled
         return self.compiled
 
+    def _compile_on_first_use(self) -> CompiledModule | None:
+        """A copy compiles when first called; with ``fallback=True`` a failure keeps PyTorch."""
+        if getattr(self, "failed", None) is not None:
+            return None
+        try:
+            return self.compile()
+        except ConversionError as exc:
+            if not self.options.fallback:
+                raise
+            self.failed = exc
+            warnings.warn(f"tvmbridge: keeping PyTorch for {type(self.module).__name__}: {exc}", FallbackWarning,
+                          stacklevel=_caller_stacklevel())
+            return None
+
     def _uninstall(self) -> None:
         if self.instance_forward is None:
             self.module.__dict__.pop("forward", None)
@@ -153,7 +167,9 @@ class Dispatcher:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(self._eager, "active", False) or _tracing(args, kwargs):
             return self.original_forward(*args, **kwargs)
-        compiled = self.compiled if self.compiled is not None else self.compile()
+        compiled = self.compiled if self.compiled is not None else self._compile_on_first_use()
+        if compiled is None:
+            return self.original_forward(*args, **kwargs)
         tensors, reason = self._fit(compiled, args, kwargs)
         if reason is not None:
             return self._fallback(reason, args, kwargs)
