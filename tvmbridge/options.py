@@ -48,7 +48,10 @@ class CompileOptions:
     warn_on_fallback: bool = field(default=True, metadata=_doc(
         "warn (tvmbridge.FallbackWarning, once per reason) when a call runs PyTorch because the "
         "compiled code does not fit it"))
-    verbose: bool = field(default=False, metadata=_doc("print a one-line summary after compiling"))
+    cache_size_limit: int = field(default=8, metadata=_doc(
+        "compiled variants kept per module (one per call signature: shapes, dtypes, train/eval, "
+        "keywords); a call that would need one more runs PyTorch, with a warning"))
+    verbose: bool = field(default=False, metadata=_doc("print a one-line summary after each compile"))
     progress: bool | None = field(default=None, metadata=_doc(
         "a progress bar over the compile stages (default: when stderr is a terminal)"))
 
@@ -67,6 +70,9 @@ class CompileOptions:
         for name in ("fast_math", "cpu_schedules", "fuse", "mask_kernel", "fallback", "warn_on_fallback", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.cache_size_limit, bool) or not isinstance(self.cache_size_limit, int) \
+                or self.cache_size_limit < 1:
+            raise ValueError(f"option cache_size_limit must be an int >= 1, got {self.cache_size_limit!r}")
         if self.progress is not None and not isinstance(self.progress, bool):
             raise ValueError(f"option progress must be True, False or None, got {self.progress!r}")
 
@@ -138,7 +144,7 @@ def _parse_budget(text: str) -> int | float:
 
 
 _CLI_TYPES: dict[str, Callable[[str], Any]] = {
-    "capture": str, "memory_budget": _parse_budget, "offload_matmul": _parse_offload,
+    "capture": str, "memory_budget": _parse_budget, "offload_matmul": _parse_offload, "cache_size_limit": int,
 }
 
 

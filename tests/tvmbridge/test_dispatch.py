@@ -1,6 +1,8 @@
 """The bridge against PyTorch autograd: outputs and every gradient, same seed."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -47,32 +49,37 @@ def test_dropout_is_active_and_matches_under_seed(bert32):
     assert not torch.equal(train_out, layer(*inputs))  # another seed, other masks
 
 
-def test_other_signature_falls_back_and_remove_restores(bert32):
+def test_other_shape_compiles_a_variant(bert32):
     layer, ref, _ = bert32
     x2, m2 = bert_inputs(torch.float32, batch=2)
-    with pytest.warns(FallbackWarning, match="hidden_states dim 0 is 2, compiled for 1"):
-        out = layer(x2.requires_grad_(), m2)
-    assert out.grad_fn is not None and not is_tvm(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        torch.manual_seed(1)
+        a = layer(x2.requires_grad_(), m2)
     torch.manual_seed(1)
-    a = layer(x2, m2)
-    torch.manual_seed(1)
-    assert torch.equal(a, ref(x2, m2))
-    # keyword form of the compiled signature still dispatches
+    b = ref(x2, m2)
+    assert is_tvm(a) and (a - b).abs().max().item() <= 1e-4
+    assert "hidden_states dim 0 is 2, compiled for 1" in layer._tvm_dispatch.variants[-1].why
+    # keyword form of the first signature runs the first variant
     x, m = bert_inputs(torch.float32)
     assert is_tvm(layer(hidden_states=x.requires_grad_(), attention_mask=m))
-    assert layer._tvm_dispatch.calls_fallback >= 2
+    assert layer._tvm_dispatch.variants[0].calls >= 1 and layer._tvm_dispatch.calls_fallback == 0
 
 
-def test_eval_mode_runs_pytorch(bert32):
+def test_eval_mode_compiles_an_eval_variant(bert32):
     layer, ref, inputs = bert32
     layer.eval(); ref.eval()
     try:
-        with pytest.warns(FallbackWarning, match="BertLayer.training is False, compiled for True"):
-            out = layer(*inputs)
-        assert not is_tvm(out)
-        assert torch.equal(out, ref(*inputs))
+        out = layer(*inputs)
+        assert is_tvm(out)
+        assert (out - ref(*inputs)).abs().max().item() <= 1e-4
+        assert "BertLayer.training is False, compiled for True" in layer._tvm_dispatch.variants[-1].why
+        again = layer(*inputs)
+        assert torch.equal(out, again)  # no dropout in eval mode
     finally:
         layer.train(); ref.train()
+    n = len(layer._tvm_dispatch.variants)
+    assert is_tvm(layer(*inputs)) and len(layer._tvm_dispatch.variants) == n  # train variant reused
 
 
 def test_remove_restores_original_forward():
@@ -168,9 +175,10 @@ def test_tuple_outputs_and_unused_output():
     assert isinstance(m(x, scale=3.0), tuple)
     errs = max_errors(got, want)
     assert max(errs.values()) <= 1e-5, errs
-    # another constant is another signature: PyTorch runs it
-    with pytest.warns(FallbackWarning, match="scale is left at its default, compiled for scale=3.0"):
-        assert not is_tvm(m(x.requires_grad_(), scale=2.0)[0])
+    # another constant is another signature: a variant compiled for it
+    other = m(x.requires_grad_(), scale=2.0)
+    assert is_tvm(other[0]) and all((a - b).abs().max() <= 1e-5 for a, b in zip(other, ref(x, scale=2.0)))
+    assert "scale is left at its default, compiled for scale=3.0" in m._tvm_dispatch.variants[-1].why
     # a loss on one output only: the other's gradient is zero, not an error
     xa = x.detach().clone().requires_grad_()
     xb = x.detach().clone().requires_grad_()

@@ -152,8 +152,10 @@ class Scaled(nn.Module):
         return self.drop(self.fc(x)) * self.scale
 
 
-@pytest.mark.parametrize("change", ["dropout p", "python float", "submodule eval", "hook"])
-def test_changed_module_attributes_are_never_stale(change):
+@pytest.mark.parametrize("change,why", [("dropout p", "drop.p is 0.5"), ("python float", "scale is 3.0"),
+                                        ("submodule eval", "drop.training is False")])
+def test_changed_module_attributes_compile_a_new_variant(change, why):
+    """A changed attribute is never stale: the call compiles a variant that reads the new value."""
     torch.manual_seed(0)
     m = Scaled()
     x = torch.randn(4, 8)
@@ -162,30 +164,48 @@ def test_changed_module_attributes_are_never_stale(change):
         m.drop.p = 0.5
     elif change == "python float":
         m.scale = 3.0
-    elif change == "submodule eval":
-        m.drop.eval()
     else:
-        m.fc.register_forward_hook(lambda mod, i, o: o * 0)
+        m.drop.eval()
     ref = clone_module(m)
     ref.remove_tvm_dispatch()
-    with pytest.warns(FallbackWarning, match="fell back to PyTorch for Scaled"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        torch.manual_seed(3)
+        got = m(x)
+    torch.manual_seed(3)
+    want = ref(x)
+    assert is_tvm(got) and torch.equal(got == 0, want == 0) and torch.allclose(got, want, atol=1e-5)
+    assert len(m._tvm_dispatch.variants) == 2 and why in m._tvm_dispatch.variants[1].why
+
+
+def test_hook_on_a_submodule_runs_pytorch():
+    """Hooks do not run inside compiled code, and compiling again would not help: PyTorch runs."""
+    torch.manual_seed(0)
+    m = Scaled()
+    x = torch.randn(4, 8)
+    add_tvm_dispatch(m, (x,))
+    m.fc.register_forward_hook(lambda mod, i, o: o * 0)
+    ref = clone_module(m)
+    ref.remove_tvm_dispatch()
+    with pytest.warns(FallbackWarning, match="fell back to PyTorch for Scaled: fc _forward_hooks"):
         torch.manual_seed(3)
         got = m(x)
     torch.manual_seed(3)
     assert torch.equal(got, ref(x)) and not is_tvm(got)
-    assert "ran PyTorch" in m._tvm_dispatch.explain()
+    assert "ran PyTorch" in m._tvm_dispatch.explain() and len(m._tvm_dispatch.variants) == 1
 
 
 def test_fallback_warns_once_per_reason_and_can_be_silenced():
+    """A full variant cache: the call runs PyTorch, saying which limit and what differed."""
     m = Block()
-    add_tvm_dispatch(m, (torch.randn(4, 16),))
-    with pytest.warns(FallbackWarning, match="dim 0 is 5, compiled for 4") as rec:
+    add_tvm_dispatch(m, (torch.randn(4, 16),), cache_size_limit=1)
+    with pytest.warns(FallbackWarning, match="cache_size_limit; x dim 0 is 5, compiled for 4") as rec:
         m(torch.randn(5, 16))
         m(torch.randn(5, 16))
     assert len([w for w in rec if issubclass(w.category, FallbackWarning)]) == 1
-    assert m._tvm_dispatch.calls_fallback == 2
+    assert m._tvm_dispatch.calls_fallback == 2 and len(m._tvm_dispatch.variants) == 1
     quiet = Block()
-    add_tvm_dispatch(quiet, (torch.randn(4, 16),), warn_on_fallback=False)
+    add_tvm_dispatch(quiet, (torch.randn(4, 16),), warn_on_fallback=False, cache_size_limit=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
         quiet(torch.randn(5, 16))
@@ -374,8 +394,12 @@ def test_tied_weights():
     m = Tied()
     _compare(m, (torch.randn(3, 8),))
     m.b.weight = nn.Parameter(torch.randn(8, 8))  # untied after compiling: never stale
-    with pytest.warns(FallbackWarning, match="no longer tied"):
-        m(torch.randn(3, 8))
+    ref = clone_module(m)
+    ref.remove_tvm_dispatch()
+    x = torch.randn(3, 8)
+    got, want = run_step(m, (x,)), run_step(ref, (x,))
+    assert is_tvm(got[0][0]) and max(max_errors(got, want).values()) <= 1e-5
+    assert "no longer tied" in m._tvm_dispatch.variants[-1].why
 
 
 def test_integer_outputs_come_back_without_gradient():
@@ -516,11 +540,14 @@ def test_nested_dispatch_parent_compiles_through_the_child():
     assert is_tvm(got[0][0]) and max(relative_errors(got, want).values()) <= 1e-5
 
 
-def test_dtype_change_after_dispatch_falls_back():
+def test_dtype_change_after_dispatch_compiles_a_float64_variant():
     m = Block()
     x = torch.randn(4, 16)
     add_tvm_dispatch(m, (x,))
     m.double()
-    with pytest.warns(FallbackWarning, match="torch.float64, compiled for torch.float32"):
-        out = m(x.double())
-    assert out.dtype == torch.float64
+    ref = clone_module(m)
+    ref.remove_tvm_dispatch()
+    got, want = run_step(m, (x.double(),)), run_step(ref, (x.double(),))
+    assert got[0][0].dtype == torch.float64 and is_tvm(got[0][0])
+    assert max(max_errors(got, want).values()) <= 1e-12
+    assert "torch.float64, compiled for torch.float32" in m._tvm_dispatch.variants[-1].why

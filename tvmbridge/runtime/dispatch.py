@@ -1,8 +1,11 @@
 """``add_tvm_dispatch``: run a module's forward and backward through TVM where the compiled code fits.
 
-The module's ``forward`` is replaced by a :class:`Dispatcher`. Every call is either run by the
-compiled code, because every guard (``guards``) says it fits (the call, the module's state, its
-attributes, submodules and hooks, no autocast), or by the original forward, with a
+The module's ``forward`` is replaced by a :class:`Dispatcher`. It keeps compiled variants
+(``variants``), one per call signature the module has seen (shapes, dtypes, keywords, train or
+eval mode, attribute values), each with guards (``guards``) that say which calls it fits. A call
+runs the variant that fits it; a call none fits compiles one more (up to ``cache_size_limit``);
+a call no compiled code can fit (hooks on submodules, autocast, a dispatch mode, an empty tensor,
+a failed compile, a full cache) runs the original forward with a
 :class:`~tvmbridge.errors.FallbackWarning` naming the reason (once per reason;
 ``warn_on_fallback=False`` silences it). ``module._tvm_dispatch.explain()`` says what happened.
 
@@ -14,6 +17,7 @@ A dispatched module can be deep-copied, pickled and saved: the copy recompiles o
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import threading
 import warnings
@@ -26,42 +30,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 from analysis.tensors import tensor_leaves
 
 from ..errors import ConversionError, FallbackWarning
-from ..frontend.signature import canonical_call
 from ..options import CompileOptions, with_overrides
 from ..pipeline import CompiledModule, compile_training
 from .function import Call, TVMFunction, infer
-from .guards import InputGuard, Mismatch, StateGuard
+from .guards import Mismatch
+from .locks import TRACING
 from .random import draw
+from .variants import Variant, call_device_type, call_key, empty_input
 
 if TYPE_CHECKING:
     from .report import CaptureReport
-
-def _leaf_labels(cargs: tuple, ckwargs: dict) -> list[str]:
-    """``arg 0``, ``hidden_states``, ``past[1]``...: a name for every leaf of a canonical call."""
-    paths = pytree.tree_flatten_with_path((cargs, ckwargs))[0]
-    labels = []
-    for path, _ in paths:
-        head, rest = path[0], path[1:]
-        name = f"arg {rest[0].idx}" if head.idx == 0 else str(rest[0].key)
-        labels.append(name + pytree.keystr(rest[1:]))
-    return labels
-
-
-def _positional_form(signature: inspect.Signature, args: tuple, kwargs: dict, leaves: list[Any]) -> int | None:
-    """``n`` when the compiled call is ``f(t_1, ..., t_n)`` with tensors: binding a call of ``n``
-    tensors and no keywords then gives the compiled structure, so the guard can skip binding."""
-    params = list(signature.parameters.values())
-    n = len(args)
-    if kwargs or n > len(params) or len(leaves) != n or not all(isinstance(a, torch.Tensor) for a in args):
-        return None
-    if any(p.kind != inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:n]):
-        return None
-    # the parameters after them must be ones the canonical form drops (non-tensor defaults)
-    if any(p.default is inspect.Parameter.empty or isinstance(p.default, torch.Tensor)
-           for p in params[n:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
-        return None
-    return n
-
 
 def _tracing(args: tuple, kwargs: dict) -> bool:
     """Inside torch.compile/torch.export, or called with fake or meta tensors (a tracer, the
@@ -84,9 +62,10 @@ def _caller_stacklevel() -> int:
 
 
 class Dispatcher:
-    """The module's ``forward`` while dispatched: guards, the compiled call, the fallback."""
+    """The module's ``forward`` while dispatched: the compiled variants, the guards that pick
+    one for each call, the compile of a new variant, the fallback."""
 
-    def __init__(self, module: torch.nn.Module, sample: tuple[tuple, dict], options: CompileOptions) -> None:
+    def __init__(self, module: torch.nn.Module, sample: tuple[tuple, dict] | None, options: CompileOptions) -> None:
         self.module = module
         self.sample = sample
         self.options = options
@@ -95,14 +74,16 @@ class Dispatcher:
         self._reset()
 
     def _reset(self) -> None:
-        self.compiled: CompiledModule | None = None
+        self.variants: tuple[Variant, ...] = ()
+        self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed
         self.signature = inspect.signature(self.forward_fn.__get__(self.module))
         self.calls_tvm = 0
         self.calls_fallback = 0
         self.fallback_reasons: collections.Counter[str] = collections.Counter()
         self.last_decision = "not called yet"
+        self._last = 0  # the variant the last compiled call ran: tried first
         self._warned: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters and the warned set
         self._eager = threading.local()
 
     # --- pickling and copying: the copy recompiles on first use
@@ -114,43 +95,41 @@ class Dispatcher:
         self.__dict__.update(state)
         self._reset()
 
+    @property
+    def compiled(self) -> CompiledModule | None:
+        """The first variant's compiled module (the sample's, when one was given)."""
+        return self.variants[0].compiled if self.variants else None
+
     # --- compile
     def compile(self) -> CompiledModule:
-        """Compile for the sample call (done by ``add_tvm_dispatch``, or on first use of a copy)."""
-        with self._lock:
-            if self.compiled is None:
-                args, kwargs = self.sample
-                installed = self.module.__dict__.get("forward") is self  # a copy compiling lazily
-                if installed:  # tracing must see the module's own forward
-                    self._uninstall()
-                try:
-                    compiled = compile_training(self.module, args, kwargs, self.options)
-                finally:
-                    if installed:
-                        self.module.forward = self
-                cargs, ckwargs = canonical_call(self.signature, args, kwargs)
-                leaves, spec = pytree.tree_flatten((cargs, ckwargs))
-                self.input_guard = InputGuard(leaves, spec, _leaf_labels(cargs, ckwargs), (cargs, ckwargs),
-                                              _positional_form(self.signature, args, kwargs, leaves))
-                n_user = compiled.traced.num_user_inputs
-                with_grad = {i - n_user for i in compiled.grad_param_indices if i >= n_user}
-                self.state_guard = StateGuard(self.module, compiled.traced.state, with_grad)
-                self.compiled = compiled
-        return self.compiled
+        """The compiled module for the sample call (compiled now if it is not yet)."""
+        if self.sample is None:
+            if not self.variants:
+                raise RuntimeError("nothing compiled yet: call the module, or pass sample_inputs to add_tvm_dispatch")
+            return self.variants[0].compiled
+        args, kwargs = self.sample
+        return self.precompile(*args, **kwargs).compiled
 
-    def _compile_on_first_use(self) -> CompiledModule | None:
-        """A copy compiles when first called; with ``fallback=True`` a failure keeps PyTorch."""
-        if getattr(self, "failed", None) is not None:
-            return None
-        try:
-            return self.compile()
-        except ConversionError as exc:
-            if not self.options.fallback:
-                raise
-            self.failed = exc
-            warnings.warn(f"tvmbridge: keeping PyTorch for {type(self.module).__name__}: {exc}", FallbackWarning,
-                          stacklevel=_caller_stacklevel())
-            return None
+    def precompile(self, *args: Any, **kwargs: Any) -> Variant:
+        """Compile a variant for this call now (ahead of time: e.g. in eval mode as well as in
+        train mode), unless one fits it already. A failure raises ``ConversionError``."""
+        for variant in self.variants:
+            if variant.fit(self.module, self.signature, args, kwargs)[1] is None:
+                return variant
+        return self._compile_variant(args, kwargs, "compiled ahead of time")
+
+    def _compile_variant(self, args: tuple, kwargs: dict, why: str) -> Variant:
+        with TRACING.writing():
+            for variant in self.variants:  # another thread may have compiled it meanwhile
+                if variant.fit(self.module, self.signature, args, kwargs)[1] is None:
+                    return variant
+            compiled = compile_training(self.module, args, kwargs, self.options)
+            variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), why)
+            self.variants = (*self.variants, variant)
+        if self.options.verbose:
+            print(f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {why}): "
+                  f"{compiled.summary()}")
+        return variant
 
     def _uninstall(self) -> None:
         if self.instance_forward is None:
@@ -165,58 +144,97 @@ class Dispatcher:
 
     # --- every call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self._eager, "active", False) or _tracing(args, kwargs):
+        if getattr(self._eager, "active", False):
             return self.original_forward(*args, **kwargs)
-        compiled = self.compiled if self.compiled is not None else self._compile_on_first_use()
-        if compiled is None:
+        TRACING.wait_idle()  # another thread's trace patches every module call: let it finish
+        if _tracing(args, kwargs):
             return self.original_forward(*args, **kwargs)
-        tensors, reason = self._fit(compiled, args, kwargs)
-        if reason is not None:
+        with TRACING.reading():
+            reason = self._unfit_anywhere(args, kwargs)
+            variant = tensors = None
+            if reason is None:
+                variant, tensors, reason = self._select(args, kwargs)
+        if variant is None and reason is not None and not reason.recompile:
             return self._fallback(reason, args, kwargs)
+        if variant is None:
+            variant, tensors, reason = self._compile_for_call(args, kwargs, reason)
+            if variant is None:
+                return self._fallback(reason, args, kwargs)
         with self._lock:
             self.calls_tvm += 1
-        self.last_decision = "ran the compiled code"
-        return self._run(compiled, tensors)
+            variant.calls += 1
+        self.last_decision = f"ran the compiled code (variant {self.variants.index(variant) + 1}: {variant.label})"
+        return self._run(variant.compiled, tensors)
 
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
 
-    def _fit(self, compiled: CompiledModule, args: tuple, kwargs: dict) -> tuple[list | None, Mismatch | None]:
-        """The call's tensors then the state's, if every guard passes; else the first reason."""
-        if torch.is_autocast_enabled(compiled.device.type):
-            return None, Mismatch("autocast", "autocast is on; mixed precision runs PyTorch until the bridge supports it")
+    def _unfit_anywhere(self, args: tuple, kwargs: dict) -> Mismatch | None:
+        """What no compiled variant can run, whatever its signature."""
+        if torch.is_autocast_enabled(call_device_type(args, kwargs, self.module)):
+            return Mismatch("autocast", "autocast is on; mixed precision runs PyTorch until the bridge supports it",
+                            recompile=False)
         if torch._C._len_torch_dispatch_stack():
-            return None, Mismatch("dispatch mode", "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): "
-                                  "it must see PyTorch's ops")
-        if self.input_guard.fast(args, kwargs):
-            user, reason = list(args), None
-        else:
-            user, reason = self._bind(args, kwargs)
-        if reason is None:
-            reason = self.state_guard.check(self.module)
-        if reason is not None:
-            return None, reason
-        state, reason = self.state_guard.tensors(self.module)
-        if reason is None and torch._C._functorch.peek_interpreter_stack() is not None:
-            reason = Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)")
-        if reason is not None:
-            return None, reason
-        return user + state, None
+            return Mismatch("dispatch mode", "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): "
+                            "it must see PyTorch's ops", recompile=False)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            return Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)", recompile=False)
+        return None
 
-    def _bind(self, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+    def _select(self, args: tuple, kwargs: dict) -> tuple[Variant | None, list | None, Mismatch | None]:
+        """The variant that fits the call (the last one used is tried first), with its tensors;
+        else why the closest one does not (one whose call signature fits, if any)."""
+        variants = self.variants
+        if not variants:
+            return None, None, None
+        last = min(self._last, len(variants) - 1)
+        closest = None
+        for i in (last, *(j for j in range(len(variants)) if j != last)):
+            tensors, reason, inputs_fit = variants[i].fit_detail(self.module, self.signature, args, kwargs)
+            if reason is None:
+                self._last = i
+                return variants[i], tensors, None
+            if not reason.recompile:  # hooks and the like: no other variant fits either
+                return None, None, reason
+            if closest is None or (inputs_fit and not closest[1]):
+                closest = (reason, inputs_fit)
+        return None, None, closest[0]
+
+    def _compile_for_call(self, args: tuple, kwargs: dict,
+                          reason: Mismatch | None) -> tuple[Variant | None, list | None, Mismatch | None]:
+        """A new variant for a call no variant fits, or why there is none. A failure raises when
+        nothing has compiled yet and ``fallback`` is off; later it warns and runs PyTorch."""
         try:
-            cargs, ckwargs = canonical_call(self.signature, args, kwargs)
+            with TRACING.reading():
+                refused = empty_input(self.signature, args, kwargs)
+                key = call_key(self.signature, args, kwargs, self.module)
+        except ConversionError as exc:  # the call does not bind: PyTorch says how
+            return None, None, Mismatch("signature", str(exc), recompile=False)
+        refused = refused or self.failures.get(key)
+        if refused is None and len(self.variants) >= self.options.cache_size_limit:
+            refused = Mismatch("cache size limit", f"{len(self.variants)} variants compiled, the cache_size_limit; "
+                               f"{reason.message if reason else 'this call'}: raise cache_size_limit to compile more",
+                               recompile=False)
+        if refused is not None:
+            return None, None, refused
+        try:
+            variant = self._compile_variant(args, kwargs, reason.message if reason else "first call")
         except ConversionError as exc:
-            return None, Mismatch("signature", str(exc))
-        leaves, spec = pytree.tree_flatten((cargs, ckwargs))
-        reason = self.input_guard.check(leaves, spec, (cargs, ckwargs))
-        return ([x for x in leaves if isinstance(x, torch.Tensor)], None) if reason is None else (None, reason)
+            if not self.variants and not self.options.fallback:
+                raise
+            self.failures[key] = Mismatch(f"compile failed {len(self.failures)}",
+                                          f"compiling a variant for this call failed: {exc}", recompile=False)
+            return None, None, self.failures[key]
+        with TRACING.reading():
+            tensors, unfit = variant.fit(self.module, self.signature, args, kwargs)
+        return (variant, tensors, None) if unfit is None else (None, None, unfit)
 
     def _run(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> Any:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         rng = self._rng_states(compiled) if needs_grad and compiled.random_sites else None
         randoms = draw(compiled.random_sites, compiled.device, compiled.options.mask_kernel)
         if needs_grad:
-            outs = TVMFunction.apply(Call(compiled, randoms, self._eager_outputs, rng), *tensors)
+            eager = functools.partial(self._eager_outputs, compiled)
+            outs = TVMFunction.apply(Call(compiled, randoms, eager, rng), *tensors)
         else:
             outs = infer(compiled, tensors + randoms)
         traced = compiled.traced
@@ -238,10 +256,10 @@ class Dispatcher:
             states["cuda"] = torch.cuda.get_rng_state(compiled.device)
         return states
 
-    def _eager_outputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _eager_outputs(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """PyTorch's forward on the given call and state tensors (buffers it updates are cloned,
         so they are not updated twice): the flat outputs, as the compiled code returns them."""
-        traced = self.compiled.traced
+        traced = compiled.traced
         user = iter(tensors[:traced.num_user_inputs])
         leaves = [traced.constant_leaves[i] if i in traced.constant_leaves else next(user)
                   for i in range(traced.in_spec.num_leaves)]
@@ -250,7 +268,8 @@ class Dispatcher:
         state.update({n: state[n].clone() for n in traced.updated_buffers})
         self._eager.active = True
         try:
-            out = torch.func.functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
+            with TRACING.writing():  # functional_call swaps the module's tensors meanwhile
+                out = torch.func.functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
         finally:
             self._eager.active = False
         return pytree.tree_leaves(out)
@@ -265,6 +284,7 @@ class Dispatcher:
         if first and self.options.warn_on_fallback:
             warnings.warn(f"tvmbridge: fell back to PyTorch for {type(self.module).__name__}: {reason.message}",
                           FallbackWarning, stacklevel=_caller_stacklevel())
+        TRACING.wait_idle()
         return self.original_forward(*args, **kwargs)
 
     # --- reporting
@@ -272,6 +292,9 @@ class Dispatcher:
         """What the last call did and why, and how often each path ran."""
         lines = [f"{type(self.module).__name__}: last call {self.last_decision}",
                  f"calls: {self.calls_tvm} compiled, {self.calls_fallback} PyTorch"]
+        for i, v in enumerate(self.variants, 1):
+            lines.append(f"  variant {i} ({v.label}): {v.calls} calls, compiled in "
+                         f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}")
         lines += [f"  {n} x PyTorch: {reason}" for reason, n in self.fallback_reasons.most_common()]
         return "\n".join(lines)
 
@@ -280,6 +303,8 @@ class Dispatcher:
         original forward once for real to measure PyTorch)."""
         from .report import capture_report
 
+        if self.sample is None:
+            raise RuntimeError("report() runs the sample call: pass sample_inputs to add_tvm_dispatch")
         args, kwargs = self.sample
         return capture_report(self.compile(), self.original_forward, self.module, args, kwargs)
 
@@ -290,39 +315,46 @@ class Dispatcher:
 
 def add_tvm_dispatch(
     module: torch.nn.Module,
-    sample_inputs: Any,
+    sample_inputs: Any = None,
     sample_kwargs: dict | None = None,
     options: CompileOptions | None = None,
     **overrides: Any,
 ) -> torch.nn.Module:
-    """Compile ``module``'s forward and backward for the signature of the sample call and route
-    calls that fit through TVM. Returns ``module`` (patched in place).
+    """Route ``module``'s forward and backward through TVM. Returns ``module`` (patched in place).
+
+    Each call runs a compiled variant whose guards fit it; a call none fits compiles a new one
+    (other shapes, eval mode, other keywords; up to ``cache_size_limit``), or runs PyTorch with a
+    warning where no compiled code can fit it (hooks on submodules, autocast, ...).
 
     Args:
-        sample_inputs: positional arguments of a sample call (a tensor or a tuple).
+        sample_inputs: positional arguments of a sample call (a tensor or a tuple), compiled
+            now; without a sample the first call compiles.
         sample_kwargs: keyword arguments of the sample call.
         options: a :class:`~tvmbridge.options.CompileOptions` (default: the defaults).
         **overrides: fields of the options to change for this call, e.g. ``capture="all"``,
             ``memory_budget=0.3``, ``fallback=True`` (on a compile failure, warn once and keep
-            PyTorch), ``offload_matmul="torch"``; see ``CompileOptions`` for all of them.
+            PyTorch), ``cache_size_limit=4``; see ``CompileOptions`` for all of them.
     """
     opts = with_overrides(options, overrides)
     if getattr(module, "_tvm_dispatch", None) is not None:
         raise RuntimeError("module already has a TVM dispatch; call module.remove_tvm_dispatch() first")
-    args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
-    dispatcher = Dispatcher(module, (args, dict(sample_kwargs or {})), opts)
-    try:
-        compiled = dispatcher.compile()
-    except ConversionError as exc:
-        if not opts.fallback:
-            raise
-        warnings.warn(f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning, stacklevel=2)
-        return module
+    sample = None
+    if sample_inputs is not None or sample_kwargs:
+        args = () if sample_inputs is None else sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+        sample = (args, dict(sample_kwargs or {}))
+    dispatcher = Dispatcher(module, sample, opts)
+    if sample is not None:
+        try:
+            dispatcher.compile()
+        except ConversionError as exc:
+            if not opts.fallback:
+                raise
+            warnings.warn(f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning,
+                          stacklevel=2)
+            return module
     module._tvm_dispatch = dispatcher
     module.forward = dispatcher
     module.remove_tvm_dispatch = dispatcher.remove
-    if opts.verbose:
-        print(f"tvmbridge: {type(module).__name__}: {compiled.summary()}")
     return module
 
 

@@ -38,10 +38,12 @@ _MISSING = object()
 @dataclass(frozen=True)
 class Mismatch:
     """Why a call does not fit: ``key`` groups calls that differ the same way (one warning per
-    key), ``message`` says what differs."""
+    key), ``message`` says what differs, ``recompile`` whether a variant compiled for the call
+    would fit it (not so for hooks on submodules, autocast, an active dispatch mode, ...)."""
 
     key: str
     message: str
+    recompile: bool = True
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -180,7 +182,7 @@ class StateGuard:
         for label, hooks, n in self.hooks:
             if len(hooks) != n:
                 return Mismatch(label, f"{label}: {len(hooks)} registered, compiled with {n} (hooks do not run "
-                                "inside compiled code)")
+                                "inside compiled code)", recompile=False)
         return None
 
     def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:

@@ -1,0 +1,152 @@
+"""The compiled variants of one dispatched module, each with the guards that say which calls it fits.
+
+A training loop calls a module in more than one way: other batch sizes and sequence lengths,
+train and eval mode, a parent passing extra keywords. Each such signature gets its own compiled
+variant (as torch.compile keeps one graph per guard set); a call runs the first variant whose
+guards all pass. The dispatcher compiles a new variant for a call no variant fits, up to
+``cache_size_limit`` of them, and remembers signatures that failed to compile so a failure is
+not retried on every call.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from analysis.tensors import tensor_leaves
+
+from ..errors import ConversionError
+from ..frontend.signature import canonical_call
+from ..pipeline import CompiledModule
+from .guards import InputGuard, Mismatch, StateGuard, tensor_key
+
+
+def leaf_labels(cargs: tuple, ckwargs: dict) -> list[str]:
+    """``arg 0``, ``hidden_states``, ``past[1]``...: a name for every leaf of a canonical call."""
+    paths = pytree.tree_flatten_with_path((cargs, ckwargs))[0]
+    labels = []
+    for path, _ in paths:
+        head, rest = path[0], path[1:]
+        name = f"arg {rest[0].idx}" if head.idx == 0 else str(rest[0].key)
+        labels.append(name + pytree.keystr(rest[1:]))
+    return labels
+
+
+def _positional_form(signature: inspect.Signature, args: tuple, kwargs: dict, leaves: list[Any]) -> int | None:
+    """``n`` when the compiled call is ``f(t_1, ..., t_n)`` with tensors: binding a call of ``n``
+    tensors and no keywords then gives the compiled structure, so the guard can skip binding."""
+    params = list(signature.parameters.values())
+    n = len(args)
+    if kwargs or n > len(params) or len(leaves) != n or not all(isinstance(a, torch.Tensor) for a in args):
+        return None
+    if any(p.kind != inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:n]):
+        return None
+    # the parameters after them must be ones the canonical form drops (non-tensor defaults)
+    if any(p.default is inspect.Parameter.empty or isinstance(p.default, torch.Tensor)
+           for p in params[n:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
+        return None
+    return n
+
+
+def describe_call(signature: inspect.Signature, args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
+    """``train: hidden_states (2, 14, 64) float32, scale=3.0``: the mode and the call's leaves."""
+    cargs, ckwargs = canonical_call(signature, args, kwargs)
+    parts = []
+    for label, x in zip(leaf_labels(cargs, ckwargs), pytree.tree_leaves((cargs, ckwargs))):
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{label} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}")
+        else:
+            parts.append(f"{label}={x!r}")
+    return f"{'train' if module.training else 'eval'}: {', '.join(parts) or 'no inputs'}"
+
+
+def call_key(signature: inspect.Signature, args: tuple, kwargs: dict, module: torch.nn.Module) -> tuple:
+    """A hashable summary of what a compile depends on most (the call's structure, tensor
+    metadata and constants, the state's metadata, every submodule's mode): a signature that
+    failed to compile is remembered under it."""
+    cargs, ckwargs = canonical_call(signature, args, kwargs)
+    leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+    call = tuple(tensor_key(x) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves)
+    state = tuple((n, tensor_key(t), t.requires_grad) for n, t in module.state_dict(keep_vars=True).items())
+    modes = tuple(m.training for m in module.modules())
+    return (str(spec), call, state, modes)
+
+
+def empty_input(signature: inspect.Signature, args: tuple, kwargs: dict) -> Mismatch | None:
+    """A call with a zero-size tensor: TVM's reductions over an empty axis do not give PyTorch's
+    zeros, so such calls always run PyTorch."""
+    cargs, ckwargs = canonical_call(signature, args, kwargs)
+    for label, x in zip(leaf_labels(cargs, ckwargs), pytree.tree_leaves((cargs, ckwargs))):
+        if isinstance(x, torch.Tensor) and x.numel() == 0:
+            dim = list(x.shape).index(0)
+            return Mismatch("empty input", f"{label} dim {dim} is 0 (an empty tensor); empty calls run PyTorch",
+                            recompile=False)
+    return None
+
+
+@dataclass
+class Variant:
+    """One compiled signature and its guards; ``why`` says what made the dispatcher compile it."""
+
+    compiled: CompiledModule
+    input_guard: InputGuard
+    state_guard: StateGuard
+    label: str
+    why: str
+    calls: int = 0
+
+    @classmethod
+    def create(cls, module: torch.nn.Module, signature: inspect.Signature, compiled: CompiledModule,
+               call: tuple[tuple, dict], why: str) -> Variant:
+        args, kwargs = call
+        cargs, ckwargs = canonical_call(signature, args, kwargs)
+        leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+        input_guard = InputGuard(leaves, spec, leaf_labels(cargs, ckwargs), (cargs, ckwargs),
+                                 _positional_form(signature, args, kwargs, leaves))
+        n_user = compiled.traced.num_user_inputs
+        with_grad = {i - n_user for i in compiled.grad_param_indices if i >= n_user}
+        state_guard = StateGuard(module, compiled.traced.state, with_grad)
+        return cls(compiled, input_guard, state_guard, describe_call(signature, args, kwargs, module), why)
+
+    def fit(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple,
+            kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+        """The call's tensors then the state's, if every guard passes; else the first reason."""
+        tensors, reason, _ = self.fit_detail(module, signature, args, kwargs)
+        return tensors, reason
+
+    def fit_detail(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple,
+                   kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None, bool]:
+        """:meth:`fit`, and whether the call's own arguments fit (only the module's state differs)."""
+        if self.input_guard.fast(args, kwargs):
+            user, reason = list(args), None
+        else:
+            user, reason = self._bind(signature, args, kwargs)
+        if reason is not None:
+            return None, reason, False
+        reason = self.state_guard.check(module)
+        if reason is not None:
+            return None, reason, True
+        state, reason = self.state_guard.tensors(module)
+        return (None, reason, True) if reason is not None else (user + state, None, True)
+
+    def _bind(self, signature: inspect.Signature, args: tuple,
+              kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+        try:
+            cargs, ckwargs = canonical_call(signature, args, kwargs)
+        except ConversionError as exc:
+            return None, Mismatch("signature", str(exc), recompile=False)
+        leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+        reason = self.input_guard.check(leaves, spec, (cargs, ckwargs))
+        return ([x for x in leaves if isinstance(x, torch.Tensor)], None) if reason is None else (None, reason)
+
+
+def call_device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
+    """The device type a call runs on (its first tensor's, else the module's), for the autocast check."""
+    for t in tensor_leaves((args, kwargs)):
+        return t.device.type
+    for t in module.parameters():
+        return t.device.type
+    return "cpu"
