@@ -1,8 +1,9 @@
 """tvmbridge: train PyTorch modules through the TVM compiler.
 
 ``add_tvm_dispatch(module, sample_inputs)`` compiles the module's forward and backward with TVM
-(Relax) for that call signature; matching calls then run on TVM, gradients flow into autograd, and
-every other call runs PyTorch.
+(Relax) for that call signature; calls then run on TVM (a call of another signature compiles one
+more variant), gradients flow into autograd, and a call no compiled code can fit runs PyTorch
+with a warning.
 
 The package is laid out as the compile runs: ``frontend`` (trace, convert) -> ``passes`` ->
 ``partition`` (joint graph, capture set, split) -> ``backend`` (offload, fast math, build) ->
@@ -25,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "ConversionError": "tvmbridge.errors",
     "UnsupportedOpError": "tvmbridge.errors",
     "FallbackWarning": "tvmbridge.errors",
+    "RecompileWarning": "tvmbridge.errors",
     "CaptureReport": "tvmbridge.runtime.report",
     "visualize": "tvmbridge.tools.visualize",
     "visualize_split": "tvmbridge.tools.visualize",

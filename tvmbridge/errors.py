@@ -57,3 +57,9 @@ def stage_errors(
 class FallbackWarning(UserWarning):
     """A call ran PyTorch instead of the compiled code; the message says why. Filter this class
     (or pass ``warn_on_fallback=False``) to silence it."""
+
+
+class RecompileWarning(UserWarning):
+    """A call compiled another variant because its arguments differ in kind from the sample's (a
+    keyword given or left out, another positional count), as when a parent module passes extra
+    keywords: the message names the difference, so the sample can be the caller's call."""

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tvmbridge import ConversionError, FallbackWarning, add_tvm_dispatch
+from tvmbridge import ConversionError, FallbackWarning, RecompileWarning, add_tvm_dispatch
 
 from ..helpers import clone_module, is_tvm, max_errors, run_step
 
@@ -77,9 +77,10 @@ def test_keyword_tensor_and_constant_variants():
     _same_step(m, ref, (x, None))
     assert len(m._tvm_dispatch.variants) == 1
     mask = (torch.rand(4, 32) > 0.5).float()
-    got, want = run_step(m, (x, mask)), run_step(ref, (x, mask))
+    with pytest.warns(RecompileWarning, match=r"mask=<tensor \(4, 32\) float32> is given, compiled with it left at its default"):
+        got, want = run_step(m, (x, mask)), run_step(ref, (x, mask))
     assert is_tvm(got[0][0]) and max(max_errors(got, want).values()) <= 1e-5
-    assert "mask is given" in m._tvm_dispatch.variants[1].why
+    assert "mask=<tensor (4, 32) float32> is given" in m._tvm_dispatch.variants[1].why
 
 
 def test_concurrent_calls_with_new_shapes_compile_each_once():
@@ -133,7 +134,8 @@ def test_a_failed_variant_warns_once_runs_pytorch_and_is_not_retried():
     ref = clone_module(m)
     x = torch.randn(2, 2, 8, 8)
     add_tvm_dispatch(m, (x,))
-    with pytest.warns(FallbackWarning, match="compiling a variant for this call failed: .*indices") as rec:
+    with pytest.warns(FallbackWarning, match="compiling a variant for this call failed: .*indices") as rec, \
+            pytest.warns(RecompileWarning, match="indices=True is given"):
         out, idx = m(x, indices=True)
         m(x, indices=True)
     assert len([w for w in rec if issubclass(w.category, FallbackWarning)]) == 1
@@ -161,8 +163,9 @@ def test_cache_size_limit_is_an_option_with_a_check():
 
 
 def test_bert_encoder_called_by_bert_model_runs_compiled():
-    """The call a parent really makes: BertModel calls its encoder with keywords set to None
-    or False; the encoder dispatched from the natural sample serves it."""
+    """The call a parent really makes: BertModel calls its encoder with ``use_cache=False`` (the
+    default is None) and ``position_ids=None`` through ``**kwargs``: a second variant, with a
+    warning naming the difference; a sample written like the parent's call compiles once."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
@@ -173,7 +176,8 @@ def test_bert_encoder_called_by_bert_model_runs_compiled():
     ids = torch.randint(0, 50, (2, 10))
     add_tvm_dispatch(model.encoder, (torch.randn(2, 10, 32),))
     torch.manual_seed(1)
-    got = model(input_ids=ids).last_hidden_state
+    with pytest.warns(RecompileWarning, match="use_cache=False is given"):
+        got = model(input_ids=ids).last_hidden_state
     got.sum().backward()
     torch.manual_seed(1)
     want = ref(input_ids=ids).last_hidden_state
@@ -183,3 +187,10 @@ def test_bert_encoder_called_by_bert_model_runs_compiled():
     assert (got - want).abs().max().item() <= 1e-4
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.grad - q.grad).abs().max().item() <= 1e-4, name
+
+    model.encoder.remove_tvm_dispatch()
+    add_tvm_dispatch(model.encoder, (torch.randn(2, 10, 32),), {"use_cache": False, "position_ids": None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids)
+    assert len(model.encoder._tvm_dispatch.variants) == 1 and model.encoder._tvm_dispatch.calls_tvm == 1

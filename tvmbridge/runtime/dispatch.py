@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from analysis.tensors import tensor_leaves
 
-from ..errors import ConversionError, FallbackWarning
+from ..errors import ConversionError, FallbackWarning, RecompileWarning
 from ..options import CompileOptions, with_overrides
 from ..pipeline import CompiledModule, compile_training
 from .function import Call, TVMFunction, infer
@@ -216,6 +216,12 @@ class Dispatcher:
                                recompile=False)
         if refused is not None:
             return None, None, refused
+        if reason is not None and reason.structural and reason.key not in self._warned:
+            self._warned.add(reason.key)
+            warnings.warn(f"tvmbridge: {type(self.module).__name__} compiles another variant for a call whose "
+                          f"arguments differ from the sample's: {reason.message}; if the caller always calls it this "
+                          "way, pass that call as the sample to compile once", RecompileWarning,
+                          stacklevel=_caller_stacklevel())
         try:
             variant = self._compile_variant(args, kwargs, reason.message if reason else "first call")
         except ConversionError as exc:

@@ -44,6 +44,7 @@ class Mismatch:
     key: str
     message: str
     recompile: bool = True
+    structural: bool = False  # the call is written differently (keywords, positional count)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -60,6 +61,14 @@ def _describe_tensor_difference(what: str, got: torch.Tensor, want: tuple) -> Mi
     if got.dtype != dtype:
         return Mismatch(f"{what} dtype", f"{what} is {got.dtype}, compiled for {dtype}")
     return Mismatch(f"{what} device", f"{what} is on {got.device}, compiled for {device}")
+
+
+def _short(value: Any) -> str:
+    """A value as a message shows it: a tensor by its shape and dtype, anything else by a short repr."""
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class InputGuard:
@@ -87,13 +96,16 @@ class InputGuard:
         """What differs in a call whose structure is not the compiled one."""
         args, kwargs = call
         if len(args) != self.num_args:
-            return Mismatch("positional count", f"{len(args)} positional arguments, compiled for {self.num_args}")
+            return Mismatch("positional count", f"{len(args)} positional arguments, compiled for {self.num_args}",
+                            structural=True)
         for name, value in self.kwargs.items():
             if name not in kwargs:
-                return Mismatch(f"{name} omitted", f"{name} is left at its default, compiled for {name}={value!r}")
+                return Mismatch(f"{name} omitted", f"{name} is left at its default, compiled for {name}={value!r}",
+                                structural=True)
         for name in kwargs:
             if name not in self.kwargs:
-                return Mismatch(f"{name} given", f"{name} is given, compiled with it left at its default")
+                return Mismatch(f"{name} given", f"{name}={_short(kwargs[name])} is given, compiled with it left at "
+                                "its default", structural=True)
         return Mismatch("call structure", "the nesting of tuples/lists/dicts in the arguments differs from the compiled call")
 
     def check(self, leaves: list[Any], spec: pytree.TreeSpec, call: tuple[tuple, dict]) -> Mismatch | None:
