@@ -7,9 +7,10 @@ is the module pass that applies a rule list, :func:`cleanup` the passes that fol
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from .errors import ConversionError
@@ -48,6 +49,73 @@ def rebuild(
     return relax.transform.Normalize()(tvm.IRModule({"f": new}))["f"]
 
 
+def _symbolic_shape(expr: relax.Expr) -> bool:
+    return isinstance(expr, relax.ShapeExpr) and any(not isinstance(v, tvm.tirx.IntImm) for v in expr.values)
+
+
+def lift_symbolic_shapes(func: relax.Function) -> tuple[relax.Function, dict[relax.Var, relax.ShapeExpr]]:
+    """Every symbolic shape argument of a call (``reshape(x, (n*m, 64))``) as an extra parameter.
+
+    Relax 0.27 has mutators that, since TIR and Relax variables share one class, visit the TIR
+    variables inside such a shape as if they were Relax ones: ``Gradient`` fails (``KeyError: key
+    is not in Map``) and ``copy_with_new_vars`` leaves them unrenamed while it renames those in
+    the types. A parameter passes both unharmed (its type is renamed consistently); the shapes
+    are put back, from the parameters' types, by :func:`restore_symbolic_shapes`."""
+    block = only_dataflow_block(func, "symbolic shapes")
+    lifted: dict[relax.Var, relax.ShapeExpr] = {}
+    bindings = []
+    for b in block.bindings:
+        value = b.value
+        if isinstance(value, relax.Call) and any(_symbolic_shape(a) for a in value.args):
+            args = [_shape_param(a, lifted) if _symbolic_shape(a) else a for a in value.args]
+            value = relax.Call(value.op, args, value.attrs, value.ty_args)
+        bindings.append(relax.VarBinding(b.var, value))
+    if not lifted:
+        return func, lifted
+    return rebuild(func, list(func.params) + list(lifted), bindings, func.body.body), lifted
+
+
+def _shape_param(shape: relax.ShapeExpr, lifted: dict[relax.Var, relax.ShapeExpr]) -> relax.Var:
+    for var, known in lifted.items():
+        if tvm_ffi.structural_equal(known, shape):
+            return var
+    var = relax.Var(f"shape_arg{len(lifted)}", shape.ty)
+    lifted[var] = shape
+    return var
+
+
+def restore_symbolic_shapes(func: relax.Function, lifted: dict[relax.Var, relax.ShapeExpr]) -> relax.Function:
+    """``func`` with the lifted shape parameters (found by name: a pass may rebuild them) replaced
+    by the shapes their types hold, and removed."""
+    if not lifted:
+        return func
+    names_ = {var.name for var in lifted}
+    params = [p for p in func.params if p.name in names_]
+    if len(params) != len(lifted):
+        raise ConversionError("symbolic shapes", "the lifted shape parameters are missing from the function")
+
+    def shape_of(arg: relax.Expr) -> relax.Expr | None:
+        return next((relax.ShapeExpr(list(p.ty.values)) for p in params if arg.same_as(p)), None)
+
+    bindings = []
+    for b in only_dataflow_block(func, "symbolic shapes").bindings:
+        value = b.value
+        if isinstance(value, relax.Call) and any(shape_of(a) is not None for a in value.args):
+            value = relax.Call(value.op, [shape_of(a) or a for a in value.args], value.attrs, value.ty_args)
+        elif any(shape_of(v) is not None for v in relax.analysis.free_vars(value)):
+            raise ConversionError("symbolic shapes", f"a symbolic shape is used outside a call argument: {b.var.name}")
+        bindings.append(relax.VarBinding(b.var, value))
+    kept = [p for p in func.params if not any(p.same_as(q) for q in params)]
+    return rebuild(func, kept, bindings, func.body.body)
+
+
+def copy_with_fresh_vars(func: relax.Function) -> relax.Function:
+    """``relax.utils.copy_with_new_vars`` that also renames the TIR variables inside shape
+    arguments (see :func:`lift_symbolic_shapes`)."""
+    lifted_func, lifted = lift_symbolic_shapes(func)
+    return restore_symbolic_shapes(relax.utils.copy_with_new_vars(lifted_func), lifted)
+
+
 def binding_map(block: relax.DataflowBlock) -> dict[relax.Var, relax.Expr]:
     return {b.var: b.value for b in block.bindings}
 
@@ -65,6 +133,36 @@ def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
         except (TypeError, ValueError):
             return None
     return None
+
+
+def evaluate_dim(dim: Any, sizes: dict[str, int]) -> int:
+    """A Relax dimension (an int or a TIR expression over shape vars) at the given sizes."""
+    if isinstance(dim, int):
+        return dim
+    if isinstance(dim, tvm.tirx.IntImm):
+        return int(dim.value)
+    if tvm.ir.is_prim_var(dim):
+        if dim.name not in sizes:
+            raise KeyError(f"no size for the shape variable {dim.name}")
+        return sizes[dim.name]
+    ops = {tvm.tirx.Add: lambda a, b: a + b, tvm.tirx.Sub: lambda a, b: a - b, tvm.tirx.Mul: lambda a, b: a * b,
+           tvm.tirx.FloorDiv: lambda a, b: a // b, tvm.tirx.FloorMod: lambda a, b: a % b,
+           tvm.tirx.Max: max, tvm.tirx.Min: min}
+    for kind, fn in ops.items():
+        if isinstance(dim, kind):
+            return fn(evaluate_dim(dim.a, sizes), evaluate_dim(dim.b, sizes))
+    raise ValueError(f"cannot evaluate the dimension {dim}")
+
+
+def shape_at(expr: relax.Expr, sizes: dict[str, int]) -> tuple[int, ...] | None:
+    """The shape of a tensor-typed expression with its symbolic dims at ``sizes``."""
+    ty = getattr(expr, "ty", None)
+    if not (isinstance(ty, relax.TensorType) and ty.shape is not None):
+        return None
+    try:
+        return tuple(evaluate_dim(s, sizes) for s in ty.shape)
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def same_tensor_type(a: relax.Expr, b: relax.Expr) -> bool:

@@ -48,6 +48,10 @@ class CompileOptions:
     warn_on_fallback: bool = field(default=True, metadata=_doc(
         "warn (tvmbridge.FallbackWarning, once per reason) when a call runs PyTorch because the "
         "compiled code does not fit it"))
+    dynamic: bool | str | dict = field(default="auto", metadata=_doc(
+        "symbolic dimensions: 'auto' (a dimension in which a call differs from a compiled variant "
+        "is compiled symbolically, one variant for every size), False (a variant per exact shape), "
+        "or {argument: {dim: name}} to compile those dims symbolically from the first compile"))
     cache_size_limit: int = field(default=8, metadata=_doc(
         "compiled variants kept per module (one per call signature: shapes, dtypes, train/eval, "
         "keywords); a call that would need one more runs PyTorch, with a warning"))
@@ -70,6 +74,8 @@ class CompileOptions:
         for name in ("fast_math", "cpu_schedules", "fuse", "mask_kernel", "fallback", "warn_on_fallback", "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name} must be True or False, got {getattr(self, name)!r}")
+        if not (self.dynamic in ("auto", False) or isinstance(self.dynamic, dict)):
+            raise ValueError(f"option dynamic must be 'auto', False or {{argument: {{dim: name}}}}, got {self.dynamic!r}")
         if isinstance(self.cache_size_limit, bool) or not isinstance(self.cache_size_limit, int) \
                 or self.cache_size_limit < 1:
             raise ValueError(f"option cache_size_limit must be an int >= 1, got {self.cache_size_limit!r}")
@@ -145,6 +151,7 @@ def _parse_budget(text: str) -> int | float:
 
 _CLI_TYPES: dict[str, Callable[[str], Any]] = {
     "capture": str, "memory_budget": _parse_budget, "offload_matmul": _parse_offload, "cache_size_limit": int,
+    "dynamic": lambda text: False if text.lower() in ("0", "false", "no", "off") else text,
 }
 
 

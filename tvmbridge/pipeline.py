@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import sys
 import threading
 import time
@@ -28,8 +27,9 @@ from . import names
 from .backend import build as backend_build
 from .backend.fast_math import FastMathFloat32
 from .backend.offload import OffloadMatmuls
-from .devices import SUPPORTED, target_for, torch_dtype
+from .devices import SUPPORTED, target_for
 from .errors import ConversionError, stage_errors
+from .ir import copy_with_fresh_vars
 from .frontend.export import TracedModule, trace
 from .frontend.importer import RandomSite, to_relax
 from .kernels.mt19937 import kernel_works
@@ -48,6 +48,8 @@ class Artifacts:
     kwargs: dict
     options: CompileOptions
     device: torch.device | None = None
+    dynamic: dict[int, frozenset[int]] | None = None  # call tensor -> dims to trace symbolically
+    sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at this call (for costs)
     traced: TracedModule | None = None
     primal: tvm.IRModule | None = None  # names.MAIN, through the passes before the gradient
     random_sites: tuple[RandomSite, ...] = ()
@@ -93,7 +95,20 @@ def _trace(a: Artifacts) -> Artifacts:
     # a sample call made under autocast still compiles float32 code (calls under autocast run
     # PyTorch: the guard sees autocast), never autocast's casts baked in as constants
     with torch.autocast(a.device.type, enabled=False):
-        return dataclasses.replace(a, traced=trace(a.module, a.args, a.kwargs))
+        traced = trace(a.module, a.args, a.kwargs, a.dynamic)
+    if a.dynamic and not traced.symbolic:
+        raise ConversionError("trace", "no dimension stayed symbolic: the module's code fixes every size marked dynamic")
+    return dataclasses.replace(a, traced=traced, sizes=symbol_sizes(traced, tensor_leaves((a.args, a.kwargs))))
+
+
+def symbol_sizes(traced: TracedModule, tensors: list[torch.Tensor]) -> dict[str, int]:
+    """Each shape symbol's size in the given call (symbols bound by a dim of their own)."""
+    sizes: dict[str, int] = {}
+    for dims, t in zip(traced.input_dims, tensors):
+        for d, size in zip(dims, t.shape):
+            if isinstance(d, str) and d.isidentifier():
+                sizes.setdefault(d, int(size))
+    return sizes
 
 
 def _convert(a: Artifacts) -> Artifacts:
@@ -146,7 +161,7 @@ def _gradient(a: Artifacts) -> Artifacts:
 def _simplify(a: Artifacts) -> Artifacts:
     adjoint = Simplify()(tvm.IRModule({names.ADJOINT: a.gradient.adjoint}))[names.ADJOINT]
     grad = dataclasses.replace(a.gradient, adjoint=adjoint)
-    joint = joint_graph(grad, count_primal_bindings(a.primal[names.MAIN], adjoint))
+    joint = joint_graph(grad, count_primal_bindings(a.primal[names.MAIN], adjoint), a.sizes)
     return dataclasses.replace(a, gradient=grad, joint=joint)
 
 
@@ -160,7 +175,7 @@ def _split(a: Artifacts) -> Artifacts:
     # gradient (no_grad, or nothing requires grad): nothing is kept for a backward that never comes.
     # One module holds all three; a Relax var may be defined in one function only, and the
     # halves share the adjoint's vars (the backward recomputes primal values), so each gets its own.
-    fresh = relax.utils.copy_with_new_vars
+    fresh = copy_with_fresh_vars
     infer = fresh(a.primal[names.MAIN]).with_attr("global_symbol", names.FORWARD_INFER)
     mod = tvm.IRModule({names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer,
                         names.BACKWARD: fresh(halves.backward)})
@@ -241,15 +256,10 @@ class CompiledModule:
     executable: tvm.runtime.Executable = field(repr=False)
     compile_seconds: dict[str, float] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
+    sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at the compiled sample
     _pool: list[relax.VirtualMachine] = field(default_factory=list, repr=False)
     _pool_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _instrument: Callable | None = field(default=None, repr=False)
-
-    @functools.cached_property
-    def output_meta(self) -> list[tuple[list[int], torch.dtype]]:
-        """Shape and dtype of each output (for the zero gradient of an unused output)."""
-        fields = self.split.forward.ret_ty.fields[: self.num_outputs]
-        return [([int(d) for d in ty.shape], torch_dtype(ty.dtype)) for ty in fields]
 
     @property
     def num_outputs(self) -> int:
@@ -314,23 +324,26 @@ def compile_training(
     options: CompileOptions | None = None,
     *,
     device: torch.device | None = None,
+    dynamic: dict[int, frozenset[int]] | None = None,
     **overrides: Any,
 ) -> CompiledModule:
     """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``.
 
     ``options`` (default :class:`CompileOptions()`) with keyword ``overrides`` of its fields
-    (``capture="all"``, ``memory_budget=0.3``, ...). Every failure is a ``ConversionError``
-    naming the stage.
+    (``capture="all"``, ``memory_budget=0.3``, ...). ``dynamic`` marks dims of the call's tensors
+    (by position among them) to compile symbolically: one executable for every size there.
+    Every failure is a ``ConversionError`` naming the stage.
     """
     opts = with_overrides(options, overrides)
     args = args if isinstance(args, tuple) else (args,)
-    start = Artifacts(module=module, args=args, kwargs=dict(kwargs or {}), options=opts, device=device)
+    start = Artifacts(module=module, args=args, kwargs=dict(kwargs or {}), options=opts, device=device,
+                      dynamic=dynamic)
     done, shown, seconds = run_stages(start)
     return CompiledModule(
         traced=done.traced, device=done.device, options=opts, random_sites=list(done.random_sites),
         num_index_checks=done.num_index_checks,
         grad_param_indices=list(done.grad_param_indices), differentiable=done.gradient.differentiable,
         adjoint=done.gradient.adjoint, split=done.split, executable=done.executable,
-        compile_seconds=seconds, stages=shown,
+        compile_seconds=seconds, stages=shown, sizes=dict(done.sizes),
     )
 

@@ -46,7 +46,10 @@ def test_no_sample_compiles_on_first_call_and_every_shape_after():
         for batch in (4, 7, 4, 7, 1):
             _same_step(m, ref, (torch.randn(batch, 16),))
     d = m._tvm_dispatch
-    assert [v.calls for v in d.variants] == [2, 2, 1] and d.calls_fallback == 0
+    # 7 compiles a variant symbolic in the batch, which the later 4 and 7 use (the last variant
+    # used is tried first); 1 is outside its range (export specializes sizes 0 and 1)
+    assert [v.calls for v in d.variants] == [1, 3, 1] and d.calls_fallback == 0
+    assert [v.symbolic for v in d.variants] == [False, True, False]
     assert d.variants[0].why == "first call" and "x dim 0 is 7, compiled for 4" in d.variants[1].why
     text = d.explain()
     assert "variant 3 (train: x (1, 16) float32): 1 calls" in text
@@ -89,7 +92,7 @@ def test_concurrent_calls_with_new_shapes_compile_each_once():
     torch.manual_seed(0)
     m = Block().eval()
     ref = clone_module(m)
-    add_tvm_dispatch(m, (torch.randn(4, 16),))
+    add_tvm_dispatch(m, (torch.randn(4, 16),), dynamic=False)  # a variant per shape: more compiles to race
     inputs = {b: torch.randn(b, 16) for b in (4, 5, 6, 7)}
     with torch.no_grad():
         want = {b: ref(x) for b, x in inputs.items()}
@@ -194,3 +197,90 @@ def test_bert_encoder_called_by_bert_model_runs_compiled():
         warnings.simplefilter("error")
         model(input_ids=ids)
     assert len(model.encoder._tvm_dispatch.variants) == 1 and model.encoder._tvm_dispatch.calls_tvm == 1
+
+
+# --- symbolic dimensions -------------------------------------------------------------------------
+def _bert_layer():
+    from analysis.models import bert_layer
+
+    torch.manual_seed(0)
+    return bert_layer(64, 4, 128)
+
+
+def _bert_call(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from analysis.models import bert_layer_inputs
+
+    return bert_layer_inputs(batch, seq, 64)
+
+
+def test_dynamic_padding_loop_compiles_twice_and_matches_pytorch():
+    """Every batch padded to its longest sequence: the second length compiles one symbolic
+    variant that serves every later length; outputs, masks and every gradient are PyTorch's."""
+    m = _bert_layer()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, _bert_call(2, 10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        for seq in (10, 7, 12, 5, 16, 9):
+            _same_step(m, ref, _bert_call(2, seq), tol=2e-5)
+    d = m._tvm_dispatch
+    assert len(d.variants) == 2 and d.calls_fallback == 0, d.explain()
+    assert d.variants[1].symbolic and not d.variants[0].symbolic
+    assert [v.calls for v in d.variants] == [1, 5]
+    assert "symbolic in (2, s" in d.variants[1].why
+
+
+def test_symbolic_guard_checks_relations_and_ranges():
+    m = _bert_layer().eval()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, _bert_call(2, 10))
+    _same_step(m, ref, _bert_call(3, 12))  # batch and length differ: both symbolic
+    d = m._tvm_dispatch
+    assert d.variants[1].symbolic and len(d.variants) == 2
+    x, _ = _bert_call(2, 9)
+    _, mask = _bert_call(2, 11)  # a mask of another length: no compiled code fits, PyTorch says why
+    with pytest.raises(RuntimeError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m(x, mask)
+    _same_step(m, ref, _bert_call(2, 1))  # length 1 is outside the symbolic range [2, ...]
+    assert "outside the compiled range" in d.variants[-1].why
+
+
+def test_marked_dynamic_dims_compile_symbolic_from_the_first_call():
+    m = _bert_layer()
+    ref = clone_module(m)
+    dyn = {"hidden_states": {1: "seq"}, "attention_mask": {3: "seq"}}
+    add_tvm_dispatch(m, _bert_call(2, 10), dynamic=dyn)
+    for seq in (10, 13, 6):
+        _same_step(m, ref, _bert_call(2, seq), tol=2e-5)
+    assert len(m._tvm_dispatch.variants) == 1 and m._tvm_dispatch.variants[0].symbolic
+    with pytest.raises(ConversionError, match="not tensor arguments"):
+        add_tvm_dispatch(_bert_layer(), _bert_call(2, 10), dynamic={"hidden": {1: "seq"}})
+
+
+def test_dynamic_false_compiles_exact_shapes():
+    torch.manual_seed(0)
+    m = Block()
+    add_tvm_dispatch(m, (torch.randn(4, 16),), dynamic=False)
+    m(torch.randn(5, 16))
+    m(torch.randn(6, 16))
+    assert len(m._tvm_dispatch.variants) == 3 and not any(v.symbolic for v in m._tvm_dispatch.variants)
+    with pytest.raises(ValueError, match="option dynamic"):
+        add_tvm_dispatch(Block(), dynamic="yes")
+
+
+def test_a_failing_symbolic_compile_falls_back_to_exact_shapes():
+    """BatchNorm in train mode needs its element count: a symbolic batch is refused, so each
+    size compiles exactly (and the symbolic compile is not tried again)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU()).train()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(4, 8),))
+    for batch in (5, 6):
+        _same_step(m, ref, (torch.randn(batch, 8),))
+    d = m._tvm_dispatch
+    assert d.dynamic_failure is not None and "batch_norm" in str(d.dynamic_failure)
+    assert len(d.variants) == 3 and not any(v.symbolic for v in d.variants)
+    assert "a symbolic compile failed" in d.variants[1].why and "symbolic" not in d.variants[2].why
+    for (name, a), b in zip(m.named_buffers(), ref.buffers()):
+        assert torch.allclose(a.float(), b.float(), atol=1e-6), name

@@ -30,7 +30,8 @@ class _Float32FastMath(FastMathCodeGenerator._cls):
         name = getattr(call.op, "name", "")
         if name in ("relax.exp", "relax.erf", "relax.tanh", "relax.nn.softmax", "relax.nn.gelu"):
             x = call.args[0]
-            if str(x.ty.dtype) == "float32":
+            # TE needs the shape written out (a symbolic value may carry only a shape variable)
+            if str(x.ty.dtype) == "float32" and isinstance(x.ty.shape, relax.ShapeExpr):
                 if name == "relax.nn.gelu":
                     return self.builder_.call_te(_gelu_fast, x)
                 return super().visit_call_(call)

@@ -11,7 +11,7 @@ learned is kept in :class:`TracedModule` for the guard and the runtime.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,6 +75,12 @@ class TracedModule:
     state: ModuleState
     num_user_outputs: int
     updated_buffers: tuple[str, ...]  # state names whose new values follow the user outputs
+    input_dims: tuple[tuple[int | str, ...], ...] = ()  # per user tensor: ints, symbols where dynamic
+    ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
+
+    @property
+    def symbolic(self) -> bool:
+        return any(isinstance(d, str) for dims in self.input_dims for d in dims)
 
 
 class _Seen:
@@ -116,12 +122,24 @@ class FlatCall(torch.nn.Module):
         return (*out_leaves, *(values[n] for n in self.updated))
 
 
-def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple) -> ExportedProgram:
+def _dynamic_shapes(num_inputs: int, dynamic: dict[int, frozenset[int]]) -> tuple | None:
+    """torch.export's ``dynamic_shapes`` for ``FlatCall(*tensors)``: ``Dim.AUTO`` on the marked
+    dims of the call's tensors (export then derives the relations between them, and keeps a dim
+    static where the program needs it), every other dim static."""
+    if not dynamic:
+        return None
+    auto = torch.export.Dim.AUTO
+    return (tuple({d: auto for d in sorted(dynamic[i])} if i in dynamic else None for i in range(num_inputs)),)
+
+
+def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
+            dynamic: dict[int, frozenset[int]] | None = None) -> ExportedProgram:
     with warnings.catch_warnings():
         # torch.export deep-copies tree specs and trips torch's own LeafSpec deprecation
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
-            return torch.export.export(flat, args=inputs, strict=False)
+            return torch.export.export(flat, args=inputs, strict=False,
+                                       dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {}))
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}"
@@ -150,19 +168,21 @@ def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
             ) from exc
 
 
-def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> TracedModule:
-    """Export ``module`` for one call and decompose to core ATen (the form that is converted)."""
+def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+          dynamic: dict[int, frozenset[int]] | None = None) -> TracedModule:
+    """Export ``module`` for one call and decompose to core ATen (the form that is converted).
+    ``dynamic`` marks dims of the call's tensors (by position among them) to trace symbolically."""
     call_args, call_kwargs = canonical_call(module.forward, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     state = ModuleState.of(module)
     inputs = tensors + tuple(t.detach() for t in state.lookup(module))
     flat = FlatCall(module, in_spec, leaves, state)
-    ep = _decompose(module, _export(module, flat, inputs))
+    ep = _decompose(module, _export(module, flat, inputs, dynamic))
     updated = _updated_buffers(ep, len(tensors), state)
     if updated:  # again, updating clones: their new values become ordinary outputs
         flat = FlatCall(module, in_spec, leaves, state, updated)
-        ep = _decompose(module, _export(module, flat, inputs))
+        ep = _decompose(module, _export(module, flat, inputs, dynamic))
     num_outputs = _check_outputs(ep)
     user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     if len(user_inputs) != len(inputs) or len(ep.graph_signature.input_specs) != len(inputs):
@@ -174,8 +194,28 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> T
         exported=ep, in_spec=in_spec, out_spec=flat.seen.out_spec,
         constant_leaves={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
         num_user_inputs=len(tensors), state=state, num_user_outputs=num_outputs - len(updated),
-        updated_buffers=updated,
+        updated_buffers=updated, input_dims=_input_dims(ep, len(tensors)), ranges=_ranges(ep),
     )
+
+
+def _ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
+    """Each shape symbol's range as export derived it (``None``: no upper bound)."""
+    import math
+
+    out = {}
+    for symbol, vr in ep.range_constraints.items():
+        upper = float(vr.upper)
+        out[str(symbol)] = (int(vr.lower), None if math.isinf(upper) else int(upper))
+    return out
+
+
+def _input_dims(ep: ExportedProgram, num_user: int) -> tuple[tuple[int | str, ...], ...]:
+    """Per user tensor input, its dims as traced: an int, or the symbol's expression as text
+    (``s0``; relations show as shared symbols or expressions such as ``2*s0``)."""
+    dims = []
+    for node in list(ep.graph.find_nodes(op="placeholder"))[:num_user]:
+        dims.append(tuple(int(d) if isinstance(d, int) else str(d.node.expr) for d in node.meta["val"].shape))
+    return tuple(dims)
 
 
 def _updated_buffers(ep: ExportedProgram, num_user: int, state: ModuleState) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ for training, and makes every other failure name its aten op:
 from __future__ import annotations
 
 import math
+import dataclasses
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,7 +36,7 @@ from tvm.relax.op.grad import no_grad
 
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError, stage_errors
-from ..ir import only_dataflow_block, rebuild
+from ..ir import only_dataflow_block, rebuild, static_shape
 from ..kernels.barrier import BARRIER
 from .export import TracedModule
 
@@ -52,9 +54,25 @@ _SHAPE_ONLY_RANDOM = {
 class TensorMeta:
     """Shape, strides and dtype of a tensor argument of a random op (its values are not used)."""
 
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+    shape: tuple[int | str, ...]
+    stride: tuple[int | str, ...]
     dtype: torch.dtype
+
+    def bind(self, sizes: dict[str, int]) -> TensorMeta:
+        return TensorMeta(evaluate_dims(self.shape, sizes), evaluate_dims(self.stride, sizes), self.dtype)
+
+
+def evaluate_dims(dims: tuple[int | str, ...], sizes: dict[str, int]) -> tuple[int, ...]:
+    """Traced sizes at a call's symbol values."""
+    key = tuple(sorted(sizes.items()))
+    return tuple(d if isinstance(d, int) else _evaluate(d, key) for d in dims)
+
+
+@functools.lru_cache(maxsize=4096)
+def _evaluate(expr: str, sizes: tuple[tuple[str, int], ...]) -> int:
+    import sympy
+
+    return int(sympy.sympify(expr).subs(dict(sizes)))
 
 
 @dataclass(frozen=True)
@@ -66,13 +84,27 @@ class RandomSite:
     :class:`TensorMeta` argument replaced by an empty tensor of that layout."""
 
     kind: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
+    shape: tuple[int | str, ...]  # a symbolic size as its expression's text (``s0``)
+    stride: tuple[int | str, ...]
     dtype: torch.dtype
     p: float = 0.0
     op: Any = None
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+
+    @property
+    def symbolic(self) -> bool:
+        metas = [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, TensorMeta)]
+        return any(isinstance(d, str) for d in (*self.shape, *self.stride, *(x for m in metas for x in m.shape)))
+
+    def bind(self, sizes: dict[str, int]) -> RandomSite:
+        """This site at the call's sizes (``sizes``: symbol name -> size)."""
+        if not self.symbolic:
+            return self
+        args = tuple(a.bind(sizes) if isinstance(a, TensorMeta) else a for a in self.args)
+        kwargs = {k: v.bind(sizes) if isinstance(v, TensorMeta) else v for k, v in self.kwargs.items()}
+        return dataclasses.replace(self, shape=evaluate_dims(self.shape, sizes),
+                                   stride=evaluate_dims(self.stride, sizes), args=args, kwargs=kwargs)
 
 
 @dataclass(frozen=True)
@@ -94,13 +126,41 @@ def is_train_dropout(node: torch.fx.Node) -> bool:
     return bool(train) and p > 0.0
 
 
+def _dims(values: Any) -> tuple[int | str, ...]:
+    """Sizes or strides as traced: ints, and the expression of a symbolic one as text (``s0``),
+    which the runtime evaluates with the call's sizes."""
+    return tuple(int(v) if isinstance(v, int) else str(v.node.expr) for v in values)
+
+
 def _meta(value: Any) -> Any:
     if isinstance(value, torch.fx.Node):
         v = value.meta.get("val")
         if not isinstance(v, torch.Tensor):
             raise ConversionError("convert", f"random op argument {value} is not a tensor")
-        return TensorMeta(tuple(v.shape), tuple(v.stride()), v.dtype)
+        return TensorMeta(_dims(v.shape), _dims(v.stride()), v.dtype)
+    if isinstance(value, torch.SymInt) or (
+            isinstance(value, (list, tuple)) and any(isinstance(v, torch.SymInt) for v in value)):
+        raise UnsupportedOpError("convert", "a random op with a symbolic size argument", op="random")
     return value
+
+
+def sympy_to_tir(expr: Any, symbols: dict[str, tvm.tirx.Var]) -> tvm.tirx.PrimExpr:
+    """A size expression of torch's shape environment as TIR over the frontend's shape vars."""
+    import sympy
+
+    if isinstance(expr, sympy.Integer):
+        return tvm.tirx.IntImm("int64", int(expr))
+    if isinstance(expr, sympy.Symbol):
+        if str(expr) not in symbols:
+            raise UnsupportedOpError("convert", f"the size {expr} is not a dimension of an input", op="shape")
+        return symbols[str(expr)]
+    if isinstance(expr, (sympy.Add, sympy.Mul)):
+        parts = [sympy_to_tir(a, symbols) for a in expr.args]
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part if isinstance(expr, sympy.Add) else out * part
+        return out
+    raise UnsupportedOpError("convert", f"the symbolic size {expr} (only sums and products of input dims)", op="shape")
 
 
 def _uses_of_item(node: torch.fx.Node, index: int) -> list[torch.fx.Node]:
@@ -114,6 +174,21 @@ class BridgeImporter(ExportedProgramImporter):
         super().__init__()
         self.random_sites: list[RandomSite] = []
         self.index_checks: list[relax.Expr] = []
+        self.symbols: dict[str, tvm.tirx.Var] = {}  # torch's shape symbols as the frontend named them
+
+    def create_input_vars(self, exported_program: ExportedProgram) -> tuple:
+        made = super().create_input_vars(exported_program)
+        for var in [*made[0].values(), *made[1].values()]:
+            for dim in var.ty.shape:
+                if isinstance(dim, tvm.tirx.Var):
+                    self.symbols[dim.name] = dim
+        return made
+
+    def prim(self, dim: int | torch.SymInt) -> int | tvm.tirx.PrimExpr:
+        """A traced dimension as Relax writes it: an int, or the TIR expression of its symbol."""
+        if isinstance(dim, int):
+            return dim
+        return sympy_to_tir(dim.node.expr, self.symbols)
 
     def create_convert_map(self) -> dict[str, Callable]:
         table = super().create_convert_map()
@@ -145,13 +220,13 @@ class BridgeImporter(ExportedProgramImporter):
         return convert
 
     # --- randomness: a per-call input for every random value ------------------------------------
-    def random_input(self, site: RandomSite, dtype: str) -> relax.Var:
+    def random_input(self, site: RandomSite, dtype: str, shape: list) -> relax.Var:
         """A marker for the ``len(random_sites)``-th random input (``passes.random`` makes it a
         function parameter)."""
         index = len(self.random_sites)
         self.random_sites.append(site)
         return self.block_builder.emit(relax.op.call_pure_packed(
-            names.RANDOM_SITE, relax.prim_value(index), ty_args=relax.TensorType(site.shape, dtype)))
+            names.RANDOM_SITE, relax.prim_value(index), ty_args=relax.TensorType(shape, dtype)))
 
     def convert_random(self, node: torch.fx.Node) -> relax.Var:
         """Any other random op: replayed per call when its tensor arguments give only a layout."""
@@ -162,10 +237,10 @@ class BridgeImporter(ExportedProgramImporter):
                 "convert", f"random op {name} draws from values the module computes; only random ops "
                 "whose tensor arguments give a shape can become per-call inputs (use fallback=True)", op=name)
         val = node.meta["val"]
-        site = RandomSite("op", tuple(val.shape), tuple(val.stride()), val.dtype, op=node.target,
+        site = RandomSite("op", _dims(val.shape), _dims(val.stride()), val.dtype, op=node.target,
                           args=tuple(_meta(a) for a in node.args),
                           kwargs={k: _meta(v) for k, v in node.kwargs.items()})
-        return self.random_input(site, str(val.dtype).removeprefix("torch."))
+        return self.random_input(site, str(val.dtype).removeprefix("torch."), [self.prim(d) for d in val.shape])
 
     def _dropout_expr(self, node: torch.fx.Node) -> relax.Expr:
         x = self.env[node.args[0]]
@@ -174,8 +249,8 @@ class BridgeImporter(ExportedProgramImporter):
         if _uses_of_item(node, 1) and node.target.__name__ == "native_dropout.default":
             raise UnsupportedOpError("convert", "the boolean mask output of native_dropout is used", op="native_dropout")
         val = node.args[0].meta["val"]
-        site = RandomSite("dropout", tuple(val.shape), tuple(val.stride()), val.dtype, p=float(node.args[1]))
-        mask = self.random_input(site, str(x.ty.dtype))
+        site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(node.args[1]))
+        mask = self.random_input(site, str(x.ty.dtype), list(x.ty.shape))
         return self.block_builder.emit(relax.op.multiply(x, mask))
 
     def _dropout_value(self, node: torch.fx.Node) -> relax.Expr:
@@ -246,7 +321,9 @@ class BridgeImporter(ExportedProgramImporter):
         ``var_sum/n``. Returns ``(mean, var_sum, invstd, n)``."""
         bb = self.block_builder
         dtype = str(x.ty.dtype)
-        shape = [int(s) for s in x.ty.shape]
+        shape = static_shape(x)
+        if shape is None:
+            raise UnsupportedOpError("convert", "batch_norm in train mode over a dynamic dimension", op="batch_norm")
         axes = [0] + list(range(2, len(shape)))
         count = math.prod(shape[a] for a in axes)
         total = relax.op.sum(relax.op.astype(x, "float64"), axis=axes)  # sum / n: mean() scales by 1/n
@@ -332,8 +409,7 @@ class BridgeImporter(ExportedProgramImporter):
             keep = bb.emit(relax.op.expand_dims(keep, axis=1))
             drop = bb.emit(relax.op.subtract(relax.const(1.0, dtype), keep))
             out = bb.emit(relax.op.add(relax.op.multiply(out, keep), relax.op.multiply(no_grad(out), drop)))
-        shape = [int(s) for s in indices.ty.shape] + [int(weight.ty.shape[1])]
-        return bb.emit(relax.op.reshape(out, shape))
+        return bb.emit(relax.op.reshape(out, list(indices.ty.shape) + [weight.ty.shape[1]]))
 
     # --- pooling: what the frontend would ignore -------------------------------------------------
     def _avg_pool2d_checked(self, node: torch.fx.Node) -> relax.Expr:

@@ -16,6 +16,7 @@ from tvm import relax
 
 from .. import names
 from ..errors import ConversionError
+from ..ir import shape_at
 from ..passes.gradient import GradientResult
 
 
@@ -72,18 +73,18 @@ def op_name(value: relax.Expr) -> str:
 
 
 def free_vars(value: relax.Expr) -> list[relax.Var]:
-    return list(relax.analysis.free_vars(value))
+    """The Relax variables an expression reads (not the TIR shape variables it mentions)."""
+    return [v for v in relax.analysis.free_vars(value) if not tvm.ir.is_prim_var(v)]
 
 
-def tensor_info(var: relax.Expr) -> tuple[tuple[int, ...] | None, str | None, int]:
-    """``(shape, dtype, bytes)`` of a tensor with a static shape; ``(None, dtype or None, 0)``
-    otherwise."""
+def tensor_info(var: relax.Expr, sizes: dict[str, int] | None = None) -> tuple[tuple[int, ...] | None, str | None, int]:
+    """``(shape, dtype, bytes)`` of a tensor, symbolic dims taken at ``sizes`` (the sizes the
+    compile was asked for); ``(None, dtype or None, 0)`` where there is no shape."""
     ty = var.ty
     if not (isinstance(ty, relax.TensorType) and ty.shape is not None):
         return None, None, 0
-    try:
-        shape = tuple(int(s) for s in ty.shape)
-    except (TypeError, ValueError):
+    shape = shape_at(var, sizes or {})
+    if shape is None:
         return None, str(ty.dtype), 0
     dt = tvm.DataType(str(ty.dtype))
     return shape, str(ty.dtype), math.prod(shape) * max(1, dt.bits * dt.lanes // 8)
@@ -117,17 +118,17 @@ def count_primal_bindings(primal: relax.Function, adjoint: relax.Function) -> in
     return j
 
 
-def joint_graph(grad: GradientResult, num_primal_bindings: int) -> JointGraph:
+def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str, int] | None = None) -> JointGraph:
     """Describe the adjoint for a capture policy; the first ``num_primal_bindings`` bindings are
-    the forward part."""
+    the forward part; symbolic sizes are costed at ``sizes``."""
     adj = grad.adjoint
     keys = value_keys(adj)
     nodes: dict[str, JointNode] = {}
     for p in adj.params:
-        shape, dtype, nbytes = tensor_info(p)
+        shape, dtype, nbytes = tensor_info(p, sizes)
         nodes[keys[p]] = JointNode(keys[p], "param", [], shape, dtype, nbytes, is_forward=True, is_param=True)
     for i, b in enumerate(adj.body.blocks[0].bindings):
-        shape, dtype, nbytes = tensor_info(b.var)
+        shape, dtype, nbytes = tensor_info(b.var, sizes)
         k = keys[b.var]
         nodes[k] = JointNode(
             k, op_name(b.value), [keys[v] for v in free_vars(b.value)], shape, dtype, nbytes,

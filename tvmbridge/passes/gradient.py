@@ -20,7 +20,7 @@ from tvm.relax.op.grad import no_grad
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError
 from . import gradients  # noqa: F401 - registers the bridge's gradients with TVM
-from ..ir import binding_map, only_dataflow_block, rebuild
+from ..ir import binding_map, lift_symbolic_shapes, only_dataflow_block, rebuild, restore_symbolic_shapes
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,8 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.F
 def build_adjoint(func: relax.Function, grad_param_indices: list[int], differentiable: list[bool]) -> GradientResult:
     """Differentiate ``func`` w.r.t. the params at ``grad_param_indices``; ``differentiable``
     says which outputs receive a gradient."""
-    mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: with_vjp_target(func, differentiable)}))
+    lifted_func, lifted = lift_symbolic_shapes(func)
+    mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: with_vjp_target(lifted_func, differentiable)}))
     require = [mod[names.MAIN].params[i] for i in grad_param_indices]
     try:
         mod = relax.transform.Gradient(names.MAIN, require_grads=require, target_index=0)(mod)
@@ -96,7 +97,7 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
             "register a gradient with tvm.relax.op.register_gradient or use fallback=True",
             op=_op_named_in(msg),
         ) from exc
-    adjoint = mod[names.ADJOINT]
+    adjoint = restore_symbolic_shapes(mod[names.ADJOINT], lifted)
     return GradientResult(
         adjoint=adjoint, num_primal_params=len(func.params),
         grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),

@@ -36,7 +36,8 @@ from .function import Call, TVMFunction, infer
 from .guards import Mismatch
 from .locks import TRACING
 from .random import draw
-from .variants import Variant, call_device_type, call_key, empty_input
+from .variants import (Variant, call_device_type, call_key, changed_dims, describe_dims, empty_input,
+                       marked_dims)
 
 if TYPE_CHECKING:
     from .report import CaptureReport
@@ -82,6 +83,7 @@ class Dispatcher:
         self.fallback_reasons: collections.Counter[str] = collections.Counter()
         self.last_decision = "not called yet"
         self._last = 0  # the variant the last compiled call ran: tried first
+        self.dynamic_failure: ConversionError | None = None  # why a symbolic compile failed
         self._warned: set[str] = set()
         self._lock = threading.Lock()  # counters and the warned set
         self._eager = threading.local()
@@ -116,20 +118,45 @@ class Dispatcher:
         for variant in self.variants:
             if variant.fit(self.module, self.signature, args, kwargs)[1] is None:
                 return variant
-        return self._compile_variant(args, kwargs, "compiled ahead of time")
+        return self._compile_variant(args, kwargs, "compiled ahead of time", self._dynamic_dims(args, kwargs))
 
-    def _compile_variant(self, args: tuple, kwargs: dict, why: str) -> Variant:
+    def _compile_variant(self, args: tuple, kwargs: dict, why: str,
+                         dynamic: dict[int, frozenset[int]] | None = None) -> Variant:
         with TRACING.writing():
             for variant in self.variants:  # another thread may have compiled it meanwhile
                 if variant.fit(self.module, self.signature, args, kwargs)[1] is None:
                     return variant
-            compiled = compile_training(self.module, args, kwargs, self.options)
+            compiled = None
+            if dynamic:
+                try:
+                    compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic)
+                    why += f"; symbolic in {describe_dims(compiled.traced)}"
+                except ConversionError as exc:  # exact shapes then: slower to cover, never wrong
+                    self.dynamic_failure = exc
+                    why += f"; a symbolic compile failed ({exc}), compiled for this shape"
+            if compiled is None:
+                compiled = compile_training(self.module, args, kwargs, self.options)
             variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), why)
             self.variants = (*self.variants, variant)
         if self.options.verbose:
             print(f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {why}): "
                   f"{compiled.summary()}")
         return variant
+
+    def _dynamic_dims(self, args: tuple, kwargs: dict) -> dict[int, frozenset[int]] | None:
+        """Which dims of the call's tensors to compile symbolically: those the user marked, or
+        (``dynamic="auto"``) those in which the call differs from a variant of its kind, unless a
+        symbolic compile of this module failed before."""
+        choice = self.options.dynamic
+        if choice is False or (choice == "auto" and getattr(self, "dynamic_failure", None) is not None):
+            return None
+        if isinstance(choice, dict):
+            return marked_dims(self.signature, args, kwargs, choice)
+        for variant in reversed(self.variants):
+            dims = changed_dims(variant, self.signature, args, kwargs)
+            if dims:
+                return dims
+        return None
 
     def _uninstall(self) -> None:
         if self.instance_forward is None:
@@ -151,20 +178,20 @@ class Dispatcher:
             return self.original_forward(*args, **kwargs)
         with TRACING.reading():
             reason = self._unfit_anywhere(args, kwargs)
-            variant = tensors = None
+            variant = fitted = None
             if reason is None:
-                variant, tensors, reason = self._select(args, kwargs)
+                variant, fitted, reason = self._select(args, kwargs)
         if variant is None and reason is not None and not reason.recompile:
             return self._fallback(reason, args, kwargs)
         if variant is None:
-            variant, tensors, reason = self._compile_for_call(args, kwargs, reason)
+            variant, fitted, reason = self._compile_for_call(args, kwargs, reason)
             if variant is None:
                 return self._fallback(reason, args, kwargs)
         with self._lock:
             self.calls_tvm += 1
             variant.calls += 1
         self.last_decision = f"ran the compiled code (variant {self.variants.index(variant) + 1}: {variant.label})"
-        return self._run(variant.compiled, tensors)
+        return self._run(variant.compiled, fitted.tensors, fitted.sizes)
 
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
 
@@ -189,10 +216,10 @@ class Dispatcher:
         last = min(self._last, len(variants) - 1)
         closest = None
         for i in (last, *(j for j in range(len(variants)) if j != last)):
-            tensors, reason, inputs_fit = variants[i].fit_detail(self.module, self.signature, args, kwargs)
+            fitted, reason, inputs_fit = variants[i].fit_detail(self.module, self.signature, args, kwargs)
             if reason is None:
                 self._last = i
-                return variants[i], tensors, None
+                return variants[i], fitted, None
             if not reason.recompile:  # hooks and the like: no other variant fits either
                 return None, None, reason
             if closest is None or (inputs_fit and not closest[1]):
@@ -223,7 +250,8 @@ class Dispatcher:
                           "way, pass that call as the sample to compile once", RecompileWarning,
                           stacklevel=_caller_stacklevel())
         try:
-            variant = self._compile_variant(args, kwargs, reason.message if reason else "first call")
+            dynamic = self._dynamic_dims(args, kwargs)
+            variant = self._compile_variant(args, kwargs, reason.message if reason else "first call", dynamic)
         except ConversionError as exc:
             if not self.variants and not self.options.fallback:
                 raise
@@ -231,13 +259,17 @@ class Dispatcher:
                                           f"compiling a variant for this call failed: {exc}", recompile=False)
             return None, None, self.failures[key]
         with TRACING.reading():
-            tensors, unfit = variant.fit(self.module, self.signature, args, kwargs)
-        return (variant, tensors, None) if unfit is None else (None, None, unfit)
+            fitted, unfit, _ = variant.fit_detail(self.module, self.signature, args, kwargs)
+        if unfit is not None:
+            return None, None, unfit
+        self._last = self.variants.index(variant)
+        return variant, fitted, None
 
-    def _run(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> Any:
+    def _run(self, compiled: CompiledModule, tensors: list[torch.Tensor], sizes: dict[str, int]) -> Any:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         rng = self._rng_states(compiled) if needs_grad and compiled.random_sites else None
-        randoms = draw(compiled.random_sites, compiled.device, compiled.options.mask_kernel)
+        sites = [site.bind(sizes) for site in compiled.random_sites] if sizes else compiled.random_sites
+        randoms = draw(sites, compiled.device, compiled.options.mask_kernel)
         if needs_grad:
             eager = functools.partial(self._eager_outputs, compiled)
             outs = TVMFunction.apply(Call(compiled, randoms, eager, rng), *tensors)

@@ -79,6 +79,7 @@ class TVMFunction(torch.autograd.Function):
         ctx.call = call
         ctx.inputs = list(tensors)
         ctx.versions = [t._version for t in tensors]
+        ctx.output_meta = [(o.shape, o.dtype) for o in outputs]  # this call's sizes (a variant may be symbolic)
         ctx.mark_non_differentiable(*[o for o, d in zip(outputs, compiled.differentiable) if not d])
         return tuple(outputs)
 
@@ -88,7 +89,7 @@ class TVMFunction(torch.autograd.Function):
             return (None, *_eager_vjp(ctx, grad_outputs))
         compiled: CompiledModule = ctx.call.compiled
         grads_in = []
-        for g, (shape, dtype), d in zip(grad_outputs, compiled.output_meta, compiled.differentiable):
+        for g, (shape, dtype), d in zip(grad_outputs, ctx.output_meta, compiled.differentiable):
             if d:
                 grads_in.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=compiled.device))
         saved = ctx.saved_tensors[: ctx.num_saved]  # unpacking all of them checks their versions

@@ -75,17 +75,20 @@ class InputGuard:
     """The call's structure, tensor metadata and non-tensor values, as compiled."""
 
     def __init__(self, leaves: list[Any], spec: pytree.TreeSpec, labels: list[str], call: tuple[tuple, dict],
-                 positional: int | None) -> None:
+                 positional: int | None, dims: SymbolicDims | None = None) -> None:
         self.spec = spec
         self.labels = labels
         self.num_args, self.kwargs = len(call[0]), dict(call[1])
         self.positional = positional  # a call of this many tensors, no keywords, is the compiled form
         self.keys = [tensor_key(x) if isinstance(x, torch.Tensor) else None for x in leaves]
         self.constants = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+        self.dims = dims if dims is not None and dims.symbolic else None
+        if self.dims is not None:
+            self.dims.attach([i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)])
 
     def fast(self, args: tuple, kwargs: dict) -> bool:
         """A plain positional call of tensors that fits (no signature binding needed)."""
-        if kwargs or self.positional is None or len(args) != self.positional:
+        if kwargs or self.positional is None or len(args) != self.positional or self.dims is not None:
             return False
         for x, (shape, dtype, device) in zip(args, self.keys):
             if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device != device:
@@ -108,9 +111,13 @@ class InputGuard:
                                 "its default", structural=True)
         return Mismatch("call structure", "the nesting of tuples/lists/dicts in the arguments differs from the compiled call")
 
-    def check(self, leaves: list[Any], spec: pytree.TreeSpec, call: tuple[tuple, dict]) -> Mismatch | None:
+    def check(self, leaves: list[Any], spec: pytree.TreeSpec, call: tuple[tuple, dict],
+              sizes: dict[str, int] | None = None) -> Mismatch | None:
+        """Why the call does not fit, or None; a symbolic variant's sizes go into ``sizes``."""
         if spec != self.spec:
             return self.structure(call)
+        if self.dims is not None:
+            return self.dims.check(leaves, self.labels, self.keys, self.constants, sizes if sizes is not None else {})
         for i, x in enumerate(leaves):
             want = self.keys[i]
             if want is None:
@@ -121,6 +128,71 @@ class InputGuard:
                 return Mismatch(f"{self.labels[i]} type", f"{self.labels[i]} is a {type(x).__name__}, compiled for a tensor")
             elif tensor_key(x) != want:
                 return _describe_tensor_difference(self.labels[i], x, want)
+        return None
+
+
+class SymbolicDims:
+    """The dims of a symbolic variant's tensors: ints, or torch's symbol expressions (``s0``,
+    ``2*s0``) with the ranges export derived; a call fits when its sizes bind every symbol
+    consistently, within range."""
+
+    def __init__(self, dims: tuple[tuple[int | str, ...], ...], ranges: dict[str, tuple[int, int | None]]) -> None:
+        self.per_tensor = dims
+        self.ranges = ranges
+        self.leaf_dims: dict[int, tuple[int | str, ...]] = {}
+
+    @property
+    def symbolic(self) -> bool:
+        return any(isinstance(d, str) for dims in self.per_tensor for d in dims)
+
+    def attach(self, tensor_leaves: list[int]) -> None:
+        self.leaf_dims = dict(zip(tensor_leaves, self.per_tensor))
+
+    def check(self, leaves: list[Any], labels: list[str], keys: list, constants: dict,
+              sizes: dict[str, int]) -> Mismatch | None:
+        derived = []
+        for i, x in enumerate(leaves):
+            if keys[i] is None:
+                c = constants[i]
+                if isinstance(x, torch.Tensor) or not (x is c or (type(x) is type(c) and x == c)):
+                    return Mismatch(f"{labels[i]} value", f"{labels[i]} is {x!r}, compiled for {c!r}")
+                continue
+            if not isinstance(x, torch.Tensor):
+                return Mismatch(f"{labels[i]} type", f"{labels[i]} is a {type(x).__name__}, compiled for a tensor")
+            _, dtype, device = keys[i]
+            dims = self.leaf_dims[i]
+            if x.dim() != len(dims) or x.dtype != dtype or x.device != device:
+                return _describe_tensor_difference(labels[i], x, (tuple(1 for _ in dims), dtype, device))
+            for d, (want, got) in enumerate(zip(dims, x.shape)):
+                reason = self._bind(f"{labels[i]} dim {d}", want, int(got), sizes, derived)
+                if reason is not None:
+                    return reason
+        return self._check_derived(derived, sizes)
+
+    def _bind(self, what: str, want: int | str, got: int, sizes: dict[str, int], derived: list) -> Mismatch | None:
+        if isinstance(want, int):
+            return None if want == got else Mismatch(what, f"{what} is {got}, compiled for {want}")
+        if not want.isidentifier():
+            derived.append((what, want, got))
+            return None
+        if sizes.setdefault(want, got) != got:
+            return Mismatch(what, f"{what} is {got}, but the compiled code needs it equal to {want} = {sizes[want]}")
+        lower, upper = self.ranges.get(want, (0, None))
+        if got < lower or (upper is not None and got > upper):
+            return Mismatch(what, f"{what} is {got}, outside the compiled range [{lower}, {upper}] of {want}")
+        return None
+
+    @staticmethod
+    def _check_derived(derived: list, sizes: dict[str, int]) -> Mismatch | None:
+        from ..frontend.importer import evaluate_dims
+
+        for what, expr, got in derived:
+            try:
+                want = evaluate_dims((expr,), sizes)[0]
+            except (TypeError, ValueError):
+                return Mismatch(what, f"{what}: its size {expr} is not determined by the call")
+            if want != got:
+                return Mismatch(what, f"{what} is {got}, but the compiled code needs {expr} = {want}")
         return None
 
 

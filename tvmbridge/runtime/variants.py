@@ -21,7 +21,7 @@ from analysis.tensors import tensor_leaves
 from ..errors import ConversionError
 from ..frontend.signature import canonical_call
 from ..pipeline import CompiledModule
-from .guards import InputGuard, Mismatch, StateGuard, tensor_key
+from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, tensor_key
 
 
 def leaf_labels(cargs: tuple, ckwargs: dict) -> list[str]:
@@ -87,6 +87,15 @@ def empty_input(signature: inspect.Signature, args: tuple, kwargs: dict) -> Mism
     return None
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """A call that fits a variant: the tensors to pass (the call's, then the state's) and the
+    sizes of its symbolic dimensions (empty for a static variant)."""
+
+    tensors: list[torch.Tensor]
+    sizes: dict[str, int]
+
+
 @dataclass
 class Variant:
     """One compiled signature and its guards; ``why`` says what made the dispatcher compile it."""
@@ -104,42 +113,50 @@ class Variant:
         args, kwargs = call
         cargs, ckwargs = canonical_call(signature, args, kwargs)
         leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+        traced = compiled.traced
         input_guard = InputGuard(leaves, spec, leaf_labels(cargs, ckwargs), (cargs, ckwargs),
-                                 _positional_form(signature, args, kwargs, leaves))
+                                 _positional_form(signature, args, kwargs, leaves),
+                                 SymbolicDims(traced.input_dims, traced.ranges))
         n_user = compiled.traced.num_user_inputs
         with_grad = {i - n_user for i in compiled.grad_param_indices if i >= n_user}
         state_guard = StateGuard(module, compiled.traced.state, with_grad)
         return cls(compiled, input_guard, state_guard, describe_call(signature, args, kwargs, module), why)
 
+    @property
+    def symbolic(self) -> bool:
+        return self.compiled.traced.symbolic
+
     def fit(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple,
             kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
         """The call's tensors then the state's, if every guard passes; else the first reason."""
-        tensors, reason, _ = self.fit_detail(module, signature, args, kwargs)
-        return tensors, reason
+        fitted, reason, _ = self.fit_detail(module, signature, args, kwargs)
+        return (fitted.tensors if fitted else None), reason
 
     def fit_detail(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple,
-                   kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None, bool]:
-        """:meth:`fit`, and whether the call's own arguments fit (only the module's state differs)."""
+                   kwargs: dict) -> tuple[Fitted | None, Mismatch | None, bool]:
+        """The call's tensors (then the state's) and sizes if every guard passes, else the first
+        reason; and whether the call's own arguments fit (only the module's state differs)."""
+        sizes: dict[str, int] = {}
         if self.input_guard.fast(args, kwargs):
             user, reason = list(args), None
         else:
-            user, reason = self._bind(signature, args, kwargs)
+            user, reason = self._bind(signature, args, kwargs, sizes)
         if reason is not None:
             return None, reason, False
         reason = self.state_guard.check(module)
         if reason is not None:
             return None, reason, True
         state, reason = self.state_guard.tensors(module)
-        return (None, reason, True) if reason is not None else (user + state, None, True)
+        return (None, reason, True) if reason is not None else (Fitted(user + state, sizes), None, True)
 
-    def _bind(self, signature: inspect.Signature, args: tuple,
-              kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+    def _bind(self, signature: inspect.Signature, args: tuple, kwargs: dict,
+              sizes: dict[str, int]) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
         try:
             cargs, ckwargs = canonical_call(signature, args, kwargs)
         except ConversionError as exc:
             return None, Mismatch("signature", str(exc), recompile=False)
         leaves, spec = pytree.tree_flatten((cargs, ckwargs))
-        reason = self.input_guard.check(leaves, spec, (cargs, ckwargs))
+        reason = self.input_guard.check(leaves, spec, (cargs, ckwargs), sizes)
         return ([x for x in leaves if isinstance(x, torch.Tensor)], None) if reason is None else (None, reason)
 
 
@@ -150,3 +167,58 @@ def call_device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
     for t in module.parameters():
         return t.device.type
     return "cpu"
+
+
+def _call_tensors(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[list[str], list[torch.Tensor], Any]:
+    cargs, ckwargs = canonical_call(signature, args, kwargs)
+    leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+    labels = leaf_labels(cargs, ckwargs)
+    pairs = [(label, x) for label, x in zip(labels, leaves) if isinstance(x, torch.Tensor)]
+    return [p[0] for p in pairs], [p[1] for p in pairs], spec
+
+
+def changed_dims(variant: Variant, signature: inspect.Signature, args: tuple,
+                 kwargs: dict) -> dict[int, frozenset[int]] | None:
+    """The dims in which a call differs from ``variant``'s tensors (by position among the call's
+    tensors), the variant's symbolic dims included, when it differs in sizes only."""
+    try:
+        _, tensors, spec = _call_tensors(signature, args, kwargs)
+    except ConversionError:
+        return None
+    guard = variant.input_guard
+    keys = [k for k in guard.keys if k is not None]
+    if spec != guard.spec or len(keys) != len(tensors):
+        return None
+    dims: dict[int, frozenset[int]] = {}
+    traced_dims = variant.compiled.traced.input_dims
+    for j, (x, (shape, dtype, device)) in enumerate(zip(tensors, keys)):
+        if x.dim() != len(shape) or x.dtype != dtype or x.device != device:
+            return None
+        symbolic = {d for d, v in enumerate(traced_dims[j]) if isinstance(v, str)} if j < len(traced_dims) else set()
+        differ = {d for d, (a, b) in enumerate(zip(x.shape, shape)) if a != b} | symbolic
+        differ = {d for d in differ if x.shape[d] > 1}  # export specializes sizes 0 and 1 anyway
+        if differ:
+            dims[j] = frozenset(differ)
+    return dims or None
+
+
+def marked_dims(signature: inspect.Signature, args: tuple, kwargs: dict,
+                marks: dict[str, Any]) -> dict[int, frozenset[int]] | None:
+    """``dynamic={"hidden_states": {1: "seq"}}`` as dims by position among the call's tensors
+    (an argument is named as ``explain()`` labels it: its parameter name, or ``arg 0``)."""
+    labels, _, _ = _call_tensors(signature, args, kwargs)
+    unknown = sorted(set(marks) - set(labels))
+    if unknown:
+        raise ConversionError("inputs", f"dynamic names {unknown}, which are not tensor arguments of this call; "
+                              f"the call's tensors are {labels}")
+    _, tensors, _ = _call_tensors(signature, args, kwargs)
+    out = {}
+    for name, dims in marks.items():
+        j = labels.index(name)
+        out[j] = frozenset(int(d) % tensors[j].dim() for d in dims if tensors[j].shape[int(d)] > 1)
+    return {k: v for k, v in out.items() if v} or None
+
+
+def describe_dims(traced: Any) -> str:
+    """``hidden_states (s0, s1, 64)``-style text of a symbolic variant's input dims."""
+    return ", ".join(f"({', '.join(str(d) for d in dims)})" for dims in traced.input_dims if any(isinstance(d, str) for d in dims))
