@@ -14,6 +14,7 @@ behind the default.
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ..kernels.gemm import GemmSpec, onednn_available, onednn_fits, register_gemms
@@ -21,10 +22,27 @@ from ..options import GEMM_BACKENDS
 from ..ir import RewriteBindings, Rule, is_op, static_shape
 
 
+def _dims(expr: relax.Expr) -> tuple[int, ...] | None:
+    """A tensor's dims for the library choice: ints, -1 for a symbolic one (never empty: calls
+    with empty tensors run PyTorch)."""
+    ty = getattr(expr, "ty", None)
+    if not (isinstance(ty, relax.TensorType) and ty.shape is not None and isinstance(ty.shape, relax.ShapeExpr)):
+        return None
+    return tuple(int(d.value) if isinstance(d, tvm.tirx.IntImm) else -1 for d in ty.shape.values)
+
+
+def _shape(expr: relax.Expr) -> list | None:
+    """The Relax shape of a tensor expression (ints and TIR expressions), if written out."""
+    ty = getattr(expr, "ty", None)
+    if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
+        return list(ty.shape.values)
+    return None
+
+
 def _swaps_last_two(value: relax.Expr) -> bool:
     if not is_op(value, "relax.permute_dims"):
         return False
-    shape = static_shape(value.args[0])
+    shape = _dims(value.args[0])
     if shape is None or len(shape) < 2:
         return False
     n = len(shape)
@@ -65,14 +83,14 @@ def _offload_rule(backend: str) -> Rule:
         if not is_op(value, "relax.matmul") or getattr(value, "ty", None) is None:
             return None
         a, b = value.args
-        out_shape, a_shape, b_shape = static_shape(value), static_shape(a), static_shape(b)
+        out_shape, a_shape, b_shape = _shape(value), _dims(a), _dims(b)
         if out_shape is None or a_shape is None or b_shape is None or len(a_shape) < 2 or len(b_shape) < 2:
             return None
         dtype = str(value.ty.dtype)
         if dtype not in ("float32", "float64") or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
             return None
         (a, ta), (b, tb) = _operand(a, bound), _operand(b, bound)
-        library = pick_library(backend, dtype, static_shape(a), static_shape(b), ta)
+        library = pick_library(backend, dtype, _dims(a), _dims(b), ta)
         return relax.op.call_pure_packed(
             GemmSpec(library, ta, tb).name, a, b, ty_args=relax.TensorType(out_shape, dtype)
         )
@@ -92,8 +110,10 @@ def _bias_rule(uses: dict[relax.Var, int]) -> Rule:
             spec = offloaded_call(call)
             if spec is None or spec.bias or uses.get(mm, 0) != 1:
                 continue
-            out = static_shape(value)
-            if out is None or len(out) != 2 or static_shape(bias) != (out[1],) or static_shape(mm) != out:
+            out, bias_shape, mm_shape = _shape(value), _shape(bias), _shape(mm)
+            if out is None or len(out) != 2 or bias_shape is None or mm_shape is None:
+                continue
+            if not (tvm_ffi.structural_equal(bias_shape, [out[1]]) and tvm_ffi.structural_equal(mm_shape, out)):
                 continue
             if str(bias.ty.dtype) != str(value.ty.dtype):
                 continue
@@ -121,7 +141,7 @@ def _use_counts(mod: tvm.IRModule) -> dict[relax.Var, int]:
 
 @tvm.transform.module_pass(opt_level=0, name="tvmbridge.OffloadMatmuls")
 class OffloadMatmuls:
-    """Every static-shape float32/float64 ``R.matmul`` becomes a call of a GEMM library
+    """Every float32/float64 ``R.matmul`` (static or symbolic shapes) becomes a call of a GEMM library
     (``backend``: see the module docstring); a following bias add folds into ``addmm``."""
 
     def __init__(self, backend: str = "auto") -> None:
