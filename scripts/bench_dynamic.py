@@ -63,7 +63,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: dict, s
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t, float(loss)
+    return time.perf_counter() - t, float(loss.detach())
 
 
 def loop(args: argparse.Namespace) -> None:

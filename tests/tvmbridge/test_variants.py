@@ -273,7 +273,7 @@ def test_dynamic_false_compiles_exact_shapes():
 
 def test_a_failing_symbolic_compile_falls_back_to_exact_shapes():
     """BatchNorm in train mode needs its element count: a symbolic batch is refused, so each
-    size compiles exactly (and the symbolic compile is not tried again)."""
+    size compiles exactly (and a symbolic batch is not tried again)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU()).train()
     ref = clone_module(m)
@@ -283,6 +283,47 @@ def test_a_failing_symbolic_compile_falls_back_to_exact_shapes():
     d = m._tvm_dispatch
     assert d.dynamic_failure is not None and "batch_norm" in str(d.dynamic_failure)
     assert len(d.variants) == 3 and not any(v.symbolic for v in d.variants)
+    # the batch's symbolic compile is tried once, not again for the next size
     assert "a symbolic compile failed" in d.variants[1].why and "symbolic" not in d.variants[2].why
     for (name, a), b in zip(m.named_buffers(), ref.buffers()):
         assert torch.allclose(a.float(), b.float(), atol=1e-6), name
+
+
+@pytest.mark.parametrize("kind", ["drop_path", "randn_like", "dropout2d"])
+def test_random_ops_in_a_symbolic_variant_draw_at_the_call_sizes(kind):
+    """Random values whose shape is symbolic are drawn at each call's sizes, as eager draws them."""
+    from .test_trust import Noisy
+
+    torch.manual_seed(0)
+    m = Noisy(kind)
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(2, 3, 6, 6),))
+    for batch in (3, 4, 2, 5):  # conv weight grads sum over batch x pixels: float rounding ~1e-5
+        _same_step(m, ref, (torch.randn(batch, 3, 6, 6),), tol=5e-5)
+    d = m._tvm_dispatch
+    assert len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+    # a symbolic image size: Relax's conv2d gradient needs static spatial sizes, so that compile
+    # fails and this size gets an exact variant; the batch stays symbolic for later calls
+    _same_step(m, ref, (torch.randn(3, 3, 5, 5),), tol=5e-5)
+    _same_step(m, ref, (torch.randn(4, 3, 5, 5),), tol=5e-5)
+    assert "a symbolic compile failed" in d.variants[2].why and d.variants[3].symbolic, d.explain()
+
+
+def test_a_symbolic_variant_trims_the_memory_pool_as_new_sizes_arrive(monkeypatch):
+    """TVM's pooled allocator keeps freed buffers by exact size: a loop over many lengths would
+    keep a set per length. After a few distinct sizes the pool is released before the call."""
+    import tvmbridge.runtime.dispatch as dispatch
+
+    released = []
+    monkeypatch.setattr(dispatch, "release_cached_memory", lambda: released.append(1))
+    torch.manual_seed(0)
+    m = Block().eval()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(4, 16),), dynamic={"x": [0]})
+    assert m._tvm_dispatch.variants[0].symbolic
+    for batch in (4, 5, 6, 7, 4, 5, 8, 9, 10, 11, 12, 8):
+        x = torch.randn(batch, 16)
+        with torch.no_grad():
+            assert torch.allclose(m(x), ref(x), atol=1e-5)
+    # sizes 4..7 fill the window; 8 trims (window {8}); 9, 10, 11 fill it; 12 trims; 8 is new again
+    assert len(released) == 2

@@ -6,6 +6,9 @@ GPU dlight's default schedules (untuned GPU kernels are not even valid).
 """
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import tvm
 from tvm import relax
@@ -55,3 +58,27 @@ def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.Virt
     if device.type == "cpu":
         prepare_cpu_runtime()
     return relax.VirtualMachine(executable, tvm_device(device))
+
+
+def release_cached_memory() -> None:
+    """Free the buffers TVM's pooled allocators keep for reuse (every device, every VM) and give
+    the freed pages back to the OS (glibc's ``malloc_trim``). The pool keys buffers by exact size,
+    so a symbolic variant called at ever new sizes would only grow it; buffers in use are not
+    touched."""
+    tvm.get_global_func("vm.builtin.memory_manager.clear")()
+    _malloc_trim()
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def _malloc_trim() -> None:
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -22,6 +22,10 @@ And one that improves on dlight's own row-reduction rule:
 largest input is contiguous in, both axes are split into vector-wide tiles so reads and writes
 each touch whole cache lines (attention's head split/merge copies).
 
+Symbolic sizes (a variant serving every sequence length): an elementwise kernel of unknown size
+is always parallel, vectorized along a static innermost axis; a row reduction over a symbolic
+row length keeps a serial sum per row, rows in parallel.
+
 Rules are tried in order: ``RowReduction``, ``dlight.cpu.Reduction``, then ``Elementwise`` and
 ``SpatialParallel``.
 
@@ -82,9 +86,9 @@ class Elementwise(CPUScheduleRule):
         if not loops:
             return None
         n = _numel(sch, loops)
-        if n is None:
-            return None
         lanes = _vec_lanes(target, sch, block)
+        if n is None:  # a symbolic size: serve every size, parallel over all but a static inner axis
+            return _schedule_symbolic_elementwise(sch, block, loops, lanes)
         inner_extent = get_extent(sch, loops[-1])
         tiled = _tile_transpose(sch, block, loops, lanes)
         if tiled is not None:
@@ -139,6 +143,20 @@ def _tile_transpose(sch: s_tir.Schedule, block, loops: list, lanes: int):
     return sch.fuse(*rest, col_o, row_o)
 
 
+def _schedule_symbolic_elementwise(sch: s_tir.Schedule, block, loops: list, lanes: int) -> s_tir.Schedule:
+    """An elementwise kernel whose size is symbolic (sizes unknown, so always parallel): the
+    innermost axis vectorized where it is static and divides into vectors."""
+    inner = get_extent(sch, loops[-1])
+    if len(loops) > 1 and isinstance(inner, int) and inner % lanes == 0 and inner >= 2 * lanes:
+        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+        _, vec = sch.split(loops[-1], factors=[None, lanes])
+        sch.vectorize(vec)
+    else:
+        outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    sch.parallel(outer)
+    return sch
+
+
 class RowReduction(CPUScheduleRule):
     """Row reductions with vectorized partial sums (see the module docstring): blocks sharing
     leading spatial axes, as in ``dlight.cpu.Reduction``, whose last block may be injective
@@ -173,7 +191,9 @@ class RowReduction(CPUScheduleRule):
                 return None  # one trailing reduction axis, along memory: a row reduction
             r = sch.get_loops(info.block_rv)[-1]
             extent = get_extent(sch, r)
-            if not isinstance(extent, int) or extent % lanes or extent < 2 * lanes:
+            if not isinstance(extent, int):
+                continue  # a symbolic row length: a serial sum per row (rows still in parallel)
+            if extent % lanes or extent < 2 * lanes:
                 return None
             _, r_i = sch.split(r, factors=[None, lanes])
             partials.append(sch.rfactor(r_i, factor_axis=len(sch.get(info.block_rv).iter_vars) - 1))

@@ -205,6 +205,8 @@ class BridgeImporter(ExportedProgramImporter):
             "_native_batch_norm_legit_no_training.default": self._batch_norm_eval,
             "batch_norm.default": self._batch_norm_aten,
             "embedding.default": self._embedding,
+            "empty.default": self._empty_traced_shape,
+            "empty.memory_format": self._empty_traced_shape,
             "avg_pool2d.default": self._avg_pool2d_checked,
             "max_pool2d_with_indices.default": self._max_pool_values_only(table["max_pool2d_with_indices.default"]),
             "max_pool3d_with_indices.default": self._max_pool_values_only(table["max_pool3d_with_indices.default"]),
@@ -259,6 +261,12 @@ class BridgeImporter(ExportedProgramImporter):
     def _dropout_tuple(self, node: torch.fx.Node) -> relax.Expr:
         out = self._dropout_expr(node)
         return self.block_builder.emit(relax.Tuple([out, out]))
+
+    def _empty_traced_shape(self, node: torch.fx.Node) -> relax.Expr:
+        """``empty(sizes)`` at its traced shape (sizes may be symbolic: ``x.new_empty(x.shape[0], 1)``)."""
+        val = node.meta["val"]
+        shape = [self.prim(d) for d in val.shape]
+        return self.block_builder.emit(relax.op.zeros(shape, str(val.dtype).removeprefix("torch.")))
 
     # --- matmuls in the input's dtype -----------------------------------------------------------
     def _matmul(self, node: torch.fx.Node) -> relax.Var:

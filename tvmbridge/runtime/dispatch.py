@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from analysis.tensors import tensor_leaves
 
+from ..backend.build import release_cached_memory
 from ..errors import ConversionError, FallbackWarning, RecompileWarning
 from ..options import CompileOptions, with_overrides
 from ..pipeline import CompiledModule, compile_training
@@ -41,6 +42,10 @@ from .variants import (Variant, call_device_type, call_key, changed_dims, descri
 
 if TYPE_CHECKING:
     from .report import CaptureReport
+
+def _dims_key(dims: dict[int, frozenset[int]]) -> frozenset:
+    return frozenset((i, d) for i, ds in dims.items() for d in ds)
+
 
 def _tracing(args: tuple, kwargs: dict) -> bool:
     """Inside torch.compile/torch.export, or called with fake or meta tensors (a tracer, the
@@ -83,7 +88,8 @@ class Dispatcher:
         self.fallback_reasons: collections.Counter[str] = collections.Counter()
         self.last_decision = "not called yet"
         self._last = 0  # the variant the last compiled call ran: tried first
-        self.dynamic_failure: ConversionError | None = None  # why a symbolic compile failed
+        self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
+        self._failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
         self._warned: set[str] = set()
         self._lock = threading.Lock()  # counters and the warned set
         self._eager = threading.local()
@@ -133,6 +139,7 @@ class Dispatcher:
                     why += f"; symbolic in {describe_dims(compiled.traced)}"
                 except ConversionError as exc:  # exact shapes then: slower to cover, never wrong
                     self.dynamic_failure = exc
+                    self._failed_dynamic.add(_dims_key(dynamic))
                     why += f"; a symbolic compile failed ({exc}), compiled for this shape"
             if compiled is None:
                 compiled = compile_training(self.module, args, kwargs, self.options)
@@ -148,15 +155,14 @@ class Dispatcher:
         (``dynamic="auto"``) those in which the call differs from a variant of its kind, unless a
         symbolic compile of this module failed before."""
         choice = self.options.dynamic
-        if choice is False or (choice == "auto" and getattr(self, "dynamic_failure", None) is not None):
+        if choice is False:
             return None
         if isinstance(choice, dict):
-            return marked_dims(self.signature, args, kwargs, choice)
-        for variant in reversed(self.variants):
-            dims = changed_dims(variant, self.signature, args, kwargs)
-            if dims:
-                return dims
-        return None
+            dims = marked_dims(self.signature, args, kwargs, choice)
+        else:
+            dims = next((d for v in reversed(self.variants) if (d := changed_dims(v, self.signature, args, kwargs))),
+                        None)
+        return None if dims is None or _dims_key(dims) in self._failed_dynamic else dims
 
     def _uninstall(self) -> None:
         if self.instance_forward is None:
@@ -191,6 +197,8 @@ class Dispatcher:
             self.calls_tvm += 1
             variant.calls += 1
         self.last_decision = f"ran the compiled code (variant {self.variants.index(variant) + 1}: {variant.label})"
+        if fitted.sizes and variant.new_sizes_fill_pool(fitted.sizes):
+            release_cached_memory()
         return self._run(variant.compiled, fitted.tensors, fitted.sizes)
 
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it

@@ -10,7 +10,7 @@ not retried on every call.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,20 @@ class Variant:
     label: str
     why: str
     calls: int = 0
+    recent_sizes: set = field(default_factory=set)  # of a symbolic variant, since the pool was trimmed
+
+    def new_sizes_fill_pool(self, sizes: dict[str, int], keep: int = 4) -> bool:
+        """Whether a call at ``sizes`` should first trim TVM's memory pool: it is the ``keep + 1``-th
+        distinct size since the last trim (the pool keeps buffers by exact size; a loop over
+        many lengths would otherwise keep a set of buffers per length)."""
+        key = tuple(sorted(sizes.items()))
+        if key in self.recent_sizes:
+            return False
+        self.recent_sizes.add(key)
+        if len(self.recent_sizes) <= keep:
+            return False
+        self.recent_sizes = {key}
+        return True
 
     @classmethod
     def create(cls, module: torch.nn.Module, signature: inspect.Signature, compiled: CompiledModule,
