@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import sys
 import threading
 import time
@@ -325,6 +326,7 @@ def compile_training(
     *,
     device: torch.device | None = None,
     dynamic: dict[int, frozenset[int]] | None = None,
+    cache: CompileCache | None = None,
     **overrides: Any,
 ) -> CompiledModule:
     """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``.
@@ -332,18 +334,88 @@ def compile_training(
     ``options`` (default :class:`CompileOptions()`) with keyword ``overrides`` of its fields
     (``capture="all"``, ``memory_budget=0.3``, ...). ``dynamic`` marks dims of the call's tensors
     (by position among them) to compile symbolically: one executable for every size there.
+    With a ``cache``, a module whose traced graph equals one compiled before reuses that compile.
     Every failure is a ``ConversionError`` naming the stage.
     """
     opts = with_overrides(options, overrides)
     args = args if isinstance(args, tuple) else (args,)
     start = Artifacts(module=module, args=args, kwargs=dict(kwargs or {}), options=opts, device=device,
                       dynamic=dynamic)
-    done, shown, seconds = run_stages(start)
-    return CompiledModule(
+    after_trace, shown, seconds = run_stages(start, STAGES[:2])
+    key = graph_fingerprint(after_trace) if cache is not None else None
+    reused = cache.get(key) if cache is not None else None
+    if reused is not None:
+        return cache.reuse(reused, after_trace.traced, dict(after_trace.sizes), seconds)
+    done, shown_rest, seconds_rest = run_stages(after_trace, STAGES[2:])
+    seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
+    compiled = CompiledModule(
         traced=done.traced, device=done.device, options=opts, random_sites=list(done.random_sites),
         num_index_checks=done.num_index_checks,
         grad_param_indices=list(done.grad_param_indices), differentiable=done.gradient.differentiable,
         adjoint=done.gradient.adjoint, split=done.split, executable=done.executable,
-        compile_seconds=seconds, stages=shown, sizes=dict(done.sizes),
+        compile_seconds=seconds, stages={**shown, **shown_rest}, sizes=dict(done.sizes),
     )
+    if cache is not None:
+        cache.put(key, compiled)
+    return compiled
 
+
+def graph_fingerprint(a: Artifacts) -> str:
+    """What the stages after the trace depend on: the exported graph's code, its inputs' metadata
+    and ranges, its lifted constants, the state's layout and which parameters require grad, the
+    outputs, the options and the device. Equal fingerprints compile to the same code; the state
+    is an input, so modules with equal graphs (a model's identical layers) can share it."""
+    ep = a.traced.exported
+    h = hashlib.sha256(ep.graph_module.code.encode())
+    for node in ep.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        h.update(repr((node.name, tuple(map(str, getattr(val, "shape", ()))), str(getattr(val, "dtype", "")))).encode())
+    for name, value in sorted(ep.constants.items()):
+        h.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            h.update(repr((tuple(value.shape), value.dtype)).encode())
+            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    state = a.traced.state
+    grads = tuple(t.requires_grad for t in state.lookup(a.module))
+    h.update(repr((sorted(map(str, ep.range_constraints.items())), state.names, state.is_parameter,
+                   sorted(state.aliases.items()), grads, a.traced.updated_buffers, a.traced.num_user_outputs,
+                   a.traced.input_dims, str(a.traced.out_spec), repr(a.options), str(a.device))).encode())
+    return h.hexdigest()
+
+
+class CompileCache:
+    """Compiled modules by :func:`graph_fingerprint`, shared by every dispatched module of the
+    process (bounded; the oldest entry goes first)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._entries: dict[str, CompiledModule] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = 0
+
+    def get(self, key: str) -> CompiledModule | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def put(self, key: str, compiled: CompiledModule) -> None:
+        with self._lock:
+            self._entries[key] = compiled
+            while len(self._entries) > self.limit:
+                self._entries.pop(next(iter(self._entries)))
+
+    def reuse(self, compiled: CompiledModule, traced: TracedModule, sizes: dict[str, int],
+              seconds: dict[str, float]) -> CompiledModule:
+        """``compiled`` for another module with an equal graph: its own trace (the call's form,
+        outputs), the same executable, VMs of its own."""
+        with self._lock:
+            self.hits += 1
+        return dataclasses.replace(compiled, traced=traced, sizes=sizes, compile_seconds={**seconds, "reused": 1.0},
+                                   _pool=[], _pool_lock=threading.Lock(), _instrument=None)
+
+
+SHARED_CACHE = CompileCache()  # one per process: the dispatcher's default

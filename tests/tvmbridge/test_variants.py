@@ -327,3 +327,27 @@ def test_a_symbolic_variant_trims_the_memory_pool_as_new_sizes_arrive(monkeypatc
             assert torch.allclose(m(x), ref(x), atol=1e-5)
     # sizes 4..7 fill the window; 8 trims (window {8}); 9, 10, 11 fill it; 12 trims; 8 is new again
     assert len(released) == 2
+
+
+def test_identical_layers_share_one_compile_and_keep_their_own_weights():
+    """Separately dispatched layers with equal graphs (a model's repeated blocks) reuse one
+    compile; the state is an input, so each computes with its own weights."""
+    from tvmbridge.pipeline import SHARED_CACHE
+
+    layers = [_bert_layer() for _ in range(2)]
+    torch.manual_seed(1)
+    layers[1] = _bert_layer().apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+    assert not torch.equal(layers[0].output.dense.weight, layers[1].output.dense.weight)
+    refs = [clone_module(m) for m in layers]
+    args = _bert_call(2, 10)
+    for m in layers:
+        add_tvm_dispatch(m, args)
+    first, second = (m._tvm_dispatch.variants[0] for m in layers)
+    assert "reused" in second.compiled.compile_seconds and "reused" not in first.compiled.compile_seconds
+    assert second.compiled.executable is first.compiled.executable and SHARED_CACHE.hits == 1
+    for m, ref in zip(layers, refs):
+        _same_step(m, ref, args, tol=2e-5)
+    other = _bert_layer()
+    other.attention.self.dropout.p = 0.3  # another graph: its own compile
+    add_tvm_dispatch(other, args)
+    assert "reused" not in other._tvm_dispatch.variants[0].compiled.compile_seconds

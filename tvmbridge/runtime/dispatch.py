@@ -32,7 +32,7 @@ from analysis.tensors import tensor_leaves
 from ..backend.build import release_cached_memory
 from ..errors import ConversionError, FallbackWarning, RecompileWarning
 from ..options import CompileOptions, with_overrides
-from ..pipeline import CompiledModule, compile_training
+from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
 from .function import Call, TVMFunction, infer
 from .guards import Mismatch
 from .locks import TRACING
@@ -135,14 +135,17 @@ class Dispatcher:
             compiled = None
             if dynamic:
                 try:
-                    compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic)
+                    compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic,
+                                                cache=SHARED_CACHE)
                     why += f"; symbolic in {describe_dims(compiled.traced)}"
                 except ConversionError as exc:  # exact shapes then: slower to cover, never wrong
                     self.dynamic_failure = exc
                     self._failed_dynamic.add(_dims_key(dynamic))
                     why += f"; a symbolic compile failed ({exc}), compiled for this shape"
             if compiled is None:
-                compiled = compile_training(self.module, args, kwargs, self.options)
+                compiled = compile_training(self.module, args, kwargs, self.options, cache=SHARED_CACHE)
+            if "reused" in compiled.compile_seconds:
+                why += "; the compile of an identical graph reused"
             variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), why)
             self.variants = (*self.variants, variant)
         if self.options.verbose:
