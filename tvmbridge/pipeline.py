@@ -387,7 +387,7 @@ class CompileCache:
     """Compiled modules by :func:`graph_fingerprint`, shared by every dispatched module of the
     process (bounded; the oldest entry goes first)."""
 
-    def __init__(self, limit: int = 64) -> None:
+    def __init__(self, limit: int = 16) -> None:
         self.limit = limit
         self._entries: dict[str, CompiledModule] = {}
         self._lock = threading.Lock()
