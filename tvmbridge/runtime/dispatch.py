@@ -86,7 +86,7 @@ class Dispatcher:
         self.calls_tvm = 0
         self.calls_fallback = 0
         self.fallback_reasons: collections.Counter[str] = collections.Counter()
-        self.last_decision = "not called yet"
+        self.last_decision: Variant | str = "not called yet"
         self._last = 0  # the variant the last compiled call ran: tried first
         self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
         self._failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
@@ -199,7 +199,7 @@ class Dispatcher:
         with self._lock:
             self.calls_tvm += 1
             variant.calls += 1
-        self.last_decision = f"ran the compiled code (variant {self.variants.index(variant) + 1}: {variant.label})"
+        self.last_decision = variant  # explain() words it: no formatting on the hot path
         if fitted.sizes and variant.new_sizes_fill_pool(fitted.sizes):
             release_cached_memory()
         return self._run(variant.compiled, fitted.tensors, fitted.sizes)
@@ -339,7 +339,10 @@ class Dispatcher:
     # --- reporting
     def explain(self) -> str:
         """What the last call did and why, and how often each path ran."""
-        lines = [f"{type(self.module).__name__}: last call {self.last_decision}",
+        last = self.last_decision
+        if isinstance(last, Variant):
+            last = f"ran the compiled code (variant {self.variants.index(last) + 1}: {last.label})"
+        lines = [f"{type(self.module).__name__}: last call {last}",
                  f"calls: {self.calls_tvm} compiled, {self.calls_fallback} PyTorch"]
         for i, v in enumerate(self.variants, 1):
             lines.append(f"  variant {i} ({v.label}): {v.calls} calls, compiled in "

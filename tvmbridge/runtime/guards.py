@@ -116,8 +116,8 @@ class InputGuard:
         """Why the call does not fit, or None; a symbolic variant's sizes go into ``sizes``."""
         if spec != self.spec:
             return self.structure(call)
-        if self.dims is not None:
-            return self.dims.check(leaves, self.labels, self.keys, self.constants, sizes if sizes is not None else {})
+        sizes = sizes if sizes is not None else {}
+        derived: list = []  # symbolic dims given by an expression, checked once all are bound
         for i, x in enumerate(leaves):
             want = self.keys[i]
             if want is None:
@@ -126,9 +126,13 @@ class InputGuard:
                     return Mismatch(f"{self.labels[i]} value", f"{self.labels[i]} is {x!r}, compiled for {c!r}")
             elif not isinstance(x, torch.Tensor):
                 return Mismatch(f"{self.labels[i]} type", f"{self.labels[i]} is a {type(x).__name__}, compiled for a tensor")
+            elif self.dims is not None:
+                reason = self.dims.check_tensor(i, self.labels[i], x, want, sizes, derived)
+                if reason is not None:
+                    return reason
             elif tensor_key(x) != want:
                 return _describe_tensor_difference(self.labels[i], x, want)
-        return None
+        return self.dims.check_derived(derived, sizes) if self.dims is not None else None
 
 
 class SymbolicDims:
@@ -148,26 +152,18 @@ class SymbolicDims:
     def attach(self, tensor_leaves: list[int]) -> None:
         self.leaf_dims = dict(zip(tensor_leaves, self.per_tensor))
 
-    def check(self, leaves: list[Any], labels: list[str], keys: list, constants: dict,
-              sizes: dict[str, int]) -> Mismatch | None:
-        derived = []
-        for i, x in enumerate(leaves):
-            if keys[i] is None:
-                c = constants[i]
-                if isinstance(x, torch.Tensor) or not (x is c or (type(x) is type(c) and x == c)):
-                    return Mismatch(f"{labels[i]} value", f"{labels[i]} is {x!r}, compiled for {c!r}")
-                continue
-            if not isinstance(x, torch.Tensor):
-                return Mismatch(f"{labels[i]} type", f"{labels[i]} is a {type(x).__name__}, compiled for a tensor")
-            _, dtype, device = keys[i]
-            dims = self.leaf_dims[i]
-            if x.dim() != len(dims) or x.dtype != dtype or x.device != device:
-                return _describe_tensor_difference(labels[i], x, (tuple(1 for _ in dims), dtype, device))
-            for d, (want, got) in enumerate(zip(dims, x.shape)):
-                reason = self._bind(f"{labels[i]} dim {d}", want, int(got), sizes, derived)
-                if reason is not None:
-                    return reason
-        return self._check_derived(derived, sizes)
+    def check_tensor(self, leaf: int, label: str, x: torch.Tensor, key: tuple, sizes: dict[str, int],
+                     derived: list) -> Mismatch | None:
+        """Whether tensor leaf ``leaf`` fits, binding its symbols into ``sizes``."""
+        _, dtype, device = key
+        dims = self.leaf_dims[leaf]
+        if x.dim() != len(dims) or x.dtype != dtype or x.device != device:
+            return _describe_tensor_difference(label, x, (tuple(1 for _ in dims), dtype, device))
+        for d, (want, got) in enumerate(zip(dims, x.shape)):
+            reason = self._bind(f"{label} dim {d}", want, int(got), sizes, derived)
+            if reason is not None:
+                return reason
+        return None
 
     def _bind(self, what: str, want: int | str, got: int, sizes: dict[str, int], derived: list) -> Mismatch | None:
         if isinstance(want, int):
@@ -183,7 +179,8 @@ class SymbolicDims:
         return None
 
     @staticmethod
-    def _check_derived(derived: list, sizes: dict[str, int]) -> Mismatch | None:
+    def check_derived(derived: list, sizes: dict[str, int]) -> Mismatch | None:
+        """The dims given by an expression of symbols (``2*s0``), once every symbol is bound."""
         from ..frontend.importer import evaluate_dims
 
         for what, expr, got in derived:
