@@ -7,16 +7,36 @@ GPU dlight's default schedules (untuned GPU kernels are not even valid).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 import tvm
-from tvm import relax
+from tvm import relax, te
 
 from ..devices import prepare_cpu_runtime, tvm_device
 from ..kernels.barrier import register_barrier
 from ..kernels.gemm import register_gemms
 from ..errors import stage_errors
+
+
+def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """``full``/``full_like`` with a non-finite fill (``-inf`` masks): TVM 0.27's ``topi.full``
+    tests ``"float" in dtype`` on a dtype object and raises, so such fills are written as a
+    compute of the constant; every other call keeps TVM's own legalization."""
+    fill = call.args[1]
+    if isinstance(fill, tvm.ir.expr.Constant) and fill.value.numpy().size == 1:
+        value = float(fill.value.numpy().reshape(()))
+        if not math.isfinite(value):
+            dtype = str(call.ty.dtype)
+            shape = call.ty.shape.values
+            return bb.call_te(lambda: te.compute(shape, lambda *_: tvm.tirx.const(value, dtype)),
+                              primfunc_name_hint="full")
+    return call.op.get_attr("FLegalize")(bb, call)
+
+
+# keyed by op name, as LegalizeOps takes it; read-only
+_LEGALIZE_FIXES = {"relax.full": _legalize_full, "relax.full_like": _legalize_full}
 
 
 def lower(
@@ -25,7 +45,8 @@ def lower(
     """The bridge's Relax pipeline up to (not including) code generation. ``schedule=False``
     leaves TVM's own CPU kernels unscheduled (serial loops), ``fuse=False`` keeps one kernel per
     Relax op: both for measuring what each buys."""
-    seq = [relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()]
+    seq = [relax.transform.LegalizeOps(_LEGALIZE_FIXES), relax.transform.AnnotateTIROpPattern(),
+           relax.transform.FoldConstant()]
     if fuse:
         seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
     seq.append(relax.transform.DeadCodeElimination())

@@ -10,6 +10,7 @@ learned is kept in :class:`TracedModule` for the guard and the runtime.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from ..errors import ConversionError, describe
+from .decompositions import decomposition_table
 from .signature import canonical_call
 
 
@@ -122,6 +124,20 @@ class FlatCall(torch.nn.Module):
         return (*out_leaves, *(values[n] for n in self.updated))
 
 
+def register_library_pytrees(module: torch.nn.Module) -> None:
+    """transformers' decoders return a ``DynamicCache`` (the past keys and values) that torch's
+    pytree does not know, so their ordinary call cannot be traced; transformers ships the
+    registration torch.export needs (idempotent)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        return
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError:  # an older transformers: the trace error says what is missing
+        return
+    register_dynamic_cache_export_support()
+
+
 def _dynamic_shapes(num_inputs: int, dynamic: dict[int, frozenset[int]]) -> tuple | None:
     """torch.export's ``dynamic_shapes`` for ``FlatCall(*tensors)``: ``Dim.AUTO`` on the marked
     dims of the call's tensors (export then derives the relations between them, and keeps a dim
@@ -146,22 +162,11 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
             ) from exc
 
 
-def _decomposition_table() -> dict:
-    """torch.export's default table without the random ops: decomposing one can change how it
-    draws from the generator (``bernoulli(p)`` becomes ``rand_like(p) < p``), and the per-call
-    draws must be PyTorch's own."""
-    table = torch.export.default_decompositions()
-    for op in list(table):
-        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
-            del table[op]
-    return table
-
-
 def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
-            return ep.run_decompositions(_decomposition_table())
+            return ep.run_decompositions(decomposition_table())
         except Exception as exc:  # noqa: BLE001
             raise ConversionError(
                 "trace", f"decomposing {type(module).__name__} to core ATen failed: {describe(exc)}"
@@ -176,6 +181,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     state = ModuleState.of(module)
+    register_library_pytrees(module)
     inputs = tensors + tuple(t.detach() for t in state.lookup(module))
     flat = FlatCall(module, in_spec, leaves, state)
     ep = _decompose(module, _export(module, flat, inputs, dynamic))
@@ -184,11 +190,13 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         flat = FlatCall(module, in_spec, leaves, state, updated)
         ep = _decompose(module, _export(module, flat, inputs, dynamic))
     num_outputs = _check_outputs(ep)
-    user_inputs = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-    if len(user_inputs) != len(inputs) or len(ep.graph_signature.input_specs) != len(inputs):
+    user_inputs = _user_input_specs(ep)
+    others = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+    if len(user_inputs) != len(inputs) or any(s.kind != InputKind.CONSTANT_TENSOR for s in others):
         raise ConversionError(
             "trace", f"expected {len(inputs)} tensor inputs in the export (the call's {len(tensors)} and the "
-            f"module's {len(state.names)} parameters and buffers), found {len(ep.graph_signature.input_specs)}"
+            f"module's {len(state.names)} parameters and buffers) and lifted constants, found "
+            f"{[s.kind.name for s in ep.graph_signature.input_specs]}"
         )
     return TracedModule(
         exported=ep, in_spec=in_spec, out_spec=flat.seen.out_spec,
@@ -213,15 +221,24 @@ def _input_dims(ep: ExportedProgram, num_user: int) -> tuple[tuple[int | str, ..
     """Per user tensor input, its dims as traced: an int, or the symbol's expression as text
     (``s0``; relations show as shared symbols or expressions such as ``2*s0``)."""
     dims = []
-    for node in list(ep.graph.find_nodes(op="placeholder"))[:num_user]:
+    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    for spec in _user_input_specs(ep)[:num_user]:
+        node = placeholders[spec.arg.name]
         dims.append(tuple(int(d) if isinstance(d, int) else str(d.node.expr) for d in node.meta["val"].shape))
     return tuple(dims)
+
+
+def _user_input_specs(ep: ExportedProgram) -> list:
+    """The export's inputs that the call passes (its tensors, then the module's state), in order;
+    constants the forward creates (``torch.tensor(...)``) are lifted as well and bound by the
+    converter."""
+    return [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
 def _updated_buffers(ep: ExportedProgram, num_user: int, state: ModuleState) -> tuple[str, ...]:
     """State names the call mutates in place: buffers (e.g. running statistics) are supported,
     parameters are not (a forward that writes its own weights cannot be differentiated)."""
-    specs = ep.graph_signature.input_specs
+    specs = _user_input_specs(ep)
     mutated = set(ep.graph_signature.user_inputs_to_mutate.values())
     names = [state.names[i - num_user] for i, s in enumerate(specs) if s.arg.name in mutated]
     if any(i < num_user for i, s in enumerate(specs) if s.arg.name in mutated):

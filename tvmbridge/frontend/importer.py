@@ -205,6 +205,9 @@ class BridgeImporter(ExportedProgramImporter):
             "_native_batch_norm_legit_no_training.default": self._batch_norm_eval,
             "batch_norm.default": self._batch_norm_aten,
             "embedding.default": self._embedding,
+            "gather.default": self._gather_checked,
+            "select.int": self._select_wrapped,
+            "cat.default": self._cat_legacy_empty,
             "empty.default": self._empty_traced_shape,
             "empty.memory_format": self._empty_traced_shape,
             "avg_pool2d.default": self._avg_pool2d_checked,
@@ -418,6 +421,66 @@ class BridgeImporter(ExportedProgramImporter):
             drop = bb.emit(relax.op.subtract(relax.const(1.0, dtype), keep))
             out = bb.emit(relax.op.add(relax.op.multiply(out, keep), relax.op.multiply(no_grad(out), drop)))
         return bb.emit(relax.op.reshape(out, list(indices.ty.shape) + [weight.ty.shape[1]]))
+
+    def _gather_checked(self, node: torch.fx.Node) -> relax.Expr:
+        """``gather`` (and so ``cross_entropy``'s pick of the target class) with the embedding's
+        guard: clipped indices and a flag, so a class index out of range raises like PyTorch
+        instead of reading out of bounds. Negative indices are out of range for ``gather``."""
+        x, index = self.env[node.args[0]], self.env[node.args[2]]
+        axis = int(node.args[1]) % max(len(x.ty.shape), 1)
+        if node.kwargs.get("sparse_grad", False) or (len(node.args) > 3 and node.args[3]):
+            raise UnsupportedOpError("convert", "gather with sparse_grad=True", op="gather")
+        bb = self.block_builder
+        idx = bb.emit(relax.op.astype(index, "int64"))
+        size = x.ty.shape[axis] if x.ty.shape else 1
+        clipped = bb.emit(relax.op.clip(idx, relax.prim_value(0), relax.prim_value(size - 1)))
+        self.index_checks.append(bb.emit(relax.op.min(relax.op.astype(relax.op.equal(idx, clipped), "int32"))))
+        return bb.emit(relax.op.gather_elements(x, clipped, axis=axis))
+
+    def _cat_legacy_empty(self, node: torch.fx.Node) -> relax.Expr:
+        """``cat`` skips 1-D empty tensors whatever the others' rank (PyTorch's legacy rule, which
+        transformers' key/value cache relies on: it starts from ``torch.tensor([])``)."""
+        parts = [self.env[n] for n in node.args[0]]
+        vals = [n.meta["val"] for n in node.args[0]]
+        kept = [p for p, v in zip(parts, vals) if not (v.dim() == 1 and v.shape[0] == 0)] or parts[:1]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if len(kept) == 1:
+            return kept[0]
+        return self.block_builder.emit(relax.op.concat(kept, axis=dim))
+
+    def _select_wrapped(self, node: torch.fx.Node) -> relax.Expr:
+        """``x.select(dim, i)`` (``x[:, -1]``): the frontend reads a negative ``i`` out of bounds
+        (``take`` in its unchecked mode); read it as Python does, from the end."""
+        x, dim, index = self.env[node.args[0]], int(node.args[1]), int(node.args[2])
+        mode = "wrap" if index < 0 else "clip"  # in range: export checked it; "clip" needs no warning
+        return self.block_builder.emit(relax.op.take(x, relax.const(index, "int64"), axis=dim, mode=mode))
+
+    # --- pooling: what the frontend would ignore -------------------------------------------------
+    def _avg_pool2d_checked(self, node: torch.fx.Node) -> relax.Expr:
+        """``divisor_override`` (which the frontend ignores): without ceil_mode and with padding
+        counted, every window has kh*kw elements, so the sum over ``d`` is the mean times kh*kw/d."""
+        names_ = ("self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+        given = {**dict(zip(names_, node.args)), **node.kwargs}
+        divisor = given.get("divisor_override")
+        out = self._avg_pool2d(node)
+        if divisor is None:
+            return out
+        if given.get("ceil_mode", False) or not given.get("count_include_pad", True):
+            raise UnsupportedOpError(
+                "convert", "avg_pool2d with divisor_override and ceil_mode or count_include_pad=False", op="avg_pool2d")
+        kernel = given["kernel_size"]
+        kh, kw = (kernel, kernel) if isinstance(kernel, int) else (kernel[0], kernel[-1])
+        scale = relax.const(kh * kw / float(divisor), str(out.ty.dtype))
+        return self.block_builder.emit(relax.op.multiply(out, scale))
+
+    def _max_pool_values_only(self, convert: Callable) -> Callable:
+        def values_only(node: torch.fx.Node) -> relax.Expr:
+            if _uses_of_item(node, 1):
+                raise UnsupportedOpError(
+                    "convert", f"{node.target.__name__}: the indices output (return_indices=True) is not "
+                    "supported; use fallback=True", op=node.target.__name__)
+            return convert(node)
+        return values_only
 
     # --- pooling: what the frontend would ignore -------------------------------------------------
     def _avg_pool2d_checked(self, node: torch.fx.Node) -> relax.Expr:

@@ -8,8 +8,9 @@ formula is exact: no op is swapped for an approximation (exact GELU stays erf-ba
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
+import tvm
 from tvm import relax
 from tvm.ir import Call
 from tvm.relax import BlockBuilder, Expr, Var
@@ -143,3 +144,53 @@ def strided_slice_grad(
         cur[axis] = n
     return [grad] + [no_grad(a) for a in orig_call.args[1:]]
 
+
+
+@gradient("relax.gather_elements")
+def gather_elements_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """y[i][j] = x[i][index[i][j]] (along ``axis``): each output's gradient is added back at the
+    element it was read from, repeats summed (``scatter_elements`` with ``add``). This is the
+    backward of ``gather`` and so of ``cross_entropy``/``nll_loss`` with class indices."""
+    x, index = orig_call.args[0], orig_call.args[1]
+    axis = int(orig_call.attrs.axis)
+    zeros = relax.op.zeros_like(x)
+    return [relax.op.scatter_elements(zeros, index, output_grad, axis=axis, reduction="add"), no_grad(index)]
+
+
+def _extent(n: Any) -> Expr:
+    """An axis size as an int64 tensor of shape (1,) (a symbolic size through ``shape_to_tensor``)."""
+    if isinstance(n, (int, tvm.tirx.IntImm)):
+        return relax.const([int(n)], "int64")
+    return relax.op.shape_to_tensor(relax.ShapeExpr([n]))
+
+
+@gradient("relax.take")
+def take_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """y = take(x, index, axis): every read row's gradient is added back at the row it came from
+    (embeddings: the scatter-add backward). Relax's own ``take_backward`` only lowers 1-D indices
+    (a 0-d index, ``x[:, 0]``, fails an assert in the build), so any index rank is flattened to
+    1-D and the axis moved first for ``scatter_nd(add)``. Indices are normalised as the forward
+    read them (negative ones wrap, ``clip`` clips, ``wrap`` wraps)."""
+    op = relax.op
+    x, index = orig_call.args[0], orig_call.args[1]
+    shape = list(x.ty.shape)
+    ndim = len(shape)
+    axis = int(orig_call.attrs.axis) % ndim
+    n = shape[axis]
+    idx = op.astype(op.reshape(index, [-1]), "int64")
+    extent = _extent(n)
+    if str(orig_call.attrs.mode) == "wrap":
+        idx = op.floor_mod(idx, extent)
+    else:
+        idx = op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, extent), idx)
+        idx = op.clip(idx, relax.prim_value(0), relax.prim_value(n - 1))
+    count = 1
+    for d in index.ty.shape:
+        count = count * d
+    grad_shape = [*shape[:axis], count, *shape[axis + 1:]]
+    order = [axis, *[i for i in range(ndim) if i != axis]]
+    back = [order.index(i) for i in range(ndim)]
+    grad = op.permute_dims(op.reshape(output_grad, grad_shape), order)
+    zeros = op.zeros([shape[i] for i in order], _dtype(x))
+    summed = op.scatter_nd(zeros, op.expand_dims(idx, 1), grad, reduction="add")
+    return [op.permute_dims(summed, back), no_grad(index)]

@@ -1,0 +1,59 @@
+"""The decompositions the bridge exports with: torch.export's core-ATen table, minus random ops,
+plus attention written out as ATen's own math.
+
+Random ops are left whole: decomposing one can change how it draws from the generator
+(``bernoulli(p)`` becomes ``rand_like(p) < p``), and the per-call draws must be PyTorch's own.
+``scaled_dot_product_attention`` is a random op (its dropout), so it would be left whole too, and
+no converter can take it with dropout. It is written out as ATen's
+``_scaled_dot_product_attention_math`` (the kernel eager PyTorch runs on CPU whenever
+``dropout_p > 0``): scale q and k by sqrt(scale) each, add the mask, ``_safe_softmax``, then
+``aten.dropout``, whose mask the runtime draws from PyTorch's generator exactly as eager does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+
+def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention`` as ATen's math kernel computes it (attention.cpp)."""
+    negative = scale is not None and scale < 0
+    factor = math.sqrt(abs(scale) if negative else scale) if scale is not None else 1 / math.sqrt(math.sqrt(query.shape[-1]))
+    q = query * (-factor if negative else factor)
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        attn_mask = _additive_mask(causal, query.dtype)
+    elif attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = _additive_mask(attn_mask, query.dtype)
+    if enable_gqa and query.shape[-3] != key.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    attn = q @ (key.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn = attn + attn_mask
+    attn = aten._safe_softmax.default(attn, -1)
+    if dropout_p > 0:
+        attn = aten.dropout.default(attn, dropout_p, True)
+    return attn @ value
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as ATen adds it: 0 where kept, -inf where masked."""
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+
+
+def decomposition_table() -> dict:
+    """torch.export's default table without the random ops, with attention as ATen's math."""
+    table = torch.export.default_decompositions()
+    for op in list(table):
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            del table[op]
+    table[aten.scaled_dot_product_attention.default] = sdpa_math
+    return table
