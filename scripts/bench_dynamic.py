@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import statistics
 import sys
 import time
@@ -29,17 +28,7 @@ import torch  # noqa: E402
 
 from analysis.models import bert_config, bert_layer, bert_layer_inputs  # noqa: E402
 from tvmbridge import add_tvm_dispatch  # noqa: E402
-from tvmbridge.tools.timing import interleaved  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from tvmbridge.tools.timing import cpu_name, interleaved  # noqa: E402
 
 
 def batches(steps: int, batch: int, vocab: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:

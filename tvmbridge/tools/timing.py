@@ -5,7 +5,9 @@ of ~10% on the 2-core dev VMs) hits all variants alike; compare medians, never s
 """
 from __future__ import annotations
 
+import platform
 import time
+from pathlib import Path
 from typing import Callable
 
 
@@ -20,3 +22,14 @@ def interleaved(steps: dict[str, Callable[[int], None]], runs: int, warmup: int)
             if i >= warmup:
                 out[name].append(dt)
     return out
+
+
+def cpu_name() -> str:
+    """The CPU model as ``lscpu`` names it (every reported figure names its machine)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

@@ -43,7 +43,7 @@ def _bert_mlm(size: str, batch: int, seq: int, gen: torch.Generator) -> Training
     import transformers
 
     small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                 vocab_size=120, max_position_embeddings=64)
+                 vocab_size=120, max_position_embeddings=128)
     cfg = transformers.BertConfig(**(small if size == "small" else {}))
     model = transformers.BertForMaskedLM(cfg)
     ids, mask = _padded_ids(cfg.vocab_size, batch, seq, gen)
@@ -57,7 +57,7 @@ def _bert_mlm(size: str, batch: int, seq: int, gen: torch.Generator) -> Training
 def _gpt2_lm(size: str, batch: int, seq: int, gen: torch.Generator) -> TrainingTask:
     import transformers
 
-    small = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=120, n_positions=64, bos_token_id=0, eos_token_id=0)
+    small = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=120, n_positions=128, bos_token_id=0, eos_token_id=0)
     cfg = transformers.GPT2Config(**(small if size == "small" else {}))
     model = transformers.GPT2LMHeadModel(cfg)
     ids, mask = _padded_ids(cfg.vocab_size, batch, seq, gen)

@@ -1,0 +1,124 @@
+"""Whole transformers models trained through TVM from their ordinary call, loss included.
+
+Per model (``tvmbridge.tools.whole_models``: BertForMaskedLM, GPT2LMHeadModel,
+ViTForImageClassification, ResNetForImageClassification; random weights, base configs by
+default): compile time, the train step (forward, loss, backward) of TVM against PyTorch eager in
+one run (interleaved medians), bytes kept for the backward against PyTorch's saved bytes, and the
+losses of AdamW steps from the same start on both (the largest difference, and the curve).
+
+    python scripts/bench_models.py                                  # all four, base, (8,128)
+    python scripts/bench_models.py --models bert-mlm --size small   # quick
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tvmbridge import add_tvm_dispatch  # noqa: E402
+from tvmbridge.tools.timing import cpu_name, interleaved  # noqa: E402
+from tvmbridge.tools.whole_models import WHOLE_MODELS, TrainingTask, build_task  # noqa: E402
+
+
+def train_step(task: TrainingTask, model: torch.nn.Module):
+    def step(i: int) -> None:
+        torch.manual_seed(i)
+        task.call(model).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def adamw_losses(task: TrainingTask, model: torch.nn.Module, steps: int) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(1000 + i)
+        loss = task.call(model).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def bench_model(name: str, args: argparse.Namespace) -> dict:
+    batch = args.batch if name.endswith("lm") else args.image_batch
+    task = build_task(name, args.size, batch=batch, seq=args.seq)
+    eager = copy.deepcopy(task.model)
+    t = time.perf_counter()
+    add_tvm_dispatch(task.model, task.args, task.kwargs)
+    compile_s = time.perf_counter() - t
+    dispatch = task.model._tvm_dispatch
+    report = dispatch.report()
+    print(f"{name}: compiled in {compile_s:.1f} s", flush=True)
+    times = interleaved({"tvm": train_step(task, task.model), "eager": train_step(task, eager)}, args.runs, args.warmup)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"  train step: TVM {ms['tvm']:.1f} ms, eager {ms['eager']:.1f} ms ({ms['tvm'] / ms['eager']:.2f}x)", flush=True)
+    start = copy.deepcopy(eager)  # both curves from the same weights (timing changed no weights, BN stats alike)
+    tvm_model = task.model
+    tvm_model.load_state_dict(start.state_dict())
+    curves = {"tvm": adamw_losses(task, tvm_model, args.steps), "eager": adamw_losses(task, start, args.steps)}
+    diff = max(abs(a - b) for a, b in zip(curves["tvm"], curves["eager"]))
+    print(f"  {args.steps} AdamW steps: loss {curves['eager'][0]:.4f} -> {curves['eager'][-1]:.4f}, "
+          f"largest TVM-eager difference {diff:.2e}", flush=True)
+    return {"model": name, "type": type(eager).__name__, "inputs": describe_inputs(task), "compile_s": compile_s,
+            "tvm_ms": ms["tvm"], "eager_ms": ms["eager"], "tvm_kept_bytes": report.tvm_bytes,
+            "pytorch_saved_bytes": report.pytorch_saved_bytes, "calls_tvm": dispatch.calls_tvm,
+            "calls_torch": dispatch.calls_fallback, "losses": curves, "max_loss_diff": diff}
+
+
+def describe_inputs(task: TrainingTask) -> str:
+    tensors = [*task.args, *task.kwargs.values()]
+    return ", ".join(str(tuple(t.shape)) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def markdown(rows: list[dict], machine: str) -> str:
+    mib = 2**20
+    out = [f"Machine: {machine}", "",
+           "| model | inputs | compile s | TVM step ms | eager ms | TVM/eager | kept for backward MiB | "
+           "PyTorch saved MiB | AdamW loss diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['type']} | {r['inputs']} | {r['compile_s']:.1f} | {r['tvm_ms']:.1f} | {r['eager_ms']:.1f} | "
+                   f"{r['tvm_ms'] / r['eager_ms']:.2f}x | {r['tvm_kept_bytes'] / mib:.1f} | "
+                   f"{r['pytorch_saved_bytes'] / mib:.1f} | {r['max_loss_diff']:.1e} |")
+    for r in rows:
+        pairs = ", ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(r["losses"]["tvm"], r["losses"]["eager"]))
+        out += ["", f"{r['type']} AdamW losses (TVM/eager): {pairs}"]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(WHOLE_MODELS))
+    ap.add_argument("--size", default="base", choices=("small", "base"))
+    ap.add_argument("--batch", type=int, default=8, help="batch of the language models")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--image-batch", type=int, default=8, help="batch of ViT and ResNet (224x224 at base)")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20, help="AdamW steps of the loss curves")
+    ap.add_argument("--out", default="bench_results/bench_models")
+    args = ap.parse_args()
+    machine = f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    print(machine, flush=True)
+    rows = [bench_model(name, args) for name in args.models.split(",")]
+    text = markdown(rows, machine)
+    print(text)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"machine": machine, "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
