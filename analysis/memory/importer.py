@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,11 +100,35 @@ def _graph_len() -> int | None:
     return None if mode is None else len(mode.tracer.graph.nodes)
 
 
-def trace_training_step(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
+# Model inputs: positional (a sequence) or keyword (a mapping by forward parameter name, as the
+# model zoo builds them); values that are not tensors (``attention_mask=None``, flags) are kept.
+ModelInputs = Sequence[Any] | Mapping[str, Any]
+
+
+def _split_inputs(inputs: ModelInputs) -> tuple[list[torch.Tensor], Callable[[list], tuple[tuple, dict]]]:
+    """The tensors among ``inputs`` (they become graph inputs, in order) and how to rebuild the
+    model's ``(args, kwargs)`` from them; anything else is a constant of the trace, so ``make_fx``
+    never sees a ``None`` or a flag as an input."""
+    keys = list(inputs) if isinstance(inputs, Mapping) else None
+    values = list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)
+    where = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+
+    def rebuild(tensors: list) -> tuple[tuple, dict]:
+        full = list(values)
+        for i, t in zip(where, tensors):
+            full[i] = t
+        return ((), dict(zip(keys, full))) if keys is not None else (tuple(full), {})
+
+    return [values[i] for i in where], rebuild
+
+
+def trace_training_step(model: torch.nn.Module, inputs: ModelInputs,
                         target: torch.Tensor | None = None,
                         loss_fn: Callable[..., torch.Tensor] = default_loss,
                         optimizer: str = "adam", tracing_mode: str = "fake") -> TracedStep:
-    """Trace forward, loss, backward and an in-place optimizer step as one FX graph."""
+    """Trace forward, loss, backward and an in-place optimizer step as one FX graph.
+
+    ``inputs``: the model's positional inputs, or its keyword inputs as a mapping."""
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; have {sorted(_OPTIMIZERS)}")
     update, n_state = _OPTIMIZERS[optimizer]
@@ -114,14 +138,14 @@ def trace_training_step(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
     params = [p.detach().clone().requires_grad_(True) for _, p in named]
     state = [torch.zeros_like(p, requires_grad=False) for p in params for _ in range(n_state)]
     buf_vals = [b.detach().clone() for b in buffers.values()]
-    inputs = list(inputs)
+    inputs, rebuild = _split_inputs(inputs)
     marks: dict[str, int] = {}
 
     def step(params, state, buf_vals, inputs, *maybe_target):
         target = maybe_target[0] if maybe_target else None
         tensors = dict(zip(names, params))
         tensors.update(zip(buffers, buf_vals))
-        out = torch.func.functional_call(model, tensors, tuple(inputs))
+        out = torch.func.functional_call(model, tensors, *rebuild(inputs))
         loss = loss_fn(out, target) if target is not None else loss_fn(out)
         if (n := _graph_len()) is not None:
             marks[BACKWARD] = n
@@ -139,17 +163,17 @@ def trace_training_step(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
     return TracedStep(gm, args, kinds, marks, names)
 
 
-def trace_eval_step(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
+def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs,
                     tracing_mode: str = "fake") -> TracedStep:
     """Trace an inference forward (no autograd) as one FX graph; weights are inputs."""
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     names = list(tensors)
     vals = [t.detach() for t in tensors.values()]
-    inputs = list(inputs)
+    inputs, rebuild = _split_inputs(inputs)
 
     def step(vals, inputs):
         with torch.no_grad():
-            out = torch.func.functional_call(model, dict(zip(names, vals)), tuple(inputs))
+            out = torch.func.functional_call(model, dict(zip(names, vals)), *rebuild(inputs))
         if hasattr(out, "last_hidden_state"):
             out = out.last_hidden_state
         return out
@@ -286,14 +310,17 @@ def fx_to_dataflow(traced: TracedStep) -> DataflowGraph:
     return _DataflowBuilder(traced).build()
 
 
-def import_training_step(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
+def import_training_step(model: torch.nn.Module, inputs: ModelInputs,
                          **kwargs: Any) -> tuple[DataflowGraph, TracedStep]:
-    """Trace and import a training step; returns the graph and the trace it came from."""
+    """Trace and import a training step; returns the graph and the trace it came from.
+
+    ``inputs`` is positional (``[x]``) or keyword (``{"input_ids": ids, "attention_mask": None}``);
+    ``kwargs`` go to `trace_training_step` (target, loss_fn, optimizer, tracing_mode)."""
     traced = trace_training_step(model, inputs, **kwargs)
     return fx_to_dataflow(traced), traced
 
 
-def import_eval_step(model: torch.nn.Module, inputs: Sequence[torch.Tensor],
+def import_eval_step(model: torch.nn.Module, inputs: ModelInputs,
                      tracing_mode: str = "fake") -> tuple[DataflowGraph, TracedStep]:
     traced = trace_eval_step(model, inputs, tracing_mode=tracing_mode)
     return fx_to_dataflow(traced), traced

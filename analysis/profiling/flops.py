@@ -9,17 +9,19 @@ backward, attention kernels). PyTorch counts every other op as zero; here they g
   are 1 per element; composite activations count the operations of their textbook formula
   (``_POINTWISE_COST``). Copies, casts and selects (``clone``, ``where``, ``masked_fill``) are 0.
 * reductions (``torch.Tag.reduction``): 1 per input element (``var``/``std``: 3).
-* softmax 5, its backward 4, log-softmax 5 and 3 per element; layer/batch norm 5 per element to
-  normalise plus 1 each for the affine weight and bias, backward 8 per element for the input
-  gradient and 2/1 for weight/bias; pooling 1 per window element; embedding backward 1 per
-  gradient element (scatter-add).
+* softmax 5 (``_softmax`` and the math SDPA's ``_safe_softmax``), its backward 4, log-softmax 5
+  and 3 per element; layer/batch norm 5 per element to normalise plus 1 each for the affine
+  weight and bias, backward 8 per element for the input gradient and 2/1 for weight/bias;
+  pooling 1 per window element; embedding backward 1 per gradient element (scatter-add).
 
 The counts that only this module makes are estimates of work, not measurements: they are stated
 so that totals are comparable between models, not to be exact to the instruction.
 """
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -157,6 +159,11 @@ def _var(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
 
 for _packet, _formula in {
     aten._softmax: _per_output_element(5),
+    # the math SDPA's softmax (fully masked rows give 0, not NaN). Its backward is the plain
+    # ``_softmax_backward_data`` (4 per element), so the forward counts as a softmax too: PyTorch
+    # counts neither, and counting only the backward would make a layer's backward/forward ratio
+    # depend on the attention kernel. Zeroing masked rows is a select, which costs 0 here.
+    aten._safe_softmax: _per_output_element(5),
     aten._softmax_backward_data: _per_output_element(4),
     aten._log_softmax: _per_output_element(5),
     aten._log_softmax_backward_data: _per_output_element(3),
@@ -247,19 +254,75 @@ def dispatch_and_count(
 GLOBAL = "Global"
 
 
+def _copy_counts(counts: dict) -> dict:
+    """A copy of nested dicts of counts (a defaultdict keeps its factory)."""
+    c = copy.copy(counts)
+    for k, v in counts.items():
+        if isinstance(v, dict):
+            c[k] = _copy_counts(v)
+    return c
+
+
+def _max_into(dst: dict, src: dict) -> None:
+    """``dst[k] = max(dst[k], src[k])`` over nested dicts of counts."""
+    for k, v in src.items():
+        if not isinstance(v, dict):
+            dst[k] = max(dst.get(k, 0), v)
+        elif k in dst:
+            _max_into(dst[k], v)
+        else:
+            dst[k] = _copy_counts(v)
+
+
 class CountingDispatchMode(TorchDispatchMode):
     """Runs every aten op the way PyTorch's counter does (composites decomposed first, metadata
-    queries passed through) and hands each executed op to :meth:`on_op`."""
+    queries passed through) and hands each executed op to :meth:`on_op`.
+
+    Higher-order ops come here too (PyTorch's counter handles ``torch.cond``; without this they
+    would raise): see :meth:`run_higher_order`.
+    """
+
+    supports_higher_order_operators = True
 
     def on_op(self, packet: Any, flops: int, out: Any) -> None:
+        raise NotImplementedError
+
+    def tally(self) -> dict:
+        """The dict (nested dicts) of counts :meth:`on_op` adds to; ``torch.cond`` keeps the
+        larger branch's in it."""
         raise NotImplementedError
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in METADATA_OPS:
             return NotImplemented
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self.run_higher_order(func, args, kwargs or {})
         out, flops = dispatch_and_count(self, func, args, kwargs or {})
         self.on_op(func._overloadpacket, flops, out)
         return out
+
+    def run_higher_order(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``torch.cond`` runs both branches and keeps, per module and op, the larger count, as
+        PyTorch's counter does (an upper bound: fake tensors cannot say which branch a real run
+        takes). Other higher-order ops run their eager kernel, whose aten ops are counted."""
+        if func is torch.ops.higher_order.cond:
+            _pred, true_fn, false_fn, operands = args
+            counts = self.tally()
+            before = _copy_counts(counts)
+            with self:
+                out = true_fn(*operands)
+            after_true = _copy_counts(counts)
+            counts.clear()
+            counts.update(before)
+            with self:
+                false_fn(*operands)
+            _max_into(counts, after_true)
+            return out
+        kernel = func.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
+        if kernel is None:
+            raise NotImplementedError(f"FLOP counting: no rule for higher-order op {func.name()}")
+        with self:
+            return kernel(*args, **kwargs)
 
 
 class _CountingDispatch(CountingDispatchMode):
@@ -270,6 +333,9 @@ class _CountingDispatch(CountingDispatchMode):
     def on_op(self, packet: Any, flops: int, out: Any) -> None:
         if flops:
             self.counter._add(packet, flops)
+
+    def tally(self) -> dict:
+        return self.counter.counts
 
 
 class _GradFnTagger(TorchFunctionMode):
@@ -309,10 +375,13 @@ class FlopCounter:
 
     ``with FlopCounter() as fc: loss = model(x).sum(); loss.backward()`` then ``fc.total()``,
     ``fc.total("backward")``, ``fc.by_op()``, ``fc.by_module()``, ``print(fc.table())``.
-    Module names follow PyTorch's counter: the root's class name, then attribute paths
-    (``BertLayer.attention.self.query``); ``Global`` holds everything. Backward FLOPs go to the
-    module whose forward created the autograd node; checkpoint recomputation is counted (in the
-    backward phase, as that is when it runs), and so is ``torch.func`` (vmap, jacrev, hessian).
+    Module names are PyTorch's counter's (``torch.utils.module_tracker``): the first module
+    seen gets its class name, every module below it its fully qualified path, list items included
+    (``BertModel.encoder.layer.0.attention.self.query``); ``Global`` holds everything. An op
+    counts for every module running when it runs (not for a container that never runs, such as
+    a ModuleList). Backward FLOPs go to the modules whose forward created the autograd node;
+    checkpoint recomputation is counted (in the backward phase, as that is when it runs), and so
+    is ``torch.func`` (vmap, jacrev, hessian).
     """
 
     def __init__(self, display: bool = False, depth: int = 2) -> None:
@@ -325,25 +394,34 @@ class FlopCounter:
         self._fw_stack: list[str] = []
         self._bw_stack: tuple[str, ...] = ()
         self._tagged: set[Any] = set()
-        self._names: dict[int, str] = {}
+        # module -> name, and the modules whose subtree is named (weak: models may be freed)
+        self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._named_below: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._modes: list[Any] = []
 
     # --- module tracking
     def _name(self, mod: torch.nn.Module) -> str:
-        name = self._names.get(id(mod))
+        """The name ``ModuleTracker._get_mod_name`` gives (so per-module counts key like
+        FlopCounterMode's): the whole subtree is named when a module is first seen, so items of a
+        ModuleList/ModuleDict, whose container never runs, still get their full path."""
+        name = self._names.get(mod)
         if name is None:
-            name = type(mod).__name__
-            self._names[id(mod)] = name
-        for child_name, child in mod.named_children():
-            if id(child) not in self._names:
-                self._names[id(child)] = f"{name}.{child_name}"
+            name = self._names[mod] = type(mod).__name__
+        if mod not in self._named_below:
+            for child_name, child in mod.named_children():
+                self._names[child] = f"{name}.{child_name}"
+                self._name(child)
+            self._named_below.add(mod)
         return name
 
     def _pre_hook(self, mod: torch.nn.Module, args: Any) -> None:
         self._fw_stack.append(self._name(mod))
 
     def _post_hook(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+        """Registered ``always_call``: it also runs when the forward raises, as a non-reentrant
+        checkpoint's recomputation does once it has what the backward needs (early stop);
+        otherwise the re-run modules would stay on the stack and take all later work."""
         name = self._name(mod)
         # pop the innermost occurrence (recomputation may re-enter a module during backward)
         for i in range(len(self._fw_stack) - 1, -1, -1):
@@ -357,23 +435,30 @@ class FlopCounter:
     def _exit_backward_node(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self._bw_stack = ()
 
+    def _parents(self, bw: bool) -> set[str]:
+        """The modules an op counts for: those whose forward runs and, in backward, those whose
+        forward made the autograd node being run. A checkpoint recomputation runs inside the
+        node that needs it: its work goes to the modules re-run and to the ones enclosing them,
+        not to that node's own module (a sibling, often the block's last LayerNorm)."""
+        parents = {GLOBAL, *self._fw_stack}
+        if bw and self._fw_stack:
+            head = self._fw_stack[0]
+            parents.update(m for m in self._bw_stack if head.startswith(m + "."))
+        elif bw:
+            parents.update(self._bw_stack)
+        return parents
+
     def _add(self, packet: Any, flops: int) -> None:
         bw = in_backward()
         phase = "backward" if bw else "forward"
-        # in backward, ops of a checkpoint recomputation belong to the modules being re-run
-        stack = self._fw_stack if (self._fw_stack or not bw) else self._bw_stack
-        parents = {GLOBAL}
-        for name in stack:
-            parts = name.split(".")
-            parents.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-        for p in parents:
+        for p in self._parents(bw):
             self.counts[p][phase][packet] += flops
 
     def __enter__(self) -> FlopCounter:
         self.counts.clear()
         self._handles = [
             register_module_forward_pre_hook(self._pre_hook),
-            register_module_forward_hook(self._post_hook),
+            register_module_forward_hook(self._post_hook, always_call=True),
         ]
         self._modes = [_GradFnTagger(self), _CountingDispatch(self)]
         for m in self._modes:

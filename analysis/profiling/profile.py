@@ -30,7 +30,7 @@ from torch.fx.node import Node, map_aggregate
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from analysis.profiling.flops import CountingDispatchMode
 from analysis.profiling.meta import find_fake_mode, to_fake
@@ -87,6 +87,9 @@ class _NodeDispatch(CountingDispatchMode):
         if flops:
             self.flops[packet] += flops
         self.created.extend(tensor_leaves(out))
+
+    def tally(self) -> dict:
+        return self.flops
 
 
 def _mutates_first_arg(node: Node, gm: torch.fx.GraphModule) -> bool:
@@ -383,9 +386,11 @@ class _Profiler:
             if not isinstance(a, Node):
                 return a
             v = self.env[a]
-            if isinstance(v, (tuple, list, dict)):
-                return map_aggregate(v, lambda t: leafify(t, is_first))
-            return leafify(v, is_first)
+            if not isinstance(v, (tuple, list, dict)):
+                return leafify(v, is_first)
+            if not any(t.requires_grad for t in tensor_leaves(v)):
+                return v  # the very object, as fx's Interpreter passes it: ``kwargs.pop`` works
+            return tree_map(lambda t: leafify(t, is_first), v)  # keeps dict/list/ModelOutput types
 
         first = node.args[0] if node.args else None
         args = tuple(prep(a, a is first and j == 0) if isinstance(a, Node)

@@ -178,6 +178,112 @@ def test_checkpoint_recompute_is_counted() -> None:
     assert b.total("backward") >= a.total("backward") + sum(block_fwd.values())
 
 
+class CkptNet(torch.nn.Module):
+    def __init__(self, ckpt: bool) -> None:
+        super().__init__()
+        self.ckpt = ckpt
+        self.block = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.block, x, use_reentrant=False) if self.ckpt else self.block(x))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_checkpoint_attribution_does_not_leak(early_stop: bool) -> None:
+    """With early stop (the default) the recomputation is cut off by an exception inside the
+    block's last Linear, so its forward post-hooks never run: the re-run modules must not stay
+    on the module stack and take the rest of the backward, or a later unrelated forward.
+
+    Checked by hand against a run without checkpointing, not per module against PyTorch: its
+    ModuleTracker charges block.0's recomputation to block.2 (open in backward while the
+    recomputation runs inside its node) and, without early stop, the re-run block's forward
+    post-hook removes the block from its set of open modules, so the block loses its backward."""
+    torch.manual_seed(0)
+    plain, ckpt, other = CkptNet(False), CkptNet(True), torch.nn.Linear(16, 16)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def run(net: CkptNet) -> None:
+        net(x).sum().backward()
+        other(x)  # after the backward: counts for `Linear` (its own root name) only
+
+    with set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as ref:
+        run(ckpt)
+    a, b = FlopCounter(), FlopCounter()
+    with set_checkpoint_early_stop(early_stop):
+        with a:
+            run(plain)
+        with b:
+            run(ckpt)
+    assert _torch_counted(b.by_op()) == _torch_counted(ref.get_flop_counts()["Global"])
+    assert b.by_op("Linear") == {aten.addmm: 2 * 8 * 16 * 16}
+    addmm = 2 * 8 * 16 * 32  # Linear(16, 32) or Linear(32, 16) on 8 rows
+    # block.0's addmm runs again in backward; block.2's too unless early stop cut the
+    # recomputation off first (autograd saves an op's inputs before running it)
+    n = 1 if early_stop else 2
+    recomputed = {"CkptNet.block.0": addmm, "CkptNet.block.2": (n - 1) * addmm,
+                  "CkptNet.block": n * addmm, "CkptNet": n * addmm, "Global": n * addmm}
+    assert set(b.counts) == set(a.counts)
+    for m in a.counts:
+        assert b.by_op(m, "forward") == a.by_op(m, "forward"), m
+        before, after = _torch_counted(a.by_op(m, "backward")), _torch_counted(b.by_op(m, "backward"))
+        extra = {op: after.get(op, 0) - before.get(op, 0) for op in set(before) | set(after)}
+        assert {op: k for op, k in extra.items() if k} == (
+            {aten.addmm: recomputed[m]} if recomputed.get(m) else {}), m
+
+
+def test_cond_counts_the_larger_branch_like_pytorch() -> None:
+    """``torch.cond`` (a higher-order op) used to raise; both counters charge, per module and
+    op, the larger branch (fake tensors cannot tell which one a real run takes)."""
+
+    class Gate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small = torch.nn.Linear(8, 8)
+            self.big = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cond(x.sum() > 0, lambda v: self.small(v), lambda v: self.big(v), (x,))
+
+    torch.manual_seed(0)
+    gate, x = Gate(), torch.randn(4, 8)
+    # cond's backward under any dispatch mode fails inside PyTorch 2.13 (FlopCounterMode too)
+    with torch.no_grad(), FlopCounterMode(display=False) as ref:
+        out_ref = gate(x)
+    with torch.no_grad(), FlopCounter() as fc:
+        out = gate(x)
+    torch.testing.assert_close(out, out_ref)
+    expected = {m: _torch_counted(ops) for m, ops in ref.get_flop_counts().items()}
+    assert {m: _torch_counted(fc.by_op(m)) for m in fc.counts} == expected
+    assert fc.by_op("Gate.big", "forward")[aten.addmm] == 2 * 2 * 4 * 8 * 32
+    assert fc.by_op("Gate", "forward")[aten.addmm] == 2 * 2 * 4 * 8 * 32  # max, not the sum
+
+
+def test_other_higher_order_ops_count_what_runs() -> None:
+    """A higher-order op other than cond runs its eager kernel under the counter (PyTorch's
+    returns NotImplemented as the result): a while loop's body counts once per iteration."""
+    from torch._higher_order_ops import while_loop
+
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    with FlopCounter() as fc:
+        _, out = while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v @ w), (torch.tensor(0), x))
+    torch.testing.assert_close(out, x @ w @ w @ w)
+    assert fc.by_op()[aten.mm] == 3 * 2 * 4 * 8 * 8
+
+
+def test_safe_softmax_counts_like_softmax() -> None:
+    """The math SDPA (taken on CPU with dropout) uses ``_safe_softmax``, whose backward is the
+    plain softmax backward: forward 5 per element, backward 4, as for ``_softmax``."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    with FlopCounter() as fc:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1).sum().backward()
+    scores = 2 * 4 * 8 * 8
+    assert fc.by_op(phase="forward").get(aten._safe_softmax) == 5 * scores
+    assert fc.by_op(phase="backward").get(aten._softmax_backward_data) == 4 * scores
+
+
 def test_stated_conventions() -> None:
     a, b = torch.randn(4, 5), torch.randn(4, 5)
     assert count_op(aten.add.Tensor, (a, b), {}, a + b) == 20

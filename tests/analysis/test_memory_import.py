@@ -79,3 +79,29 @@ def test_eval_step_import_matches_measured():
     assert not kinds(g, BACKWARD) and not kinds(g, OPTIMIZER)
     measured, _, _ = measure_fx_peak(traced.gm, *traced.args)
     assert abs(simulate(g).peak - measured) <= 0.02 * measured
+
+
+def test_keyword_inputs_with_none_and_flags():
+    """Inputs by name, as the model zoo builds them: tensors become graph inputs, ``None`` and
+    flags stay constants (no wrapper module needed for ``attention_mask=None``)."""
+    from transformers import GPT2Config, GPT2Model
+
+    from analysis.memory.dataflow import INPUT
+    from analysis.memory.importer import default_loss
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2Model(cfg).train()
+    ids = torch.randint(0, 100, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    for inputs, n_inputs in [({"input_ids": ids, "attention_mask": mask, "use_cache": False}, 2),
+                             ({"input_ids": ids, "attention_mask": None}, 1)]:
+        g, traced = import_training_step(model, inputs, optimizer="sgd")
+        assert len(kinds(g, INPUT)) == n_inputs
+        _, _, (loss,) = measure_fx_peak(traced.gm, *copy.deepcopy(traced.args))
+        expected = default_loss(model(**inputs))
+        torch.testing.assert_close(loss, expected.detach())
+    g, traced = import_eval_step(model, {"input_ids": ids, "attention_mask": mask})
+    assert len(kinds(g, INPUT)) == 2

@@ -218,3 +218,23 @@ def test_default_size_models_match_real_run(name: str) -> None:
     total = {k: s.fwd_flops_by_op.get(k, 0) + s.bwd_flops_by_op.get(k, 0) for k in ref}
     assert total == ref
     assert abs(s.backward_bytes - saved) <= 0.05 * saved
+
+
+def test_profile_gpt2_model_with_kwargs_placeholder() -> None:
+    """GPT2Model's forward takes ``**kwargs`` and pops from it: the placeholder's dict must
+    reach the node as itself, not as fx's immutable copy."""
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    model = GPT2Model(cfg).train()
+    ids = torch.randint(0, 100, (2, 8))
+    gm = symbolic_profile(symbolic_trace(model, {"input_ids": ids}), ids)
+    assert any(n.op == "call_method" and n.target == "pop" for n in gm.graph.nodes)
+    with FlopCounterMode(display=False) as ref:
+        model(ids).last_hidden_state.sum().backward()
+    s = gm.meta["profile"]
+    total = {k: s.fwd_flops_by_op.get(k, 0) + s.bwd_flops_by_op.get(k, 0)
+             for k in set(s.fwd_flops_by_op) | set(s.bwd_flops_by_op)}
+    expected = {k: v for k, v in ref.get_flop_counts()["Global"].items() if v}
+    assert expected and {k: v for k, v in total.items() if is_torch_counted(k) and v} == expected
