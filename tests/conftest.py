@@ -1,8 +1,16 @@
-"""Every test compiles from scratch: the process-wide cache of compiles (``pipeline.SHARED_CACHE``)
+"""Every test compiles from scratch and measures GEMMs into a cache of its own session. The
+process-wide cache of compiles (``pipeline.SHARED_CACHE``)
 would otherwise let a test reuse another test's compile and skip the code it means to exercise."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+# measured GEMM choices go to a fresh directory, never the user's cache (tests of the cache
+# itself point it elsewhere again)
+os.environ["TVMBRIDGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tvmbridge-test-cache-")
 
 
 @pytest.fixture(autouse=True)

@@ -31,9 +31,10 @@ class CompileOptions:
         "with min-cut: keep at most this many bytes (int) or this fraction of the save-all bytes "
         "(float in (0, 1]); more is recomputed, matmuls included"))
     offload_matmul: bool | str | None = field(default=None, metadata=_doc(
-        "dense matmuls in a GEMM library PyTorch ships: 'auto' (oneDNN for float32 weight GEMMs, "
-        "torch.matmul for the rest), 'torch', 'onednn', or False (TVM's own kernels); "
-        "default: 'auto' on CPU, off elsewhere"))
+        "dense matmuls in a GEMM library PyTorch ships: 'auto' (each distinct GEMM timed on every "
+        "library that can run it, on this machine, the fastest kept; choices cached in "
+        "$TVMBRIDGE_CACHE_DIR or ~/.cache/tvmbridge), 'torch', 'onednn', or False (TVM's own "
+        "kernels); default: 'auto' on CPU, off elsewhere"))
     fast_math: bool = field(default=True, metadata=_doc(
         "float32 only: vectorizable erf/exp/tanh (a few ulps from libm); float64 is never touched"))
     cpu_schedules: bool = field(default=True, metadata=_doc(

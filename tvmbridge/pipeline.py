@@ -27,6 +27,7 @@ from analysis.tensors import tensor_leaves
 from . import names
 from .backend import build as backend_build
 from .backend.fast_math import FastMathFloat32
+from .backend.gemm_choice import GemmDecision
 from .backend.offload import OffloadMatmuls
 from .devices import SUPPORTED, target_for
 from .errors import ConversionError, stage_errors
@@ -61,6 +62,7 @@ class Artifacts:
     captures: tuple[str, ...] = ()
     split: SplitResult | None = None
     halves: tvm.IRModule | None = None  # names.FORWARD, names.FORWARD_INFER, names.BACKWARD
+    gemm_choices: tuple[GemmDecision, ...] = ()  # where each offloaded GEMM runs, and why
     executable: tvm.runtime.Executable | None = None
 
 
@@ -186,7 +188,11 @@ def _split(a: Artifacts) -> Artifacts:
 
 def _offload(a: Artifacts) -> Artifacts:
     backend = a.options.gemm_backend(a.device.type)
-    return a if backend is None else dataclasses.replace(a, halves=OffloadMatmuls(backend)(a.halves))
+    if backend is None:
+        return a
+    offload = OffloadMatmuls(backend, sizes=a.sizes)
+    halves = offload(a.halves)
+    return dataclasses.replace(a, halves=halves, gemm_choices=tuple(offload.decisions))
 
 
 def _fast_math(a: Artifacts) -> Artifacts:
@@ -258,6 +264,7 @@ class CompiledModule:
     compile_seconds: dict[str, float] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
     sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at the compiled sample
+    gemm_choices: tuple[GemmDecision, ...] = ()
     _pool: list[relax.VirtualMachine] = field(default_factory=list, repr=False)
     _pool_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _instrument: Callable | None = field(default=None, repr=False)
@@ -354,6 +361,7 @@ def compile_training(
         grad_param_indices=list(done.grad_param_indices), differentiable=done.gradient.differentiable,
         adjoint=done.gradient.adjoint, split=done.split, executable=done.executable,
         compile_seconds=seconds, stages={**shown, **shown_rest}, sizes=dict(done.sizes),
+        gemm_choices=done.gemm_choices,
     )
     if cache is not None:
         cache.put(key, compiled)

@@ -68,9 +68,15 @@ def _calls(func: relax.Function) -> list[relax.Call]:
 
 
 @pytest.mark.skipif("onednn" not in BACKENDS, reason="torch build without oneDNN")
-def test_auto_backend_choice():
-    assert _offloaded_names("float32", (4, 8), (8, 3), "auto") == ["tvmbridge.onednn_matmul_nn"]
-    # no oneDNN for float64, nor for batched right operands (attention's bmm)
+@pytest.mark.parametrize("faster", ["onednn", "torch"])
+def test_auto_backend_follows_the_measurement(faster, monkeypatch, tmp_path):
+    """``auto`` takes whichever library the timing says is faster (a fake timer here: the real
+    one is tested in test_gemm_choice); float64 and batched right operands have one candidate."""
+    from tvmbridge.backend import gemm_choice
+
+    monkeypatch.setenv("TVMBRIDGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_choice, "time_gemms", lambda p, libs: {lib: 1.0 if lib == faster else 2.0 for lib in libs})
+    assert _offloaded_names("float32", (4, 8), (8, 3), "auto") == [f"tvmbridge.{faster}_matmul_nn"]
     assert _offloaded_names("float64", (4, 8), (8, 3), "auto") == ["tvmbridge.torch_matmul_nn"]
     assert _offloaded_names("float32", (2, 4, 8), (2, 8, 3), "auto") == ["tvmbridge.torch_matmul_nn"]
     assert _offloaded_names("float32", (4, 8), (8, 3), "torch") == ["tvmbridge.torch_matmul_nn"]

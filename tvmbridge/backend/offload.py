@@ -7,9 +7,9 @@ Transposes feeding a matmul fold into flags, and a bias add into the call. Every
 matmuls stays in TVM and is fused there.
 
 Backends, chosen per matmul at compile time (``backend=``): ``"torch"`` (``torch.matmul``, MKL on
-x86), ``"onednn"`` (oneDNN's inner product where it fits, else ``torch``), ``"auto"`` (oneDNN
-where it fits and its start-up probe passed, else ``torch``). The README has the measurements
-behind the default.
+x86), ``"onednn"`` (oneDNN's inner product where it fits, else ``torch``), ``"auto"`` (each
+distinct GEMM timed on every library that fits it, on this machine, the choice cached on disk:
+``gemm_choice``).
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..kernels.gemm import GemmSpec, onednn_available, onednn_fits, register_gemms
+from ..ir import RewriteBindings, Rule, evaluate_dim, is_op, static_shape
+from ..kernels.gemm import GemmSpec, register_gemms
 from ..options import GEMM_BACKENDS
-from ..ir import RewriteBindings, Rule, is_op, static_shape
+from .gemm_choice import ChoiceCache, GemmChooser, GemmDecision, GemmProblem
 
 
 def _dims(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -58,19 +59,6 @@ def _operand(expr: relax.Expr, bound: dict) -> tuple[relax.Expr, bool]:
     return expr, False
 
 
-def pick_library(backend: str, dtype: str, a_shape: tuple, b_shape: tuple, trans_a: bool) -> str:
-    """The library a matmul runs on under ``backend`` (see the module docstring)."""
-    if backend == "torch":
-        return "torch"
-    fits = onednn_fits(dtype, a_shape, b_shape, trans_a)
-    if backend == "onednn":
-        if not onednn_available():
-            raise RuntimeError("offload_matmul='onednn': PyTorch's oneDNN (torch.ops.mkldnn."
-                               "_linear_pointwise) is not available or disabled in this torch build")
-        return "onednn" if fits else "torch"
-    return "onednn" if fits and onednn_available() else "torch"
-
-
 def offloaded_call(value: relax.Expr) -> GemmSpec | None:
     """The spec of a ``call_pure_packed`` of one of the bridge's GEMMs, else None."""
     if not isinstance(value, relax.Call) or not is_op(value, "relax.call_pure_packed"):
@@ -78,7 +66,17 @@ def offloaded_call(value: relax.Expr) -> GemmSpec | None:
     return GemmSpec.parse(str(value.args[0].global_symbol))
 
 
-def _offload_rule(backend: str) -> Rule:
+def _problem(dtype: str, a: relax.Expr, b: relax.Expr, ta: bool, tb: bool, sizes: dict[str, int]) -> GemmProblem | None:
+    """The GEMM as the chooser times it: symbolic dims at this compile's sizes (None if unknown)."""
+    try:
+        a_shape = tuple(evaluate_dim(d, sizes) for d in _shape(a))
+        b_shape = tuple(evaluate_dim(d, sizes) for d in _shape(b))
+    except (KeyError, TypeError):
+        return None
+    return GemmProblem(dtype, a_shape, b_shape, ta, tb)
+
+
+def _offload_rule(chooser: GemmChooser, sizes: dict[str, int], decisions: list[GemmDecision]) -> Rule:
     def rule(value: relax.Expr, bound: dict) -> relax.Expr | None:
         if not is_op(value, "relax.matmul") or getattr(value, "ty", None) is None:
             return None
@@ -90,7 +88,13 @@ def _offload_rule(backend: str) -> Rule:
         if dtype not in ("float32", "float64") or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
             return None
         (a, ta), (b, tb) = _operand(a, bound), _operand(b, bound)
-        library = pick_library(backend, dtype, _dims(a), _dims(b), ta)
+        problem = _problem(dtype, a, b, ta, tb, sizes)
+        if problem is None or 0 in problem.a_shape or 0 in problem.b_shape:
+            library = "torch"
+        else:
+            decision = chooser.choose(problem)
+            decisions.append(decision)
+            library = decision.library
         return relax.op.call_pure_packed(
             GemmSpec(library, ta, tb).name, a, b, ty_args=relax.TensorType(out_shape, dtype)
         )
@@ -142,17 +146,27 @@ def _use_counts(mod: tvm.IRModule) -> dict[relax.Var, int]:
 @tvm.transform.module_pass(opt_level=0, name="tvmbridge.OffloadMatmuls")
 class OffloadMatmuls:
     """Every float32/float64 ``R.matmul`` (static or symbolic shapes) becomes a call of a GEMM library
-    (``backend``: see the module docstring); a following bias add folds into ``addmm``."""
+    (``backend``: ``"auto"`` measures each distinct GEMM, see ``gemm_choice``; ``"torch"`` or
+    ``"onednn"`` fix it); a following bias add folds into ``addmm``. ``sizes``: the compiling
+    call's symbolic dims, at which a symbolic GEMM is measured. :attr:`decisions` says where
+    each GEMM went and why."""
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: str = "auto", sizes: dict[str, int] | None = None,
+                 cache: ChoiceCache | None = None) -> None:
         if backend not in GEMM_BACKENDS:
             raise ValueError(f"unknown matmul backend {backend!r}; expected one of {GEMM_BACKENDS}")
         self.backend = backend
+        self.sizes = dict(sizes or {})
+        self.cache = cache
+        self.decisions: list[GemmDecision] = []
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         register_gemms()
+        cache = self.cache if self.cache is not None else ChoiceCache() if self.backend == "auto" else None
+        chooser = GemmChooser(self.backend, cache)
         mod = relax.transform.Normalize()(mod)
-        mod = RewriteBindings([_offload_rule(self.backend), _bias_rule(_use_counts(mod))])(mod)
+        rules = [_offload_rule(chooser, self.sizes, self.decisions), _bias_rule(_use_counts(mod))]
+        mod = RewriteBindings(rules)(mod)
         return relax.transform.DeadCodeElimination()(mod)
 
 

@@ -72,7 +72,7 @@ def onednn_fits(dtype: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], 
             and 0 not in a_shape and 0 not in b_shape)
 
 
-def _library(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+def library_call(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
     """``(a, b, bias) -> a @ b (+ bias)`` on one library, operands already transposed views."""
     if library == "onednn":
         linear = torch.ops.mkldnn._linear_pointwise
@@ -84,7 +84,7 @@ def _library(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor
 
 def packed_function(spec: GemmSpec) -> Callable[..., Any]:
     """The function TVM calls for ``spec``: DLPack tensors in, a DLPack tensor out."""
-    gemm = _library(spec.library)
+    gemm = library_call(spec.library)
     to_torch = torch.from_dlpack
 
     def operands(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +126,7 @@ def onednn_works() -> bool:
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(5, 7, generator=g), torch.randn(3, 7, generator=g)
         bias = torch.randn(3, generator=g)
-        y = _library("onednn")(x.mT.contiguous().mT, w.mT, bias)
+        y = library_call("onednn")(x.mT.contiguous().mT, w.mT, bias)
         return bool(torch.allclose(y, torch.addmm(bias, x, w.mT), rtol=1e-5, atol=1e-5))
     except Exception:  # noqa: BLE001 - any failure means: do not use it
         return False

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from analysis.tensors import tensor_leaves
 
 from ..backend.build import release_cached_memory
+from ..backend.gemm_choice import summary as gemm_summary
 from ..errors import ConversionError, FallbackWarning, RecompileWarning
 from ..options import CompileOptions, with_overrides
 from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
@@ -346,7 +347,8 @@ class Dispatcher:
                  f"calls: {self.calls_tvm} compiled, {self.calls_fallback} PyTorch"]
         for i, v in enumerate(self.variants, 1):
             lines.append(f"  variant {i} ({v.label}): {v.calls} calls, compiled in "
-                         f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}")
+                         f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}; "
+                         f"GEMMs: {gemm_summary(list(v.compiled.gemm_choices))}")
         lines += [f"  {n} x PyTorch: {reason}" for reason, n in self.fallback_reasons.most_common()]
         return "\n".join(lines)
 
