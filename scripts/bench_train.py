@@ -3,7 +3,7 @@
 Same process, same inputs; medians over --runs steps after --warmup, as ratios to PyTorch eager.
 Variants per shape:
   tvm           the default: min-cut capture set, dense matmuls offloaded (offload_matmul="auto":
-                oneDNN for float32 weight GEMMs, torch.matmul for the batched attention ones)
+                each distinct GEMM on the library measured fastest on this machine, cached)
   tvm-torch-gemm  every offloaded matmul on torch.matmul (MKL on x86), as eager PyTorch runs them
   tvm-torch-masks  dropout masks drawn by ATen's serial bernoulli_ instead of the vectorized
                 kernel (tvmbridge/kernels/mt19937.py; same masks)
@@ -28,7 +28,6 @@ import collections
 import copy
 import json
 import os
-import platform
 import statistics
 import time
 from typing import Callable
@@ -37,7 +36,7 @@ import torch
 
 from analysis.models import bert_layer, bert_layer_inputs
 from tvmbridge import CompileOptions, add_tvm_dispatch
-from tvmbridge.tools.timing import interleaved
+from tvmbridge.tools.timing import cpu_name, interleaved
 
 
 def timed(step: Callable[[int], None], runs: int, warmup: int) -> list[float]:
@@ -101,14 +100,18 @@ def gemm_table(layer, runs: int = 10) -> list[dict]:
 
     built = layer._tvm_dispatch.compiled.stages["fast_math"]
     seen: dict[tuple, int] = collections.Counter()
+    chosen: dict[tuple, str] = {}
     for func in ("forward", "backward"):
         for spec, shapes in offloaded_gemms(built[func]):
-            seen[(dataclasses.replace(spec, library="torch"), tuple(map(tuple, shapes)))] += 1
+            key = (dataclasses.replace(spec, library="torch", bias=False), tuple(map(tuple, shapes)))
+            seen[key] += 1
+            chosen[key] = spec.library
     rows = []
     for (spec, shapes), count in seen.items():
         ops = [tvm_ffi.from_dlpack(torch.randn(*s)) for s in shapes]
         gflop = spec.flops(shapes[0], shapes[1]) / 1e9
-        row = {"gemm": spec.kind, "shapes": shapes, "per_step": count, "GFLOP": gflop}
+        row = {"gemm": spec.kind, "shapes": shapes, "per_step": count, "GFLOP": gflop,
+               "chosen": chosen[(spec, shapes)]}
         for library in LIBRARIES:
             if library == "onednn" and not (onednn_available() and onednn_fits("float32", *shapes[:2], spec.trans_a)):
                 continue
@@ -195,13 +198,13 @@ def markdown(rows: list[dict], machine: str, args) -> str:
         if "gemms" not in r:
             continue
         out += ["", f"GEMMs of the step at {r['shape']}, each timed alone (median of 10):", "",
-                "| GEMM | operand shapes | per step | GFLOP | torch.matmul GFLOP/s | oneDNN GFLOP/s |",
-                "|---|---|---|---|---|---|"]
+                "| GEMM | operand shapes | per step | GFLOP | torch.matmul GFLOP/s | oneDNN GFLOP/s | chosen |",
+                "|---|---|---|---|---|---|---|"]
         for g in r["gemms"]:
             one = f"{g['onednn_GFLOPs']:.0f}" if "onednn_GFLOPs" in g else "n/a"
             shapes = " x ".join(str(tuple(s)) for s in g["shapes"])
             out.append(f"| {g['gemm']} | {shapes} | {g['per_step']} | {g['GFLOP']:.3f} | "
-                       f"{g['torch_GFLOPs']:.0f} | {one} |")
+                       f"{g['torch_GFLOPs']:.0f} | {one} | {g['chosen']} |")
     return "\n".join(out)
 
 
@@ -216,7 +219,7 @@ def main() -> None:
                     help="also time each distinct GEMM of the step alone on torch.matmul (MKL) and oneDNN")
     ap.add_argument("--out", default="bench_results/bench_train")
     args = ap.parse_args()
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    machine = (f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                f"{torch.get_num_threads()} torch threads")
     rows = []
     for spec in args.shapes.split(","):
