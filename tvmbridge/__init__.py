@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "add_tvm_dispatch": "tvmbridge.runtime.dispatch",
     "remove_tvm_dispatch": "tvmbridge.runtime.dispatch",
     "compile_training": "tvmbridge.pipeline",
+    "compile_inference": "tvmbridge.runtime.inference",
+    "InferenceModule": "tvmbridge.runtime.inference",
     "CompiledModule": "tvmbridge.pipeline",
     "STAGE_NAMES": "tvmbridge.pipeline",
     "CompileOptions": "tvmbridge.options",

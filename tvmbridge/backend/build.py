@@ -10,6 +10,8 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
+
 import torch
 import tvm
 from tvm import relax, te
@@ -18,6 +20,7 @@ from ..devices import prepare_cpu_runtime, tvm_device
 from ..kernels.barrier import register_barrier
 from ..kernels.gemm import register_gemms
 from ..errors import stage_errors
+from ..ir import RewriteBindings, is_op, static_shape
 
 
 def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -33,6 +36,24 @@ def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
             return bb.call_te(lambda: te.compute(shape, lambda *_: tvm.tirx.const(value, dtype)),
                               primfunc_name_hint="full")
     return call.op.get_attr("FLegalize")(bb, call)
+
+
+def _non_finite_fill_constant(value: relax.Expr, bound: dict) -> relax.Expr | None:
+    """``full(static shape, -inf)`` as the constant it is, for passes that evaluate ops with
+    TVM's own legalization (``FoldConstant``), which hits the ``topi.full`` bug above."""
+    if not (is_op(value, "relax.full") and isinstance(value.args[1], tvm.ir.expr.Constant)):
+        return None
+    fill = value.args[1].value.numpy()
+    shape = static_shape(value)
+    if fill.size != 1 or shape is None or np.isfinite(fill).all():
+        return None
+    return relax.const(np.full(shape, fill.reshape(()), dtype=str(value.ty.dtype)))
+
+
+def materialize_non_finite_fills() -> tvm.transform.Pass:
+    """Every static ``full`` with a non-finite fill becomes a constant."""
+    return tvm.transform.module_pass(RewriteBindings([_non_finite_fill_constant]).transform_module,
+                                     opt_level=0, name="tvmbridge.MaterializeNonFiniteFills")
 
 
 # keyed by op name, as LegalizeOps takes it; read-only

@@ -289,7 +289,7 @@ class BridgeImporter(ExportedProgramImporter):
             return res
         if beta != 1:
             bias = bb.emit(relax.op.multiply(bias, relax.const(beta, dtype)))
-        return bb.emit(relax.op.add(bias, res))
+        return bb.emit(relax.op.add(res, bias))  # matmul first: the form CombineParallelMatmul matches
 
     def _linear_keep_dtype(self, node: torch.fx.Node) -> relax.Var:
         args = self.retrieve_args(node)

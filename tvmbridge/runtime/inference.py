@@ -1,0 +1,130 @@
+"""Inference on TVM: a whole model compiled forward-only, its weights bound as constants.
+
+``compile_inference(model, sample_inputs)`` exports the model in eval mode (dropout gone,
+BatchNorm on its running statistics), binds the parameters and buffers as constants so that
+TVM folds what depends on weights alone (transposed weights, combined biases), combines the
+parallel matmuls that read one input (attention's Q/K/V: ``CombineParallelMatmul``), and builds
+with the same GEMM choices as training. The result is a snapshot: weights changed afterwards are
+not seen (compile again). It takes and returns torch tensors, for the sample's shapes, dtypes
+and device; any other call is refused with an error that says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+import tvm
+from tvm import relax
+
+from .. import names
+from ..backend.build import materialize_non_finite_fills
+from ..errors import ConversionError
+from ..frontend.signature import canonical_call
+from ..options import CompileOptions, with_overrides
+from ..pipeline import STAGE_NAMES, STAGES, Artifacts, Stage, run_stages
+from .function import to_torch, to_tvm
+
+
+def _bind_weights(a: Artifacts) -> Artifacts:
+    """Parameters and buffers as constants, folded; parallel matmuls combined; one function."""
+    if a.random_sites:
+        raise ConversionError("bind", "the model draws random numbers in eval mode "
+                              f"({len(a.random_sites)} random ops); inference compiles deterministic models only")
+    func = a.primal[names.MAIN]
+    traced = a.traced
+    state = traced.state.lookup(a.module)
+    params = list(func.params)[traced.num_user_inputs:]
+    binding = {p: tvm.runtime.tensor(t.detach().cpu().contiguous().numpy()) for p, t in zip(params, state)}
+    mod = tvm.IRModule({names.MAIN: func})
+    mod = tvm.transform.Sequential([
+        # one reshape of the hidden states for Q, K and V (the export flattens per linear), so
+        # that their matmuls share a left operand; combined on weight variables: the pass does
+        # not match constants
+        relax.transform.EliminateCommonSubexpr(), relax.transform.CanonicalizeBindings(),
+        relax.transform.CombineParallelMatmul(),
+        relax.transform.BindParams(names.MAIN, binding),
+        materialize_non_finite_fills(), relax.transform.FoldConstant(),
+        relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
+    ])(mod)
+    infer = mod[names.MAIN].with_attr("global_symbol", names.FORWARD_INFER)
+    return dataclasses.replace(a, halves=tvm.IRModule({names.FORWARD_INFER: infer}))
+
+
+def _stage(name: str) -> Stage:
+    return STAGES[STAGE_NAMES.index(name)]
+
+
+INFERENCE_STAGES: tuple[Stage, ...] = (
+    _stage("inputs"), _stage("trace"), _stage("convert"),
+    Stage("bind", _bind_weights, lambda a: a.halves),
+    _stage("offload"), _stage("fast_math"), _stage("build"),
+)
+
+
+class InferenceModule:
+    """The compiled forward: call it as the model (same signature), get the model's outputs."""
+
+    def __init__(self, model: torch.nn.Module, artifacts: Artifacts, seconds: dict[str, float]) -> None:
+        self.signature_of = model.forward
+        self.traced = artifacts.traced
+        self.device = artifacts.device
+        self.num_index_checks = artifacts.num_index_checks
+        self.gemm_choices = artifacts.gemm_choices
+        self.compile_seconds = seconds
+        self.stages = artifacts.halves
+        leaves, _ = pytree.tree_flatten(canonical_call(model.forward, artifacts.args, artifacts.kwargs))
+        self._expected = [_meta(x) for x in leaves]
+        self._vm = relax.VirtualMachine(artifacts.executable, _tvm_device(self.device))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten(canonical_call(self.signature_of, args, kwargs))
+        if spec != self.traced.in_spec or len(leaves) != len(self._expected):
+            raise ValueError("compile_inference: the call's arguments are laid out differently from the sample's; "
+                             "compile again for this call")
+        for i, (leaf, want) in enumerate(zip(leaves, self._expected)):
+            if _meta(leaf) != want:
+                raise ValueError(f"compile_inference: argument leaf {i} is {_describe(_meta(leaf))}, compiled for "
+                                 f"{_describe(want)}; compile again for these inputs")
+        tensors = [to_tvm(x) for x in leaves if isinstance(x, torch.Tensor)]
+        with torch.no_grad():
+            result = self._vm[names.FORWARD_INFER](*tensors)
+        outs = [to_torch(r) for r in (result if isinstance(result, (list, tuple, tvm.ir.Array)) else [result])]
+        n_user = self.traced.num_user_outputs
+        if any(int(flag) != 1 for flag in outs[n_user:n_user + self.num_index_checks]):
+            raise IndexError("index out of range in self")
+        return pytree.tree_unflatten(outs[:n_user], self.traced.out_spec)
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.device.type)
+    return ("value", x)
+
+
+def _describe(meta: tuple) -> str:
+    return f"a {meta[2]} tensor of shape {meta[1]} on {meta[3]}" if meta[0] == "tensor" else repr(meta[1])
+
+
+def _tvm_device(device: torch.device) -> Any:
+    from ..devices import tvm_device
+
+    return tvm_device(device)
+
+
+def compile_inference(model: torch.nn.Module, sample_inputs: Any = (), sample_kwargs: dict | None = None,
+                      options: CompileOptions | None = None, **overrides: Any) -> InferenceModule:
+    """Compile ``model``'s forward in eval mode for the sample's shapes (see the module docstring).
+    ``options``/``overrides``: :class:`~tvmbridge.options.CompileOptions` fields (``offload_matmul``,
+    ``fast_math``, ...); the model's train/eval mode is restored afterwards."""
+    opts = with_overrides(options, overrides)
+    args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    was_training = model.training
+    model.eval()
+    try:
+        start = Artifacts(module=model, args=args, kwargs=dict(sample_kwargs or {}), options=opts)
+        done, _shown, seconds = run_stages(start, INFERENCE_STAGES)
+    finally:
+        model.train(was_training)
+    return InferenceModule(model, done, seconds)
