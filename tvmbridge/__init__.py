@@ -21,6 +21,8 @@ _EXPORTS: dict[str, str] = {
     "remove_tvm_dispatch": "tvmbridge.runtime.dispatch",
     "compile_training": "tvmbridge.pipeline",
     "compile_inference": "tvmbridge.runtime.inference",
+    "check_double": "tvmbridge.tools.check",
+    "DoubleCheckReport": "tvmbridge.tools.check",
     "InferenceModule": "tvmbridge.runtime.inference",
     "CompiledModule": "tvmbridge.pipeline",
     "STAGE_NAMES": "tvmbridge.pipeline",

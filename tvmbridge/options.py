@@ -56,11 +56,18 @@ class CompileOptions:
     cache_size_limit: int = field(default=8, metadata=_doc(
         "compiled variants kept per module (one per call signature: shapes, dtypes, train/eval, "
         "keywords); a call that would need one more runs PyTorch, with a warning"))
+    converters: tuple[tuple[str, Callable[..., Any]], ...] = field(default=(), metadata=_doc(
+        "custom converters that replace the bridge's for these aten ops: pairs (overload name such "
+        "as 'gelu.default', fn(node, importer) -> relax.Expr); a dict is accepted"))
     verbose: bool = field(default=False, metadata=_doc("print a one-line summary after each compile"))
     progress: bool | None = field(default=None, metadata=_doc(
         "a progress bar over the compile stages (default: when stderr is a terminal)"))
 
     def __post_init__(self) -> None:
+        if isinstance(self.converters, dict):  # frozen: normalise the accepted dict to pairs
+            object.__setattr__(self, "converters", tuple(self.converters.items()))
+        if not all(isinstance(k, str) and callable(f) for k, f in self.converters):
+            raise ValueError("option converters must map aten overload names to callables fn(node, importer)")
         if not (callable(self.capture) or self.capture in CAPTURE_POLICIES):
             raise ValueError(
                 f"unknown capture policy {self.capture!r}; choose one of {list(CAPTURE_POLICIES)} "
@@ -156,7 +163,7 @@ _CLI_TYPES: dict[str, Callable[[str], Any]] = {
 }
 
 
-def add_option_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("progress",)) -> None:
+def add_option_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("progress", "converters")) -> None:
     """``--capture``, ``--memory-budget``, ``--fast-math true|false``, ...: one flag per option."""
     group = parser.add_argument_group("compile options")
     for f in dataclasses.fields(CompileOptions):

@@ -115,7 +115,7 @@ def symbol_sizes(traced: TracedModule, tensors: list[torch.Tensor]) -> dict[str,
 
 
 def _convert(a: Artifacts) -> Artifacts:
-    converted = to_relax(a.traced)
+    converted = to_relax(a.traced, a.options.converters)
     return dataclasses.replace(a, primal=converted.mod, random_sites=converted.random_sites,
                                num_index_checks=converted.num_index_checks)
 

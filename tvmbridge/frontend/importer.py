@@ -115,6 +115,7 @@ class Converted:
     mod: tvm.IRModule
     random_sites: tuple[RandomSite, ...]
     num_index_checks: int
+    probes: tuple[str, ...] = ()  # fx node names of the probed values (to_relax(probe=True))
 
 
 def is_train_dropout(node: torch.fx.Node) -> bool:
@@ -523,10 +524,12 @@ def _is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
-def to_relax(traced: TracedModule) -> Converted:
+def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) -> Converted:
     """Convert the traced program to Relax (function ``names.MAIN``): every input a parameter
     (the call's tensors, then the module's state), the outputs followed by one int32 flag per
-    embedding (1: all indices were in range)."""
+    embedding (1: all indices were in range). ``converters``: (aten overload name, fn(node,
+    importer)) pairs that replace the bridge's. ``probe``: also return every intermediate float
+    tensor, after the flags (their fx node names in ``Converted.probes``)."""
     ep = traced.exported
     missing = unsupported_ops(ep)
     if missing:
@@ -539,16 +542,31 @@ def to_relax(traced: TracedModule) -> Converted:
     random_ops = {n.target.__name__ for n in ep.graph.nodes
                   if n.op == "call_function" and _is_random(n) and n.target.__name__ not in _DROPOUT_OPS}
     custom = {name: importer._named(name, lambda node, _importer: importer.convert_random(node)) for name in random_ops}
+    custom.update({name: importer._named(name, fn) for name, fn in converters})
     with stage_errors("convert"):
         mod = importer.from_exported_program(ep, True, False, False, custom)
     func = mod[names.MAIN]
     if len(func.params) != traced.num_user_inputs + len(traced.state.names):
         raise ConversionError("convert", f"unexpected Relax parameters {[p.name for p in func.params]}")
     func = func.without_attr("params")  # copies of the weights: the bridge passes live tensors
-    if importer.index_checks:
-        func = _append_outputs(func, importer.index_checks)
+    probes = _probe_values(ep, importer.env, func) if probe else []
+    if importer.index_checks or probes:
+        func = _append_outputs(func, importer.index_checks + [v for _, v in probes])
     mod[names.MAIN] = func  # a module of our own, fresh from the frontend
-    return Converted(mod, tuple(importer.random_sites), len(importer.index_checks))
+    return Converted(mod, tuple(importer.random_sites), len(importer.index_checks), tuple(n for n, _ in probes))
+
+
+def _probe_values(ep: ExportedProgram, env: dict, func: relax.Function) -> list[tuple[str, relax.Var]]:
+    """(fx node name, Relax variable) of every non-empty float tensor the graph computes, in graph
+    order, where the variable is a value of ``func``'s block."""
+    bound = {b.var for b in only_dataflow_block(func, "convert").bindings}
+    out = []
+    for node in ep.graph.nodes:
+        val, var = node.meta.get("val"), env.get(node)
+        if (node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point()
+                and val.numel() and var in bound and isinstance(var.ty, relax.TensorType)):
+            out.append((node.name, var))
+    return out
 
 
 def _append_outputs(func: relax.Function, extra: list[relax.Expr]) -> relax.Function:

@@ -1,4 +1,5 @@
-"""Command line: ``python -m tvmbridge demo`` (the main job) and ``viz`` (pictures of a compile).
+"""Command line: ``python -m tvmbridge demo`` (the main job), ``viz`` (pictures of a compile) and
+``check`` (the double-precision check of a built-in model).
 
 Both take every compile option as a flag (``--capture all``, ``--memory-budget 0.3``,
 ``--fast-math false``, ...), the same :class:`~tvmbridge.options.CompileOptions` the API takes.
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="'split' (the joint graph coloured by the split), a stage that holds Relax, "
                           "or stage:function (e.g. offload:backward)")
     add_option_arguments(viz)
+    check = sub.add_parser("check", help="compare TVM with PyTorch in float64 and float32 (outputs and every "
+                                         "gradient): numerical noise, or a deviation and the first op that deviates")
+    check.add_argument("--model", default="bert-layer", choices=("bert-layer", *_whole_models()),
+                       help="a small built-in model (whole models include their loss)")
+    check.add_argument("--tolerance", type=float, default=1e-10, help="largest float64 relative error called noise")
+    add_option_arguments(check)
     args = parser.parse_args(argv)
     try:
         options = options_from_args(args)
@@ -39,7 +46,32 @@ def main(argv: list[str] | None = None) -> int:
         run(batch=args.batch, seq=args.seq, steps=args.steps, options=options, timing_runs=args.timing_runs)
     elif args.cmd == "viz":
         _viz(args, options)
+    elif args.cmd == "check":
+        return _check(args, options)
     return 0
+
+
+def _whole_models() -> tuple[str, ...]:
+    from .whole_models import WHOLE_MODELS
+
+    return WHOLE_MODELS
+
+
+def _check(args: argparse.Namespace, options: object) -> int:
+    from .check import check_double
+
+    if args.model == "bert-layer":
+        from analysis.models import bert_layer, bert_layer_inputs
+
+        module, inputs, kwargs = bert_layer(64, 4, 128), bert_layer_inputs(2, 14, 64), {}
+    else:
+        from .whole_models import build_task
+
+        task = build_task(args.model)
+        module, inputs, kwargs = task.model, task.args, task.kwargs
+    report = check_double(module, inputs, kwargs, tolerance=args.tolerance, options=options)
+    print(f"{type(module).__name__}: TVM vs PyTorch\n{report}")
+    return 0 if report.verdict == "noise" else 1
 
 
 def _viz(args: argparse.Namespace, options: object) -> None:
