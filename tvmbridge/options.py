@@ -56,6 +56,9 @@ class CompileOptions:
     cache_size_limit: int = field(default=8, metadata=_doc(
         "compiled variants kept per module (one per call signature: shapes, dtypes, train/eval, "
         "keywords); a call that would need one more runs PyTorch, with a warning"))
+    tuning_db: str | None = field(default=None, metadata=_doc(
+        "a MetaSchedule work directory made by 'tvmbridge tune': its best records replace the default "
+        "schedules of the kernels they cover (the rest keep them, said once), and its GEMM choices are used"))
     converters: tuple[tuple[str, Callable[..., Any]], ...] = field(default=(), metadata=_doc(
         "custom converters that replace the bridge's for these aten ops: pairs (overload name such "
         "as 'gelu.default', fn(node, importer) -> relax.Expr); a dict is accepted"))
@@ -158,7 +161,7 @@ def _parse_budget(text: str) -> int | float:
 
 
 _CLI_TYPES: dict[str, Callable[[str], Any]] = {
-    "capture": str, "memory_budget": _parse_budget, "offload_matmul": _parse_offload, "cache_size_limit": int,
+    "capture": str, "tuning_db": str, "memory_budget": _parse_budget, "offload_matmul": _parse_offload, "cache_size_limit": int,
     "dynamic": lambda text: False if text.lower() in ("0", "false", "no", "off") else text,
 }
 

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -27,7 +28,7 @@ from analysis.tensors import tensor_leaves
 from . import names
 from .backend import build as backend_build
 from .backend.fast_math import FastMathFloat32
-from .backend.gemm_choice import GemmDecision
+from .backend.gemm_choice import ChoiceCache, GemmDecision
 from .backend.offload import OffloadMatmuls
 from .devices import SUPPORTED, target_for
 from .errors import ConversionError, stage_errors
@@ -190,7 +191,9 @@ def _offload(a: Artifacts) -> Artifacts:
     backend = a.options.gemm_backend(a.device.type)
     if backend is None:
         return a
-    offload = OffloadMatmuls(backend, sizes=a.sizes)
+    # with a tuning database, the GEMM choices live in it (tvmbridge tune measures them there)
+    cache = ChoiceCache(Path(a.options.tuning_db) / "gemm_choices.json") if a.options.tuning_db else None
+    offload = OffloadMatmuls(backend, sizes=a.sizes, cache=cache)
     halves = offload(a.halves)
     return dataclasses.replace(a, halves=halves, gemm_choices=tuple(offload.decisions))
 
@@ -200,7 +203,8 @@ def _fast_math(a: Artifacts) -> Artifacts:
 
 
 def _build(a: Artifacts) -> Artifacts:
-    exe = backend_build.compile_module(a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse)
+    exe = backend_build.compile_module(a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse,
+                                       a.options.tuning_db)
     if a.device.type == "cpu" and a.random_sites and a.options.mask_kernel:
         kernel_works()  # builds and checks the mask kernel now, not on the first call
     backend_build.load(exe, a.device)  # loads in this thread now: a failure is the build stage's
@@ -382,7 +386,7 @@ def graph_fingerprint(a: Artifacts) -> str:
         h.update(name.encode())
         if isinstance(value, torch.Tensor):
             h.update(repr((tuple(value.shape), value.dtype)).encode())
-            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
     state = a.traced.state
     grads = tuple(t.requires_grad for t in state.lookup(a.module))
     h.update(repr((sorted(map(str, ep.range_constraints.items())), state.names, state.is_parameter,

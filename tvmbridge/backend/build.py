@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -61,11 +62,13 @@ _LEGALIZE_FIXES = {"relax.full": _legalize_full, "relax.full_like": _legalize_fu
 
 
 def lower(
-    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True,
+    tuning_db: str | None = None,
 ) -> tvm.IRModule:
     """The bridge's Relax pipeline up to (not including) code generation. ``schedule=False``
     leaves TVM's own CPU kernels unscheduled (serial loops), ``fuse=False`` keeps one kernel per
-    Relax op: both for measuring what each buys."""
+    Relax op: both for measuring what each buys. ``tuning_db``: a MetaSchedule work directory
+    whose best records replace the default schedules of the kernels they cover."""
     seq = [relax.transform.LegalizeOps(_LEGALIZE_FIXES), relax.transform.AnnotateTIROpPattern(),
            relax.transform.FoldConstant()]
     if fuse:
@@ -73,6 +76,9 @@ def lower(
     seq.append(relax.transform.DeadCodeElimination())
     with target:
         mod = tvm.ir.transform.Sequential(seq)(mod)
+    if tuning_db is not None and schedule:
+        mod = _apply_tuning(mod, target, tuning_db)
+    with target:
         if target.kind.name == "llvm" and schedule:
             from .cpu_schedules import apply_cpu_schedules
 
@@ -87,11 +93,32 @@ def lower(
     return mod
 
 
+def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) -> tvm.IRModule:
+    from .tuning import apply_database, open_database
+
+    database = open_database(tuning_db)
+    if database is None:
+        return mod
+    tuned, missing = apply_database(mod, target, database)
+    kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in tuned.functions.values())
+    if missing:
+        _note_untuned(str(tuning_db), len(missing), kernels)
+    return tuned
+
+
+@functools.cache
+def _note_untuned(tuning_db: str, missing: int, kernels: int) -> None:
+    """Said once per database and count: kernels the database has no record for."""
+    warnings.warn(f"tvmbridge: {missing} of {kernels} kernels have no record in the tuning database {tuning_db}; "
+                  "they keep the default schedule (tune this module: tvmbridge tune)", stacklevel=4)
+
+
 def compile_module(
-    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True,
+    tuning_db: str | None = None,
 ) -> tvm.runtime.Executable:
     with stage_errors("build", what=f"compiling for {target.kind.name} failed"):
-        return tvm.compile(lower(mod, target, schedule, fuse), target=target)
+        return tvm.compile(lower(mod, target, schedule, fuse, tuning_db), target=target)
 
 
 def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:

@@ -35,6 +35,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="a small built-in model (whole models include their loss)")
     check.add_argument("--tolerance", type=float, default=1e-10, help="largest float64 relative error called noise")
     add_option_arguments(check)
+    tune = sub.add_parser("tune", help="tune a built-in model's TVM kernels with MetaSchedule into a database "
+                                       "that add_tvm_dispatch(..., tuning_db=DIR) applies")
+    tune.add_argument("--work-dir", required=True, help="the database directory (a second run resumes)")
+    tune.add_argument("--model", default="bert-layer", choices=("bert-layer", *_whole_models()))
+    tune.add_argument("--batch", type=int, default=1)
+    tune.add_argument("--seq", type=int, default=14)
+    tune.add_argument("--trials-per-task", type=int, default=64)
+    tune.add_argument("--max-trials", type=int, default=None, help="total trial budget over all kernels")
+    tune.add_argument("--inference", action="store_true", help="tune the inference compile instead of training")
+    add_option_arguments(tune, skip=("progress", "converters", "tuning_db"))
     args = parser.parse_args(argv)
     try:
         options = options_from_args(args)
@@ -48,7 +58,31 @@ def main(argv: list[str] | None = None) -> int:
         _viz(args, options)
     elif args.cmd == "check":
         return _check(args, options)
+    elif args.cmd == "tune":
+        _tune(args, options)
     return 0
+
+
+def _builtin(name: str, batch: int = 2, seq: int = 14) -> tuple:
+    """A built-in model and its sample call: ``bert-layer`` (small BertLayer) or a whole model."""
+    if name == "bert-layer":
+        from analysis.models import bert_layer, bert_layer_inputs
+
+        return bert_layer(64, 4, 128), bert_layer_inputs(batch, seq, 64), {}
+    from .whole_models import build_task
+
+    task = build_task(name, batch=batch, seq=seq)
+    return task.model, task.args, task.kwargs
+
+
+def _tune(args: argparse.Namespace, options: object) -> None:
+    from .tune import table, tune_module
+
+    module, inputs, kwargs = _builtin(args.model, args.batch, args.seq)
+    results = tune_module(module, inputs, kwargs, work_dir=args.work_dir, trials_per_task=args.trials_per_task,
+                          max_trials=args.max_trials, inference=args.inference, options=options)
+    print(table(results))
+    print(f"database: {args.work_dir} (use: add_tvm_dispatch(..., tuning_db={args.work_dir!r}))")
 
 
 def _whole_models() -> tuple[str, ...]:
@@ -60,15 +94,7 @@ def _whole_models() -> tuple[str, ...]:
 def _check(args: argparse.Namespace, options: object) -> int:
     from .check import check_double
 
-    if args.model == "bert-layer":
-        from analysis.models import bert_layer, bert_layer_inputs
-
-        module, inputs, kwargs = bert_layer(64, 4, 128), bert_layer_inputs(2, 14, 64), {}
-    else:
-        from .whole_models import build_task
-
-        task = build_task(args.model)
-        module, inputs, kwargs = task.model, task.args, task.kwargs
+    module, inputs, kwargs = _builtin(args.model)
     report = check_double(module, inputs, kwargs, tolerance=args.tolerance, options=options)
     print(f"{type(module).__name__}: TVM vs PyTorch\n{report}")
     return 0 if report.verdict == "noise" else 1
