@@ -43,3 +43,12 @@ def test_command_line_check_exits_zero_on_noise(capsys):
 
     assert main(["check"]) == 0
     assert "numerical noise" in capsys.readouterr().out
+
+
+def test_a_dispatched_module_is_checked_on_its_own_code():
+    from tvmbridge import add_tvm_dispatch
+
+    layer, x = bert_layer(small=True), bert_inputs(hidden=64)
+    add_tvm_dispatch(layer, x)
+    assert check_double(layer, x).verdict == "noise"
+    assert layer._tvm_dispatch is not None  # the user's module keeps its dispatch

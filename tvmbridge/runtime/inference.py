@@ -48,7 +48,7 @@ def _bind_weights(a: Artifacts) -> Artifacts:
         materialize_non_finite_fills(), relax.transform.FoldConstant(),
         relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
     ])(mod)
-    infer = mod[names.MAIN].with_attr("global_symbol", names.FORWARD_INFER)
+    infer = mod[names.MAIN].with_attr("global_symbol", names.FORWARD_INFER).without_attr("num_input")
     return dataclasses.replace(a, halves=tvm.IRModule({names.FORWARD_INFER: infer}))
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..options import CompileOptions, with_overrides
+from .localize import first_deviation, plain_copy
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _compare(module: torch.nn.Module, args: tuple, kwargs: dict, dtype: torch.dt
              opts: CompileOptions) -> dict[str, tuple[float, float]]:
     from ..runtime.dispatch import add_tvm_dispatch
 
-    tvm_module = copy.deepcopy(module).to(dtype)
+    tvm_module = plain_copy(module).to(dtype)  # a dispatched module: its own code is checked
     ref = copy.deepcopy(tvm_module)
     args = tuple(_float(a, dtype) for a in args)
     kwargs = {k: _float(v, dtype) for k, v in kwargs.items()}
@@ -138,7 +139,5 @@ def check_double(module: torch.nn.Module, sample_inputs: Any = (), sample_kwargs
     bad = sorted((e for e in errors if e.rel64 > tolerance), key=lambda e: -e.rel64)
     report = DoubleCheckReport(errors, tolerance, "deviation" if bad else "noise", [e.name for e in bad[:5]])
     if bad:
-        from .localize import first_deviation
-
         report.first_deviation = first_deviation(module, args, kwargs, tolerance, opts)
     return report

@@ -39,6 +39,14 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
+def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy running the module's own forward (a TVM dispatch on it removed from the copy)."""
+    m = copy.deepcopy(module)
+    if getattr(m, "_tvm_dispatch", None) is not None:
+        m.remove_tvm_dispatch()
+    return m
+
+
 def _graph_inputs(ep: Any, user: list[torch.Tensor]) -> list[torch.Tensor]:
     """The exported graph's placeholders in order: lifted constants and the call's tensors."""
     it = iter(user)
@@ -64,7 +72,7 @@ def describe_node(node: torch.fx.Node, frames: int = 2) -> str:
 def first_deviation(module: torch.nn.Module, args: tuple, kwargs: dict, tolerance: float,
                     options: CompileOptions) -> str | None:
     """The first op (graph order) whose float64 value in TVM deviates from PyTorch's, else None."""
-    m = copy.deepcopy(module).double().eval()
+    m = plain_copy(module).double().eval()
     cast = lambda x: x.detach().double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
     args, kwargs = tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
     traced = trace(m, args, kwargs)

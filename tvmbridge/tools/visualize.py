@@ -132,11 +132,20 @@ def split_categories(compiled: CompiledModule) -> dict[str, str]:
     return out
 
 
+_LEGEND = {"forward": "forward only", "captured": "kept for the backward", "recomputed": "recomputed in the backward",
+           "backward": "gradient computation", "input": "input"}
+
+
 def visualize_split(compiled: CompiledModule, collapse_small: bool = True) -> graphviz.Digraph:
-    """The joint function coloured by the split, edges labelled with bytes."""
+    """The joint function coloured by the split, edges labelled with bytes, with a legend."""
     cats = split_categories(compiled)
     attrs = {k: {"fillcolor": COLOURS[c], "tooltip": c} for k, c in cats.items()}
-    return visualize(compiled.adjoint, attrs, collapse_small=collapse_small, edge_bytes=True)
+    graph = visualize(compiled.adjoint, attrs, collapse_small=collapse_small, edge_bytes=True)
+    rows = "".join(f'<TR><TD BGCOLOR="{COLOURS[c]}" WIDTH="18"></TD><TD ALIGN="LEFT">{text}</TD></TR>'
+                   for c, text in _LEGEND.items())
+    graph.node("legend", f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0">{rows}</TABLE>>',
+               shape="plaintext", style="", fillcolor="white")
+    return graph
 
 
 def draw_stage(compiled: CompiledModule, stage: str) -> graphviz.Digraph:
