@@ -7,8 +7,6 @@ eager vs torch.compile, in one process, interleaved medians, ratios to eager.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -20,7 +18,7 @@ import torch  # noqa: E402
 
 from tvmbridge import compile_inference  # noqa: E402
 from tvmbridge.backend.gemm_choice import summary  # noqa: E402
-from tvmbridge.tools.timing import cpu_name, interleaved  # noqa: E402
+from tvmbridge.tools.timing import interleaved, machine_line, write_results  # noqa: E402
 
 
 def bench_shape(model: torch.nn.Module, batch: int, seq: int, args: argparse.Namespace) -> dict:
@@ -60,7 +58,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--out", default="bench_results/bench_infer")
     args = ap.parse_args()
-    machine = f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    machine = machine_line()
     print(machine, flush=True)
     torch.manual_seed(0)
     model = transformers.BertModel(transformers.BertConfig()).eval()
@@ -73,12 +71,7 @@ def main() -> None:
         lines.append(f"| {r['shape']} | {ms['tvm']:.2f} | {ms['eager']:.2f} | {comp} | {ms['tvm'] / ms['eager']:.2f}x | "
                      f"{r['compile_s']:.1f} |")
     text = "\n".join(lines)
-    print(text)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"machine": machine, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(text + "\n")
+    write_results(args.out, machine, rows, text)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import statistics
 import sys
 import time
@@ -25,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tvmbridge import add_tvm_dispatch  # noqa: E402
-from tvmbridge.tools.timing import cpu_name, interleaved  # noqa: E402
+from tvmbridge.tools.timing import interleaved, machine_line, write_results  # noqa: E402
 from tvmbridge.tools.whole_models import WHOLE_MODELS, TrainingTask, build_task  # noqa: E402
 
 
@@ -108,16 +106,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="AdamW steps of the loss curves")
     ap.add_argument("--out", default="bench_results/bench_models")
     args = ap.parse_args()
-    machine = f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    machine = machine_line()
     print(machine, flush=True)
     rows = [bench_model(name, args) for name in args.models.split(",")]
     text = markdown(rows, machine)
-    print(text)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"machine": machine, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(text + "\n")
+    write_results(args.out, machine, rows, text)
 
 
 if __name__ == "__main__":

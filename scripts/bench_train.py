@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import json
-import os
 import statistics
 import time
 from typing import Callable
@@ -36,7 +34,7 @@ import torch
 
 from analysis.models import bert_layer, bert_layer_inputs
 from tvmbridge import CompileOptions, add_tvm_dispatch
-from tvmbridge.tools.timing import cpu_name, interleaved
+from tvmbridge.tools.timing import interleaved, machine_line, write_results
 
 
 def timed(step: Callable[[int], None], runs: int, warmup: int) -> list[float]:
@@ -219,20 +217,14 @@ def main() -> None:
                     help="also time each distinct GEMM of the step alone on torch.matmul (MKL) and oneDNN")
     ap.add_argument("--out", default="bench_results/bench_train")
     args = ap.parse_args()
-    machine = (f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-               f"{torch.get_num_threads()} torch threads")
+    machine = machine_line()
     rows = []
     for spec in args.shapes.split(","):
         b, s = (int(v) for v in spec.split("x"))
         print(f"BertLayer training step at ({b},{s},768):", flush=True)
         rows.append(bench_shape(b, s, args))
     text = markdown(rows, machine, args)
-    print(text)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"machine": machine, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(text + "\n")
+    write_results(args.out, machine, rows, text)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ of ~10% on the 2-core dev VMs) hits all variants alike; compare medians, never s
 """
 from __future__ import annotations
 
+import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -33,3 +35,20 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def machine_line() -> str:
+    """The CPU, cores, torch threads and torch version: the line every benchmark starts with."""
+    import torch
+
+    return f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def write_results(out: str, machine: str, rows: list, text: str) -> None:
+    """Print the markdown ``text`` and write ``out.json`` (machine and rows) and ``out.md``."""
+    print(text)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"machine": machine, "rows": rows}, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(text + "\n")
