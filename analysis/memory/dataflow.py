@@ -2,7 +2,9 @@
 
 Kept free of torch so that the simulator and the scheduler can be tested on hand-made graphs.
 An edge is one *allocation* (a storage), produced by one node and read by all its sinks; views
-and in-place results are zero-size edges that only carry the ordering. Nodes whose kind is in
+and in-place results are zero-size edges that only carry the ordering. A sink may also only
+*hold* an edge (`Edge.holders`): PyTorch keeps the storage referenced until that node ran (an
+autograd node's saved tensors, a backward formula's temporaries), so it lives as if read there. Nodes whose kind is in
 `RESIDENT_KINDS` (weights, optimizer state, inputs, constants) own memory that the caller holds
 for the whole step, so it counts at every step and no order can change it.
 """
@@ -39,7 +41,8 @@ class Node:
 class Edge:
     """One tensor: `size` bytes allocated when `src` runs, freed after the last of `sinks` ran.
 
-    `is_output` marks tensors handed back to the caller: they stay alive until the end.
+    `is_output` marks tensors handed back to the caller (or held by PyTorch until the step
+    returns): they stay alive until the end. `holders` are the sinks that only hold it.
     """
 
     name: str
@@ -48,6 +51,7 @@ class Edge:
     size: int = 0
     kind: str = ACTIVATION
     is_output: bool = False
+    holders: list[str] = field(default_factory=list)
 
 
 class GraphError(ValueError):
@@ -94,6 +98,13 @@ class DataflowGraph:
         if sink not in e.sinks:
             e.sinks.append(sink)
             self.nodes[sink].inputs.append(edge)
+
+    def add_hold(self, edge: str, holder: str) -> None:
+        """`holder` keeps `edge` alive until it ran without reading it (a sink for memory and
+        for the order)."""
+        self.add_sink(edge, holder)
+        if holder not in self.edges[edge].holders:
+            self.edges[edge].holders.append(holder)
 
     # ---- queries ------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -7,12 +7,16 @@ Then `fx_to_dataflow`: one edge per allocation. Aliasing is read from the traced
 storages (views and in-place results share their input's storage, so they become zero-size edges
 and extend the base tensor's lifetime), `getitem` is folded into the multi-output producer, and
 in-place writes get ordering edges (write after read, read after write) so that any order the
-scheduler picks computes the same values.
+scheduler picks computes the same values. Each allocation lives at least until PyTorch itself
+released it while tracing (`ReleaseWatch`: autograd nodes hold saved tensors and formula
+temporaries to their end), so the program order's simulated peak is the eager step's peak as
+the allocator measures it (``allocator``).
 """
 from __future__ import annotations
 
 import math
 import operator
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +25,13 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import get_innermost_proxy_mode, make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from analysis.memory.dataflow import (ACTIVATION, ALIAS, BACKWARD, CONSTANT, CONTROL, FORWARD,
                                       GRADIENT, INPUT, OPT_STATE, OPT_TEMP, OPTIMIZER, OUTPUT,
                                       WEIGHT, DataflowGraph)
-from analysis.tensors import storage_key
+from analysis.tensors import storage_key, tensor_leaves
 
 _EDGE_KIND = {FORWARD: ACTIVATION, BACKWARD: GRADIENT, OPTIMIZER: OPT_TEMP, OUTPUT: ACTIVATION}
 
@@ -39,6 +45,11 @@ class TracedStep:
     input_kinds: list[str]                 # one per placeholder, in order
     phase_marks: dict[str, int] = field(default_factory=dict)  # phase -> first node index
     param_names: list[str] = field(default_factory=list)
+    # storage -> graph length when PyTorch dropped its last reference while tracing (None: held
+    # until the step returned); see `ReleaseWatch`
+    released: dict[StorageWeakRef, int | None] = field(default_factory=dict)
+    # graph index of an autograd gradient sum -> storage of the gradient it adds to
+    accumulations: dict[int, StorageWeakRef] = field(default_factory=dict)
 
     def phase_of(self, index: int) -> str:
         """Phase of the node at `index` in gm.graph.nodes (marks are graph lengths)."""
@@ -62,32 +73,39 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
     return output.float().square().mean()
 
 
-def adam_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+def adam_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None],
                 state: Sequence[torch.Tensor], lr: float = 1e-3, betas=(0.9, 0.999),
                 eps: float = 1e-8, step: int = 1) -> None:
     """In-place Adam, the same arithmetic as torch.optim.Adam(foreach=False) at `step`.
 
-    `state` holds exp_avg and exp_avg_sq for each parameter, interleaved.
+    `state` holds exp_avg and exp_avg_sq for each parameter, interleaved. Each gradient is
+    dropped from `grads` and deleted right after its last use, and the denominator is a
+    temporary of one expression, so run eagerly this frees memory where the traced graph does
+    (at the last use), and an allocator measurement of it checks the simulator.
     """
     b1, b2 = betas
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-    for i, (p, g) in enumerate(zip(params, grads)):
+    for i, p in enumerate(params):
+        g, grads[i] = grads[i], None
         if g is None:
             continue
         m, v = state[2 * i], state[2 * i + 1]
         m.mul_(b1).add_(g, alpha=1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / bc1)
+        del g
+        p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
 
 
-def sgd_update(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+def sgd_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None],
                state: Sequence[torch.Tensor], lr: float = 1e-2, momentum: float = 0.9) -> None:
-    """In-place SGD with momentum (torch.optim.SGD after its first step); one buffer each."""
-    for p, g, buf in zip(params, grads, state):
+    """In-place SGD with momentum (torch.optim.SGD after its first step); one buffer each.
+    Gradients are dropped once used, as in `adam_update`."""
+    for i, (p, buf) in enumerate(zip(params, state)):
+        g, grads[i] = grads[i], None
         if g is None:
             continue
         buf.mul_(momentum).add_(g)
+        del g
         p.add_(buf, alpha=-lr)
 
 
@@ -122,13 +140,24 @@ def _split_inputs(inputs: ModelInputs) -> tuple[list[torch.Tensor], Callable[[li
     return [values[i] for i in where], rebuild
 
 
-def trace_training_step(model: torch.nn.Module, inputs: ModelInputs,
-                        target: torch.Tensor | None = None,
-                        loss_fn: Callable[..., torch.Tensor] = default_loss,
-                        optimizer: str = "adam", tracing_mode: str = "fake") -> TracedStep:
-    """Trace forward, loss, backward and an in-place optimizer step as one FX graph.
+@dataclass
+class StepProgram:
+    """A training step as a plain Python function over flat arguments, before tracing: what
+    `trace_training_step` traces, and what an allocator measurement runs eagerly (the same
+    program, so the two peaks can be compared)."""
 
-    ``inputs``: the model's positional inputs, or its keyword inputs as a mapping."""
+    fn: Callable[..., torch.Tensor]
+    args: list[Any]
+    input_kinds: list[str]
+    param_names: list[str]
+    phase_marks: dict[str, int] = field(default_factory=dict)  # filled while tracing
+
+
+def training_step(model: torch.nn.Module, inputs: ModelInputs, target: torch.Tensor | None = None,
+                  loss_fn: Callable[..., torch.Tensor] = default_loss,
+                  optimizer: str = "adam") -> StepProgram:
+    """Forward, loss, backward (``torch.autograd.grad``) and an in-place optimizer step as one
+    function of (params, optimizer state, buffers, inputs[, target]); the arguments are copies."""
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; have {sorted(_OPTIMIZERS)}")
     update, n_state = _OPTIMIZERS[optimizer]
@@ -147,9 +176,10 @@ def trace_training_step(model: torch.nn.Module, inputs: ModelInputs,
         tensors.update(zip(buffers, buf_vals))
         out = torch.func.functional_call(model, tensors, *rebuild(inputs))
         loss = loss_fn(out, target) if target is not None else loss_fn(out)
+        del out  # as the traced graph does: autograd keeps what the backward needs
         if (n := _graph_len()) is not None:
             marks[BACKWARD] = n
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = list(torch.autograd.grad(loss, params, allow_unused=True))
         if (n := _graph_len()) is not None:
             marks[OPTIMIZER] = n
         with torch.no_grad():
@@ -157,10 +187,108 @@ def trace_training_step(model: torch.nn.Module, inputs: ModelInputs,
         return loss.detach()
 
     args = [params, state, buf_vals, inputs] + ([target] if target is not None else [])
-    gm = make_fx(step, tracing_mode=tracing_mode)(*args)
     kinds = ([WEIGHT] * len(params) + [OPT_STATE] * len(state) + [WEIGHT] * len(buf_vals)
              + [INPUT] * (len(inputs) + (target is not None)))
-    return TracedStep(gm, args, kinds, marks, names)
+    return StepProgram(step, args, kinds, names, marks)
+
+
+class ReleaseWatch(TorchDispatchMode):
+    """While make_fx traces, notes when PyTorch drops its last reference to each storage.
+
+    The traced graph frees a tensor after its last reader; eager PyTorch frees it when nothing
+    references it, which can be later: an autograd node keeps its saved tensors and incoming
+    gradients until the whole node (its formula and the reduction of broadcast gradients) ran,
+    a backward formula's C++ temporaries live to the end of their expression, a Python local
+    until its function returns. Those are the temporaries a graph of single ops misses. Every
+    op's tensor outputs get a finalizer; a storage is released when the last of them (views,
+    the aliases autograd saves) is collected, at the graph length of that moment.
+
+    It also notes the gradient sums of autograd's engine (`accumulations`: graph index of the
+    ``add`` -> storage of the buffered gradient): an ``add`` that runs in a backward node after
+    the node's post hooks, where the engine adds a new gradient to the one already buffered for
+    the same input. Eagerly the engine adds in place when it holds the only reference to the
+    buffered one; on fake tensors it never does (a tensor subclass), so the graph shows a new
+    allocation there.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: dict[StorageWeakRef, int | None] = {}
+        self.accumulations: dict[int, StorageWeakRef] = {}
+        self._live: dict[StorageWeakRef, int] = {}
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._finalizers: list[weakref.finalize] = []
+        self._nodes: dict[Any, int] = {}  # autograd node -> number (cleared by close)
+        self._applied: set[int] = set()   # nodes whose post hooks ran
+        self.open = True
+
+    def _autograd_node(self) -> int | None:
+        """Number of the autograd node running now (its post hook registered on first sight)."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        if node not in self._nodes:
+            k = self._nodes[node] = len(self._nodes)
+            node.register_hook(lambda grad_in, grad_out, k=k: self._applied.add(k))
+        return self._nodes[node]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        node = self._autograd_node() if self.open else None
+        out = func(*args, **(kwargs or {}))
+        if (node in self._applied and func is torch.ops.aten.add.Tensor and not kwargs
+                and len(args) == 2 and isinstance(args[0], torch.Tensor)):
+            self.accumulations[_graph_len() - 1] = storage_key(args[0])
+        for t in tensor_leaves(out):
+            if t not in self._seen:
+                self._seen[t] = True
+                key = storage_key(t)
+                self._live[key] = self._live.get(key, 0) + 1
+                self.released.pop(key, None)
+                self._finalizers.append(weakref.finalize(t, self._drop, key))
+        return out
+
+    def _drop(self, key: StorageWeakRef) -> None:
+        self._live[key] -= 1
+        if self._live[key] == 0 and self.open:
+            self.released[key] = _graph_len()
+
+    def close(self) -> dict[StorageWeakRef, int | None]:
+        """Stop watching; storages still referenced count as held until the step returned."""
+        self.open = False
+        self._nodes.clear()  # the hooks stay on the nodes but no longer reach them from here
+        for key, n in self._live.items():
+            if n > 0:
+                self.released[key] = None
+        for f in self._finalizers:
+            f.detach()
+        return self.released
+
+
+def _trace(fn: Callable[..., Any], args: list[Any], tracing_mode: str
+           ) -> tuple[torch.fx.GraphModule, ReleaseWatch]:
+    """make_fx of ``fn`` with a `ReleaseWatch` inside (it records; the graph is unchanged)."""
+    watch = ReleaseWatch()
+
+    def watched(*a):
+        with watch:
+            return fn(*a)
+
+    gm = make_fx(watched, tracing_mode=tracing_mode)(*args)
+    watch.close()
+    return gm, watch
+
+
+def trace_training_step(model: torch.nn.Module, inputs: ModelInputs,
+                        target: torch.Tensor | None = None,
+                        loss_fn: Callable[..., torch.Tensor] = default_loss,
+                        optimizer: str = "adam", tracing_mode: str = "fake") -> TracedStep:
+    """Trace forward, loss, backward and an in-place optimizer step as one FX graph.
+
+    ``inputs``: the model's positional inputs, or its keyword inputs as a mapping."""
+    prog = training_step(model, inputs, target, loss_fn, optimizer)
+    gm, watch = _trace(prog.fn, prog.args, tracing_mode)
+    return TracedStep(gm, prog.args, prog.input_kinds, prog.phase_marks, prog.param_names,
+                      watch.released, watch.accumulations)
 
 
 def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs,
@@ -178,9 +306,9 @@ def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs,
             out = out.last_hidden_state
         return out
 
-    gm = make_fx(step, tracing_mode=tracing_mode)(vals, inputs)
+    gm, watch = _trace(step, [vals, inputs], tracing_mode)
     return TracedStep(gm, [vals, inputs], [WEIGHT] * len(vals) + [INPUT] * len(inputs),
-                      {}, names)
+                      {}, names, watch.released, watch.accumulations)
 
 
 # ---- FX -> dataflow ---------------------------------------------------------------------
@@ -214,8 +342,9 @@ def _written_args(node: torch.fx.Node) -> list[Any]:
 class _DataflowBuilder:
     """Walks the FX graph once, adding a dataflow node per FX node and an edge per allocation."""
 
-    def __init__(self, traced: TracedStep) -> None:
+    def __init__(self, traced: TracedStep, eager_lifetimes: bool = True) -> None:
         self.traced = traced
+        self.eager_lifetimes = eager_lifetimes
         self.g = DataflowGraph()
         self.value_edge: dict[tuple[torch.fx.Node, int], str] = {}  # (fx node, output) -> data edge
         self.value_storage: dict[tuple[torch.fx.Node, int], StorageWeakRef] = {}
@@ -239,9 +368,33 @@ class _DataflowBuilder:
                 for key in reads:
                     self.g.edges[self.base_edge[self.value_storage[key]]].is_output = True
                 continue
-            self._add_outputs(n, kind)
+            self._add_outputs(n, kind, index)
+        if self.eager_lifetimes:
+            self._add_holds()
         self.g.validate()
         return self.g
+
+    def _add_holds(self) -> None:
+        """Extend each allocation to where PyTorch released it while tracing (`ReleaseWatch`):
+        a hold on the op that ran last before the release, when that is after the last
+        reader; a storage never released lives to the end of the step."""
+        fx_nodes = list(self.traced.gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(self.g.nodes)}
+        for st, e_name in self.base_edge.items():
+            e = self.g.edges[e_name]
+            if st not in self.traced.released or e.is_output or self.g.nodes[e.src].resident:
+                continue
+            at = self.traced.released[st]
+            if at is None or at >= len(fx_nodes) or fx_nodes[at - 1].op == "output":
+                e.is_output = True
+                continue
+            holder = fx_nodes[at - 1]
+            if holder.op == "call_function" and holder.target is operator.getitem:
+                holder = holder.args[0]
+            if holder.name not in pos or self.g.nodes[holder.name].resident:
+                continue
+            if pos[holder.name] > max([pos[s] for s in e.sinks] + [pos[e.src]]):
+                self.g.add_hold(e_name, holder.name)
 
     def _kind(self, n: torch.fx.Node, index: int) -> str | None:
         """The node's kind; None for an input nothing uses (dropped)."""
@@ -289,13 +442,29 @@ class _DataflowBuilder:
                 self.last_writer[st] = n.name
                 self.readers[st] = set()
 
-    def _add_outputs(self, n: torch.fx.Node, kind: str) -> None:
+    def _in_place_sum(self, n: torch.fx.Node, index: int, t: torch.Tensor) -> StorageWeakRef | None:
+        """The buffered gradient's storage if PyTorch's engine adds into it in place here: an
+        autograd gradient sum (`ReleaseWatch`) that held the last reference to a dense buffer
+        of the result's size."""
+        old = self.traced.accumulations.get(index) if self.eager_lifetimes else None
+        if old is None or old not in self.base_edge or self.traced.released.get(old) != index + 1:
+            return None
+        val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
+        same = (isinstance(val, torch.Tensor) and val.shape == t.shape and val.dtype == t.dtype
+                and val.is_contiguous() and t.is_contiguous())
+        return old if same else None
+
+    def _add_outputs(self, n: torch.fx.Node, kind: str, index: int) -> None:
         for i, t in enumerate(_outputs_by_index(n.meta.get("val"))):
             if t is None:
                 continue
             st = storage_key(t)
             name = f"{n.name}:{i}" if i else n.name
-            if st in self.base_edge:  # view or in-place result: no new memory
+            into = self._in_place_sum(n, index, t) if i == 0 else None
+            if into is not None:  # the engine's in-place gradient sum: the buffer's memory
+                self.value_edge[(n, i)] = self.g.add_edge(name, n.name, kind=ALIAS).name
+                self.base_edge[st] = self.base_edge[into]
+            elif st in self.base_edge:  # view or in-place result: no new memory
                 self.value_edge[(n, i)] = self.g.add_edge(name, n.name, kind=ALIAS).name
             else:
                 size = t.untyped_storage().nbytes()
@@ -305,9 +474,12 @@ class _DataflowBuilder:
             self.value_storage[(n, i)] = st
 
 
-def fx_to_dataflow(traced: TracedStep) -> DataflowGraph:
-    """Turn a traced step into a DataflowGraph (see the module docstring for the rules)."""
-    return _DataflowBuilder(traced).build()
+def fx_to_dataflow(traced: TracedStep, eager_lifetimes: bool = True) -> DataflowGraph:
+    """Turn a traced step into a DataflowGraph (see the module docstring for the rules).
+
+    With `eager_lifetimes` (default) tensors live until PyTorch released them while tracing
+    (`ReleaseWatch`), as when the step runs eagerly; without, until their last reader only."""
+    return _DataflowBuilder(traced, eager_lifetimes).build()
 
 
 def import_training_step(model: torch.nn.Module, inputs: ModelInputs,
