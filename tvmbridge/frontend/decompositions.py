@@ -49,6 +49,30 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                        torch.full((), float("-inf"), dtype=dtype, device=mask.device))
 
 
+def hardswish_kinks(x: torch.Tensor) -> torch.Tensor:
+    """``hardswish`` as ``x * hardtanh(x + 3, 0, 6) / 6``: the core table's ``clamp`` passes the
+    gradient at x = -3 and 3, ATen's ``hardswish_backward`` does not (``hardtanh`` excludes its
+    bounds, as the bridge converts it)."""
+    return x * aten.hardtanh.default(x + 3, 0.0, 6.0) / 6
+
+
+def hardsigmoid_kinks(x: torch.Tensor) -> torch.Tensor:
+    """``hardsigmoid`` as ``hardtanh(x + 3, 0, 6) / 6``, for the same reason."""
+    return aten.hardtanh.default(x + 3, 0.0, 6.0) / 6
+
+
+def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``_safe_softmax`` (0 on rows that are all ``-inf``) with those rows' input set to 0 before
+    the softmax: the core table's form computes their NaN softmax and selects 0 over it, and the
+    softmax gradient then reads the NaN (NaN gradients where PyTorch's are 0)."""
+    if dtype is not None:
+        x = x.to(dtype)
+    keep = (x != float("-inf")).any(dim, keepdim=True)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    out = torch.softmax(torch.where(keep, x, zero), dim)
+    return torch.where(keep, out, zero)
+
+
 def decomposition_table() -> dict:
     """torch.export's default table without the random ops, with attention as ATen's math."""
     table = torch.export.default_decompositions()
@@ -56,4 +80,7 @@ def decomposition_table() -> dict:
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             del table[op]
     table[aten.scaled_dot_product_attention.default] = sdpa_math
+    table[aten.hardswish.default] = hardswish_kinks
+    table[aten._safe_softmax.default] = safe_softmax
+    table[aten.hardsigmoid.default] = hardsigmoid_kinks
     return table

@@ -39,6 +39,7 @@ from ..errors import ConversionError, UnsupportedOpError, stage_errors
 from ..ir import only_dataflow_block, rebuild, static_shape
 from ..kernels.barrier import BARRIER
 from .export import TracedModule
+from . import resample
 
 aten = torch.ops.aten
 _DROPOUT_OPS = {"dropout.default", "native_dropout.default"}
@@ -215,6 +216,7 @@ class BridgeImporter(ExportedProgramImporter):
             "max_pool2d_with_indices.default": self._max_pool_values_only(table["max_pool2d_with_indices.default"]),
             "max_pool3d_with_indices.default": self._max_pool_values_only(table["max_pool3d_with_indices.default"]),
         })
+        table.update(self._nn_converters(table))
         return {name: self._named(name, fn) for name, fn in table.items()}
 
     @staticmethod
@@ -483,32 +485,337 @@ class BridgeImporter(ExportedProgramImporter):
             return convert(node)
         return values_only
 
-    # --- pooling: what the frontend would ignore -------------------------------------------------
-    def _avg_pool2d_checked(self, node: torch.fx.Node) -> relax.Expr:
-        """``divisor_override`` (which the frontend ignores): without ceil_mode and with padding
-        counted, every window has kh*kw elements, so the sum over ``d`` is the mean times kh*kw/d."""
-        names_ = ("self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
-        given = {**dict(zip(names_, node.args)), **node.kwargs}
-        divisor = given.get("divisor_override")
-        out = self._avg_pool2d(node)
-        if divisor is None:
-            return out
-        if given.get("ceil_mode", False) or not given.get("count_include_pad", True):
-            raise UnsupportedOpError(
-                "convert", "avg_pool2d with divisor_override and ceil_mode or count_include_pad=False", op="avg_pool2d")
-        kernel = given["kernel_size"]
-        kh, kw = (kernel, kernel) if isinstance(kernel, int) else (kernel[0], kernel[-1])
-        scale = relax.const(kh * kw / float(divisor), str(out.ty.dtype))
-        return self.block_builder.emit(relax.op.multiply(out, scale))
+    # --- nn and layout ops the frontend lacks or gets wrong (issue 14) ---------------------------
+    def _nn_converters(self, table: dict[str, Callable]) -> dict[str, Callable]:
+        """The converters of this section by aten op (``table``: the frontend's, which some wrap)."""
+        refuse = self._refuse_op
+        return {
+            "convolution.default": self._convolution_keep_dtype,
+            "hardtanh.default": self._hardtanh_exact,
+            "hardtanh_.default": self._hardtanh_exact,
+            "clamp.default": self._clamp_scalars,
+            "clamp_min.default": self._clamp_scalars,
+            "clamp_max.default": self._clamp_scalars,
+            "clamp.Tensor": self._clamp_tensor,
+            "elu.default": self._elu_exact,
+            "getitem": self._getitem_checked(table["getitem"]),
+            "take.default": self._take_flat,
+            "index.Tensor": self._index_from_end(table["index.Tensor"]),
+            "amax.default": self._extreme(relax.op.max),
+            "amin.default": self._extreme(relax.op.min),
+            "sum.dim_IntList": self._zero_dim_safe(table["sum.dim_IntList"]),
+            "mean.dim": self._zero_dim_safe(table["mean.dim"]),
+            "index_select.default": self._zero_dim_safe(table["index_select.default"]),
+            "linalg_vector_norm.default": self._vector_norm(table["linalg_vector_norm.default"]),
+            "native_group_norm.default": self._group_norm,
+            "constant_pad_nd.default": self._constant_pad,
+            "upsample_nearest2d.vec": self._upsample,
+            "upsample_nearest2d.default": self._upsample,
+            "upsample_bilinear2d.vec": self._upsample,
+            "upsample_bilinear2d.default": self._upsample,
+            "_upsample_bilinear2d_aa.default": refuse(
+                "antialiased interpolation (TVM's frontend would convert it as plain bilinear, wrong when "
+                "downsampling)"),
+            "upsample_bicubic2d.vec": refuse("bicubic interpolation (no exact conversion yet)"),
+        }
 
-    def _max_pool_values_only(self, convert: Callable) -> Callable:
-        def values_only(node: torch.fx.Node) -> relax.Expr:
-            if _uses_of_item(node, 1):
+    @staticmethod
+    def _refuse_op(what: str) -> Callable:
+        def refuse(node: torch.fx.Node) -> relax.Expr:
+            raise UnsupportedOpError("convert", f"{what} is not supported; use fallback=True to keep PyTorch",
+                                     op=node.target.__name__)
+        return refuse
+
+    def _out_dtype(self, node: torch.fx.Node) -> str:
+        return str(node.meta["val"].dtype).removeprefix("torch.")
+
+    def _convolution_keep_dtype(self, node: torch.fx.Node) -> relax.Expr:
+        """``aten.convolution`` in the input's dtype (the frontend fixes float32, so a float64
+        convolution does not even convert): 1-3-D, transposed 1-D and 2-D."""
+        x, w = self.env[node.args[0]], self.env[node.args[1]]
+        bias = node.args[2]
+        stride, padding, dilation, transposed, out_pad, groups = node.args[3:9]
+        ndim = len(x.ty.shape) - 2
+        dtype = str(x.ty.dtype)
+        layouts = {1: ("NCW", "W"), 2: ("NCHW", "HW"), 3: ("NCDHW", "DHW")}
+        if ndim not in layouts or (transposed and ndim == 3):
+            raise UnsupportedOpError("convert", f"a {ndim}-D {'transposed ' if transposed else ''}convolution",
+                                     op="convolution")
+        data_layout, space = layouts[ndim]
+        common = dict(strides=list(stride), padding=list(padding), dilation=list(dilation), groups=int(groups),
+                      data_layout=data_layout, out_dtype=dtype)
+        if transposed:
+            fn = {1: relax.op.nn.conv1d_transpose, 2: relax.op.nn.conv2d_transpose}[ndim]
+            out = fn(x, w, output_padding=list(out_pad), kernel_layout="IO" + space, **common)
+        else:
+            fn = {1: relax.op.nn.conv1d, 2: relax.op.nn.conv2d, 3: relax.op.nn.conv3d}[ndim]
+            out = fn(x, w, kernel_layout="OI" + space, **common)
+        out = self.block_builder.emit(out)
+        if bias is None:
+            return out
+        b = relax.op.reshape(self.env[bias], [1, -1] + [1] * ndim)
+        return self.block_builder.emit(relax.op.add(out, b))
+
+    def _hardtanh_exact(self, node: torch.fx.Node) -> relax.Expr:
+        """``hardtanh(x, lo, hi)`` (and so ``relu6``, ``hardswish``, ``hardsigmoid``): the frontend
+        makes it ``clip``, whose gradient (``clamp``'s) passes at the bounds where ATen's
+        ``hardtanh_backward`` does not: ``where(x <= lo, lo, where(x >= hi, hi, x))``."""
+        x = self.env[node.args[0]]
+        given = {**dict(zip(("self", "min_val", "max_val"), node.args)), **node.kwargs}
+        dtype = str(x.ty.dtype)
+        lo = relax.const(given.get("min_val", -1.0), dtype)
+        hi = relax.const(given.get("max_val", 1.0), dtype)
+        op = relax.op
+        return self.block_builder.emit(op.where(op.less_equal(x, lo), lo, op.where(op.greater_equal(x, hi), hi, x)))
+
+    def _clamp_scalars(self, node: torch.fx.Node) -> relax.Expr:
+        """``clamp``/``clamp_min``/``clamp_max`` with number bounds, in the result's dtype (an int
+        tensor clamped to a float is a float tensor). An integer tensor's missing bound is its
+        dtype's limit: the frontend's ``inf`` does not build for integers."""
+        name = node.target.__name__
+        if name.startswith(("clamp_min", "clamp_max")):
+            bounds = (node.args[1], None) if name.startswith("clamp_min") else (None, node.args[1])
+        else:
+            given = {**dict(zip(("self", "min", "max"), node.args)), **node.kwargs}
+            bounds = (given.get("min"), given.get("max"))
+        dtype = self._out_dtype(node)
+        x = self.env[node.args[0]]
+        if str(x.ty.dtype) != dtype:
+            x = self.block_builder.emit(relax.op.astype(x, dtype))
+        if dtype.startswith(("int", "uint")):
+            info = np.iinfo(dtype)
+            lo, hi = (int(b) if b is not None else d for b, d in zip(bounds, (info.min, info.max)))
+        else:
+            lo, hi = (float(b) if b is not None else d for b, d in zip(bounds, (-math.inf, math.inf)))
+        return self.block_builder.emit(relax.op.clip(x, lo, hi))
+
+    def _clamp_tensor(self, node: torch.fx.Node) -> relax.Expr:
+        """``clamp`` with tensor bounds as ``where``s, so each of ``x``, ``min`` and ``max`` gets
+        the gradient where PyTorch gives it (the frontend's ``maximum``/``minimum`` would split it
+        at ties)."""
+        given = {**dict(zip(("self", "min", "max"), node.args)), **node.kwargs}
+        dtype = self._out_dtype(node)
+        bb, op = self.block_builder, relax.op
+        x = bb.emit(op.astype(self.env[given["self"]], dtype))
+        lo, hi = (None if given.get(k) is None else bb.emit(op.astype(self.env[given[k]], dtype)) for k in ("min", "max"))
+        out = x if lo is None else bb.emit(op.where(op.less(x, lo), lo, x))
+        if hi is None:
+            return out
+        over = op.greater(x, hi) if lo is None else op.logical_or(op.greater(x, hi), op.less(hi, lo))
+        return bb.emit(op.where(over, hi, out))
+
+    def _elu_exact(self, node: torch.fx.Node) -> relax.Expr:
+        """``elu(x, alpha, scale, input_scale)`` as ATen: the exponential branch for ``x <= 0``
+        (so at 0 the gradient is ``alpha * scale * input_scale``; the frontend's relu form gives
+        another), read at ``min(x, 0)`` so an overflow in the branch not taken cannot reach the
+        gradient as NaN."""
+        given = {**dict(zip(("self", "alpha", "scale", "input_scale"), node.args)), **node.kwargs}
+        x = self.env[given["self"]]
+        dtype, op = str(x.ty.dtype), relax.op
+        alpha, scale, in_scale = (float(given.get(k, 1.0)) for k in ("alpha", "scale", "input_scale"))
+        positive = op.greater(x, relax.const(0.0, dtype))
+        neg = op.where(positive, relax.const(0.0, dtype), x)
+        expm1 = op.subtract(op.exp(op.multiply(neg, relax.const(in_scale, dtype))), relax.const(1.0, dtype))
+        branch = op.multiply(expm1, relax.const(alpha * scale, dtype))
+        return self.block_builder.emit(op.where(positive, op.multiply(x, relax.const(scale, dtype)), branch))
+
+    def _getitem_checked(self, convert: Callable) -> Callable:
+        """``out[i]`` of a multi-output op whose converter made one tensor (``native_layer_norm``'s
+        mean and rstd): the frontend's ``getitem`` returns that tensor for every ``i``, a silently
+        wrong value for ``i > 0``; refused instead."""
+        def getitem(node: torch.fx.Node) -> relax.Expr:
+            source, index = node.args[0], node.args[1]
+            value = self.env.get(source) if isinstance(source, torch.fx.Node) else None
+            multi = isinstance(getattr(source, "meta", {}).get("val"), (list, tuple))
+            if multi and isinstance(value, relax.Expr) and isinstance(value.ty, relax.TensorType) \
+                    and isinstance(index, int) and index != 0:
                 raise UnsupportedOpError(
-                    "convert", f"{node.target.__name__}: the indices output (return_indices=True) is not "
-                    "supported; use fallback=True", op=node.target.__name__)
+                    "convert", f"output {index} of {source.target.__name__} (the converter gives only its first "
+                    "output); use fallback=True", op=getattr(source.target, "__name__", str(source.target)))
             return convert(node)
-        return values_only
+        return getitem
+
+    def _range_flag(self, inside: relax.Expr) -> None:
+        """Fold ``all(inside)`` into one index-range flag for every ``take``/``x[idx]``: separate
+        flags of equal index tensors would be equal outputs, which dedup merges."""
+        bb, op = self.block_builder, relax.op
+        flag = bb.emit(op.min(op.astype(inside, "int32")))
+        slot = self.__dict__.get("range_flag_slot")
+        if slot is None:
+            self.range_flag_slot = len(self.index_checks)
+            self.index_checks.append(flag)
+        else:
+            self.index_checks[slot] = bb.emit(op.minimum(self.index_checks[slot], flag))
+
+    def _take_flat(self, node: torch.fx.Node) -> relax.Expr:
+        """``torch.take``: indices into the flattened input, negative ones from the end; the
+        frontend reads a negative one out of bounds. Clipped reads with the embedding's range
+        flag, so an index out of range raises like PyTorch."""
+        bb, op = self.block_builder, relax.op
+        x, index = self.env[node.args[0]], self.env[node.args[1]]
+        flat = bb.emit(op.reshape(x, [-1]))
+        n = relax.const(int(math.prod(int(d) for d in x.ty.shape)), "int64")
+        idx = bb.emit(op.astype(index, "int64"))
+        self._range_flag(op.logical_and(op.greater_equal(idx, op.negative(n)), op.less(idx, n)))
+        wrapped = bb.emit(op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx))
+        return bb.emit(op.take(flat, wrapped, axis=0, mode="clip"))
+
+    def _index_from_end(self, convert: Callable) -> Callable:
+        """``x[idx]`` (``index.Tensor``, and so ``torch.take``): the frontend reads a negative
+        index out of bounds (``take`` in its unchecked mode). Each integer index tensor is read
+        from the end where negative and checked against the axis (the embedding's range flag:
+        out of range raises like PyTorch), then the frontend's conversion runs on those."""
+        def index(node: torch.fx.Node) -> relax.Expr:
+            x, bb, op = self.env[node.args[0]], self.block_builder, relax.op
+            saved: dict[torch.fx.Node, relax.Expr] = {}
+            for axis, idx_node in enumerate(node.args[1]):
+                val = getattr(idx_node, "meta", {}).get("val")
+                size = x.ty.shape[axis] if x.ty.shape is not None else None
+                if val is None or val.dtype in (torch.bool, torch.uint8) or not isinstance(size, tvm.tirx.IntImm) \
+                        or idx_node in saved:
+                    continue
+                n = relax.const(int(size), "int64")
+                idx = bb.emit(op.astype(self.env[idx_node], "int64"))
+                self._range_flag(op.logical_and(op.greater_equal(idx, op.negative(n)), op.less(idx, n)))
+                saved[idx_node] = self.env[idx_node]
+                self.env[idx_node] = bb.emit(op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx))
+            try:
+                return convert(node)
+            finally:
+                self.env.update(saved)
+        return index
+
+    def _extreme(self, reduce: Callable) -> Callable:
+        """``amax``/``amin``: the frontend has no converter (``logsumexp`` decomposes to one)."""
+        def convert(node: torch.fx.Node) -> relax.Expr:
+            x = self.env[node.args[0]]
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+            keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            if not x.ty.shape:  # 0-d: over "dim 0" is the value itself
+                return self.block_builder.emit(relax.op.astype(x, str(x.ty.dtype)))
+            axis = [dim] if isinstance(dim, int) else (list(dim) or None)
+            return self.block_builder.emit(reduce(x, axis, keepdims=bool(keepdim)))
+        return convert
+
+    def _zero_dim_safe(self, convert: Callable) -> Callable:
+        """Reductions and ``index_select`` over a 0-d tensor (dim 0 or -1 names the value itself),
+        which Relax's axis checks refuse: the value, in the result's dtype and shape."""
+        def zero_dim_safe(node: torch.fx.Node) -> relax.Expr:
+            x = self.env[node.args[0]]
+            if x.ty.shape is None or len(x.ty.shape) > 0:
+                return convert(node)
+            out = relax.op.astype(x, self._out_dtype(node))
+            return self.block_builder.emit(relax.op.reshape(out, [int(d) for d in node.meta["val"].shape]))
+        return zero_dim_safe
+
+    def _vector_norm(self, convert: Callable) -> Callable:
+        """``linalg_vector_norm``: ``ord=0`` (the frontend divides by it) counts the nonzeros,
+        without gradient; any other finite ``ord > 0`` masks zeros so that the gradient is 0
+        where PyTorch's is (an all-zero vector, and zero entries when ``ord < 1``) instead of NaN."""
+        def norm(node: torch.fx.Node) -> relax.Expr:
+            given = {**dict(zip(("self", "ord", "dim", "keepdim"), node.args)), **node.kwargs}
+            p = float(given.get("ord", 2))
+            if not (p == 0 or (0 < p < math.inf)):
+                return convert(node)
+            bb, op = self.block_builder, relax.op
+            dtype = self._out_dtype(node)
+            x = bb.emit(op.astype(self.env[given["self"]], dtype))
+            dim = given.get("dim")
+            axis = None if dim is None else ([dim] if isinstance(dim, int) else list(dim) or None)
+            keep = bool(given.get("keepdim", False))
+            zero, one = relax.const(0.0, dtype), relax.const(1.0, dtype)
+            if p == 0:
+                return bb.emit(op.sum(op.astype(op.not_equal(no_grad(x), zero), dtype), axis, keepdims=keep))
+            a = bb.emit(op.abs(x))
+            nonzero = op.not_equal(a, zero)
+            powered = op.multiply(a, a) if p == 2 else op.where(nonzero, op.power(op.where(nonzero, a, one), relax.const(p, dtype)), zero)
+            s = bb.emit(op.sum(powered, axis, keepdims=keep))
+            empty = op.equal(s, zero)
+            safe = op.where(empty, one, s)
+            root = op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))
+            return bb.emit(op.where(empty, zero, root))
+        return norm
+
+    def _group_norm(self, node: torch.fx.Node) -> relax.Expr:
+        """``native_group_norm`` as ``(out, mean, rstd)`` (the frontend returns ``out`` alone, so
+        a use of the statistics would read ``out[1]``); float64 written out in arithmetic (TOPI's
+        ``group_norm`` takes float32 and float16 only)."""
+        x_node, w_node, b_node, n, c, _hw, groups, eps = node.args[:8]
+        bb, op = self.block_builder, relax.op
+        x = self.env[x_node]
+        dtype, shape = str(x.ty.dtype), list(x.ty.shape)
+        gamma = self.env[w_node] if w_node is not None else relax.const(np.ones(c, dtype), dtype)
+        beta = self.env[b_node] if b_node is not None else relax.const(np.zeros(c, dtype), dtype)
+        xr = bb.emit(op.reshape(x, [n, groups, -1]))
+        mean = bb.emit(op.mean(xr, 2, keepdims=True))
+        centered = bb.emit(op.subtract(xr, mean))
+        rstd = bb.emit(op.rsqrt(op.add(op.mean(op.multiply(centered, centered), 2, keepdims=True),
+                                       relax.const(eps, dtype))))
+        if dtype in ("float32", "float16"):
+            out = bb.emit(op.nn.group_norm(x, gamma, beta, groups, 1, list(range(2, len(shape))), eps))
+        else:
+            channel = [1, c] + [1] * (len(shape) - 2)
+            out = bb.emit(op.reshape(op.multiply(centered, rstd), shape))
+            out = bb.emit(op.add(op.multiply(out, op.reshape(gamma, channel)), op.reshape(beta, channel)))
+        stats = [bb.emit(op.reshape(v, [n, groups])) for v in (mean, rstd)]
+        return bb.emit(relax.Tuple([out, *stats]))
+
+    def _constant_pad(self, node: torch.fx.Node) -> relax.Expr:
+        """``constant_pad_nd`` with negative widths too (they crop; Relax's ``pad`` wants >= 0)."""
+        x = self.env[node.args[0]]
+        pads = list(node.args[1])
+        value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0)
+        shape = [int(d) for d in x.ty.shape]
+        ndim = len(shape)
+        widths = [0] * (2 * ndim)
+        for i in range(len(pads) // 2):  # pairs from the last dim backwards
+            axis = ndim - 1 - i
+            widths[2 * axis], widths[2 * axis + 1] = int(pads[2 * i]), int(pads[2 * i + 1])
+        bb = self.block_builder
+        if any(w < 0 for w in widths):
+            begin = [max(0, -widths[2 * a]) for a in range(ndim)]
+            end = [shape[a] - max(0, -widths[2 * a + 1]) for a in range(ndim)]
+            x = bb.emit(relax.op.strided_slice(x, list(range(ndim)), begin, end))
+            widths = [max(0, w) for w in widths]
+        if not any(widths):
+            return bb.emit(relax.op.astype(x, str(x.ty.dtype)))
+        return bb.emit(relax.op.nn.pad(x, widths, "constant", 0.0 if value is None else value))
+
+    def _upsample(self, node: torch.fx.Node) -> relax.Expr:
+        """``upsample_nearest2d``/``upsample_bilinear2d`` as ATen computes them (``resample``):
+        a gather per axis, and for bilinear a weighted sum of two, the last axis first."""
+        name = node.target.__name__
+        linear, vec = "bilinear" in name, name.endswith(".vec")
+        x = self.env[node.args[0]]
+        if static_shape(x) is None:
+            raise UnsupportedOpError("convert", "interpolation over a dynamic dimension", op=name)
+        in_dims, out_dims = static_shape(x), [int(d) for d in node.meta["val"].shape]
+        rest = list(node.args[2:])
+        align = bool(rest.pop(0)) if linear else False
+        if vec:
+            scales = list(rest[0]) if rest and rest[0] is not None else [None, None]
+        else:
+            scales = (rest + [None, None])[:2]
+        out = x
+        for axis in (3, 2):
+            out = self._resample_axis(out, axis, in_dims[axis], out_dims[axis], align, scales[axis - 2], linear)
+        return out
+
+    def _resample_axis(self, x: relax.Expr, axis: int, size: int, out: int, align: bool, scale: float | None,
+                       linear: bool) -> relax.Expr:
+        bb, op = self.block_builder, relax.op
+        if not linear:
+            idx = resample.nearest_indices(size, out, scale)
+            return bb.emit(op.take(x, relax.const(idx, "int64"), axis=axis, mode="clip"))
+        dtype = str(x.ty.dtype)
+        taps = resample.linear_taps(size, out, align, scale, dtype)
+        if taps is None:
+            return x
+        shape = [-1] + [1] * (len(x.ty.shape) - 1 - axis)
+        parts = [op.multiply(op.take(x, relax.const(i, "int64"), axis=axis, mode="clip"),
+                               relax.const(w.reshape(shape), dtype))
+                 for i, w in ((taps.i0, taps.l0), (taps.i1, taps.l1))]
+        return bb.emit(op.add(*parts))
 
 
 def unsupported_ops(ep: ExportedProgram) -> list[str]:
@@ -522,6 +829,37 @@ def unsupported_ops(ep: ExportedProgram) -> list[str]:
 
 def _is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def feeds_only_cat(node: torch.fx.Node) -> bool:
+    """Every use of ``node`` is a ``cat``, directly or through copies and casts."""
+    copies = ("_to_copy.default", "lift_fresh_copy.default", "clone.default", "alias.default", "detach.default")
+    names_ = [getattr(u.target, "__name__", "") for u in node.users]
+    return bool(names_) and all(n == "cat.default" or (n in copies and feeds_only_cat(u))
+                                for n, u in zip(names_, node.users))
+
+
+def zero_size_values(ep: ExportedProgram) -> list[str]:
+    """Values the graph uses that have a zero-size dimension (a parameter, a slice ``x[:, :0]``, a
+    split part of size 0), as ``"name (shape)"``. Left out: outputs nothing reads (eval-mode
+    batch norm's empty statistics), except a split's (Relax splits at every boundary), and a 1-D
+    empty tensor only ``cat`` reads (``cat`` drops it, PyTorch's legacy rule,
+    ``BridgeImporter._cat_legacy_empty``)."""
+    found = []
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        many = isinstance(val, (list, tuple))
+        split = many and getattr(node.target, "__name__", "").startswith(("split", "unbind"))
+        used = {u.args[1] for u in node.users if u.target is operator.getitem and u.users} if many else set()
+        for i, v in enumerate(val if many else [val]):
+            if not isinstance(v, torch.Tensor) or not any(isinstance(d, int) and d == 0 for d in v.shape):
+                continue
+            if (not many and not node.users) or (many and not split and i not in used):
+                continue
+            if v.dim() == 1 and feeds_only_cat(node):
+                continue
+            found.append(f"{node.name} ({', '.join(map(str, v.shape))})")
+    return found
 
 
 def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) -> Converted:
@@ -538,6 +876,11 @@ def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) 
             "tvmbridge.frontend.importer.BridgeImporter or call with fallback=True to keep PyTorch",
             op=missing[0],
         )
+    empty = zero_size_values(ep)
+    if empty:
+        raise ConversionError(
+            "convert", f"{empty[0]} has a zero-size dimension: TVM's kernels and gradients do not handle empty "
+            "tensors (wrong strides, unsorted split indices); call with fallback=True to keep PyTorch")
     importer = BridgeImporter()
     random_ops = {n.target.__name__ for n in ep.graph.nodes
                   if n.op == "call_function" and _is_random(n) and n.target.__name__ not in _DROPOUT_OPS}

@@ -20,6 +20,7 @@ from tvm.relax.op.grad import no_grad
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError
 from . import gradients  # noqa: F401 - registers the bridge's gradients with TVM
+from . import gradients_nn  # noqa: F401 - and those of nn and layout ops (issue 14)
 from ..ir import binding_map, lift_symbolic_shapes, only_dataflow_block, rebuild, restore_symbolic_shapes
 
 

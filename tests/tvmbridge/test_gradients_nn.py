@@ -1,0 +1,372 @@
+"""Gradients of nn and layout ops (``passes/gradients_nn.py``) and the converters they need
+(``frontend/importer.py``): each op as a tiny module through ``add_tvm_dispatch`` in float64,
+outputs and every gradient against PyTorch's autograd. Where TVM's own frontend or gradient is
+wrong, a minimal reproduction shows what the bridge works around."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tvmbridge import UnsupportedOpError, add_tvm_dispatch
+
+from ..helpers import clone_module, is_tvm, run_step
+
+F64 = torch.float64
+
+
+class Fn(nn.Module):
+    """A function of the call's tensors as a module."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def errors(got, want) -> dict[str, float]:
+    """Max abs difference per output and gradient; a gradient PyTorch leaves undefined counts as
+    zeros (``vector_norm(ord=0)`` has none)."""
+    (outs_a, grads_a), (outs_b, grads_b) = got, want
+    errs = {}
+    for i, (a, b) in enumerate(zip(outs_a, outs_b)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+        errs[f"out{i}"] = (a - b).abs().max().item() if a.numel() else 0.0
+    for k in grads_a.keys() | grads_b.keys():
+        a, b = grads_a.get(k), grads_b.get(k)
+        a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
+        errs[k] = (a - b).abs().max().item() if a.numel() else 0.0
+    return errs
+
+
+def check(module: nn.Module, *args: torch.Tensor, tol: float = 1e-10) -> dict[str, float]:
+    """Dispatch ``module`` (a copy stays PyTorch) and compare one forward and backward."""
+    ref = clone_module(module)
+    add_tvm_dispatch(module, args)
+    got, want = run_step(module, args), run_step(ref, args)
+    assert is_tvm(got[0][0]), module._tvm_dispatch.explain()
+    errs = errors(got, want)
+    assert max(errs.values()) <= tol, errs
+    return errs
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+X3 = randn(2, 4, 7)
+X4 = randn(2, 4, 5, 6)
+EDGES = torch.tensor([-7.0, -6.0, -3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0, 6.0, 7.0], dtype=F64)
+
+
+# --- clip and friends -------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [
+    F.hardtanh, F.relu6, F.hardswish, F.hardsigmoid,
+    lambda x: x.clamp(-0.5, 3.0), lambda x: x.clamp(min=-1.0), lambda x: x.clamp(max=0.5),
+    lambda x: F.hardtanh(x, -3.0, 0.5), lambda x: F.leaky_relu(x, 0.1), lambda x: F.leaky_relu(x, -2.0),
+], ids=["hardtanh", "relu6", "hardswish", "hardsigmoid", "clamp", "clamp_min", "clamp_max", "hardtanh_bounds",
+        "leaky_relu", "leaky_relu_neg"])
+def test_clip_family_at_and_between_the_bounds(fn):
+    """On the bounds ``clamp`` passes the gradient and ``hardtanh``/``relu6``/``hardswish``/
+    ``hardsigmoid`` do not: both as PyTorch (every value of EDGES sits on some bound). ATen's
+    float64 ``hardsigmoid_backward`` multiplies by 1/6 rounded to float32 (5e-9 of it); the bridge's
+    is the exact 1/6."""
+    tol = 1e-7 if fn is F.hardsigmoid else 1e-10
+    check(Fn(fn), torch.cat([EDGES, 4 * X3.reshape(-1)]), tol=tol)
+
+
+def test_clamp_with_tensor_bounds_broadcast():
+    lo, hi = -X3.abs()[:1], X3.abs()[:, :1] * 0.5
+    check(Fn(lambda x, a, b: torch.clamp(x, a, b)), X3, lo, hi)
+    check(Fn(lambda x, a: torch.clamp(x, min=a)), X3, lo)
+
+
+def test_normalize():
+    """``F.normalize``: the norm, ``clamp_min(eps)`` and a division; a zero row included (the
+    norm's gradient there is 0 in PyTorch, NaN through a plain ``sqrt``)."""
+    x = X3.clone()
+    x[0, :, 0] = 0
+    check(Fn(lambda x: F.normalize(x, dim=1)), x)
+
+
+# --- exact kinks and ties that Relax's own gradients get wrong --------------------------------------
+ZEROS = torch.tensor([-1.0, 0.0, 0.0, 2.0], dtype=F64)
+
+
+@pytest.mark.parametrize("fn", [torch.relu, torch.abs, lambda x: F.elu(x)], ids=["relu", "abs", "elu"])
+def test_gradient_at_zero_is_pytorchs(fn):
+    """Relax's ``relu`` and ``abs`` gradients pass ``g`` at ``x == 0``; PyTorch's is 0."""
+    check(Fn(fn), ZEROS)
+
+
+@pytest.mark.parametrize("fn", [torch.maximum, torch.minimum, torch.max, torch.min],
+                         ids=["maximum", "minimum", "max", "min"])
+def test_ties_split_the_gradient(fn):
+    """Equal values share the gradient in halves (Relax's own gives all of it to the first)."""
+    check(Fn(fn), ZEROS, torch.tensor([[-1.0, 0.0, 1.0, 2.0]], dtype=F64).expand(2, 4).contiguous())
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.amax(x, 1), lambda x: torch.amin(x, (0, 2), keepdim=True), lambda x: x.max(),
+    lambda x: torch.logsumexp(x, 1), lambda x: torch.logsumexp(x, (0, 2)),
+], ids=["amax", "amin_keepdim", "max_all", "logsumexp", "logsumexp_dims"])
+def test_amax_amin_share_among_ties(fn):
+    x = X3.clone()
+    x[:, 1:3, :] = x[:, :1, :]  # every max over dim 1 is a three-way tie
+    check(Fn(fn), x)
+
+
+def test_piecewise_constant_ops_have_zero_gradient():
+    check(Fn(lambda x: x * torch.floor(x) + torch.sign(x) + torch.round(x) + torch.ceil(x) + torch.trunc(x)), 3 * X3)
+
+
+# --- convolutions ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("conv,x", [
+    (nn.Conv1d(4, 6, 3), X3),
+    (nn.Conv1d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2), X3),
+    (nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(2, 1), dilation=(2, 1), groups=2), X4),
+    (nn.ConvTranspose2d(4, 3, 3, stride=2), X4),
+    (nn.ConvTranspose2d(4, 6, (3, 2), stride=(2, 3), padding=1, output_padding=(1, 2), dilation=(2, 1), groups=2), X4),
+    (nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1, dilation=2, groups=2), X3),
+], ids=["conv1d", "conv1d_groups_dilation", "conv2d_dilation_groups", "conv_transpose2d",
+        "conv_transpose2d_all", "conv_transpose1d"])
+def test_convolutions(conv, x):
+    torch.manual_seed(0)
+    check(conv.double(), x)
+
+
+@pytest.mark.parametrize("shape,kwargs", [
+    ((2, 3, 9, 9), dict(kernel_size=3, stride=2, padding=1)),
+    ((2, 2, 3, 3), dict(kernel_size=3, stride=2)),
+    ((2, 2, 1, 5), dict(kernel_size=(1, 3), stride=(1, 2))),
+    ((2, 2, 7, 7), dict(kernel_size=3, stride=2, dilation=2)),
+    ((2, 2, 6, 7), dict(kernel_size=(2, 3), stride=(3, 2), padding=1, ceil_mode=True)),
+], ids=["resnet_stem", "one_window", "row_stride", "dilation", "ceil_mode"])
+def test_max_pool2d(shape, kwargs):
+    """Relax's own ``max_pool2d_backward`` is wrong for some strides (errors of order 1 for a
+    single 3x3 window of stride 2, NaN for a (1, 3) window of stride (1, 2)) and does not build
+    with dilation; the bridge's sends the gradient to each window's first max, as ATen. Rounded
+    inputs: ties."""
+    x = randn(*shape).round()
+    check(Fn(lambda x: F.max_pool2d(x, **kwargs)), x)
+    check(Fn(lambda x: F.max_pool1d(x, 3, 2, ceil_mode=True)), X3)
+
+
+def test_tvm_conv2d_gradient_fails_with_dilation():
+    """Minimal reproduction: Relax's own ``conv2d`` gradient leaves the dilation out of the
+    output padding it gives ``conv2d_transpose``, so a dilated convolution could not be
+    differentiated. The bridge's gradient (above, ``conv2d_dilation_groups``) computes it."""
+    from tvm import relax
+    from tvm.relax.op import _op_gradient
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 2, 7, 7), "float32"))
+    w = relax.Var("w", relax.TensorType((3, 2, 3, 3), "float32"))
+    with bb.function("f", [x, w]):
+        call = relax.op.nn.conv2d(x, w, dilation=2)
+        y = bb.emit(call)
+        with pytest.raises(ValueError, match="output padding less than the strides"):
+            bb.normalize(_op_gradient.conv2d_grad(y, call, bb.emit(relax.op.ones_like(y)), bb)[0])
+        bb.emit_func_output(y)
+
+
+# --- normalization and pooling -----------------------------------------------------------------------
+@pytest.mark.parametrize("norm,x", [
+    (nn.GroupNorm(2, 4), X4), (nn.GroupNorm(4, 4, affine=False), X3), (nn.GroupNorm(1, 4, eps=1e-3), X3 * 5 + 2),
+], ids=["groups2_2d", "instance_like_1d", "one_group"])
+def test_group_norm(norm, x):
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.uniform_(0.5, 1.5)
+    check(norm.double(), x)
+
+
+def test_group_norm_float32_uses_the_fused_op_and_its_gradient():
+    """float32 keeps Relax's ``group_norm`` (TOPI's kernel) with the bridge's gradient."""
+    errs = check(nn.GroupNorm(2, 4), X4.float(), tol=1e-5)
+    assert errs["weight"] <= 1e-5
+
+
+@pytest.mark.parametrize("fn,x", [
+    (lambda x: F.adaptive_avg_pool2d(x, (3, 4)), X4), (lambda x: F.adaptive_avg_pool2d(x, 1), X4),
+    (lambda x: F.adaptive_avg_pool1d(x, 3), X3), (lambda x: F.interpolate(x, scale_factor=0.5, mode="area"), X4),
+], ids=["overlapping_bins", "global", "1d", "interpolate_area"])
+def test_adaptive_avg_pool(fn, x):
+    check(Fn(fn), x)
+
+
+# --- interpolation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [
+    dict(scale_factor=2, mode="nearest"), dict(size=(7, 4), mode="nearest"),
+    dict(scale_factor=(1.7, 0.6), mode="nearest"), dict(size=(7, 9), mode="bilinear"),
+    dict(size=(3, 11), mode="bilinear", align_corners=True), dict(scale_factor=(1.7, 0.6), mode="bilinear"),
+    dict(scale_factor=1.5, mode="nearest-exact"), dict(scale_factor=1.5, mode="bicubic"),
+], ids=["nearest_x2", "nearest_size", "nearest_scale", "bilinear", "bilinear_aligned", "bilinear_scale",
+        "nearest_exact", "bicubic"])
+def test_interpolate(kwargs):
+    """As ATen computes it, scale factors included (PyTorch reads ``1/scale_factor``, not
+    ``in/out``): gathers at ATen's indices, weighted for bilinear."""
+    check(Fn(lambda x: F.interpolate(x, **kwargs)), X4)
+
+
+def test_interpolate_float32_forward_is_atens():
+    x = X4.float()
+    m = Fn(lambda x: F.interpolate(x, scale_factor=(1.7, 0.6), mode="bilinear"))
+    want = m(x)
+    add_tvm_dispatch(m, (x,))
+    assert torch.allclose(m(x), want, rtol=0, atol=1e-6)
+
+
+def test_antialiased_interpolation_is_refused():
+    """TVM's frontend converts ``antialias=True`` as plain bilinear: a different picture."""
+    with pytest.raises(UnsupportedOpError, match="antialias"):
+        add_tvm_dispatch(Fn(lambda x: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True)), (X4,))
+
+
+def test_tvm_frontend_nearest_interpolation_differs_from_pytorch():
+    """Minimal reproduction: TVM's own conversion of ``upsample_nearest2d`` (``resize2d`` with
+    half-pixel rounding, ``in/out`` scale) reads other source pixels than PyTorch."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    x = torch.arange(30.0).reshape(1, 1, 5, 6)
+    m = Fn(lambda x: F.interpolate(x, scale_factor=(1.7, 0.6), mode="nearest"))
+    mod = from_exported_program(torch.export.export(m, (x,)).run_decompositions())
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    out = vm["main"](tvm.runtime.tensor(x.numpy()))
+    out = out[0] if isinstance(out, (list, tuple)) or hasattr(out, "__getitem__") and not hasattr(out, "numpy") else out
+    assert not torch.equal(torch.from_numpy(out.numpy()), m(x))
+
+
+# --- layout ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn,args", [
+    (lambda x: F.pad(x, (1, 2, 0, 1)), (X4,)),
+    (lambda x: F.pad(x, (1, 2, 0, 1, 2, 0), value=1.5), (X4,)),
+    (lambda x: F.pad(x, (-1, 2, 1, -2)), (X4,)),
+    (lambda x: x.flip(1, 2), (X3,)),
+    (lambda x: x.repeat(2, 1, 3), (X3,)),
+    (lambda x: x.repeat(3, 2, 1, 1), (X3,)),
+    (lambda x: torch.tile(x, (2,)), (X3,)),
+    (lambda x, y: torch.stack([x, y, x], 1), (X3, 2 * X3)),
+    (lambda x: torch.stack([x[0, 0, 0], x[1, 1, 1]]), (X3,)),
+    (lambda x: torch.split(x, [1, 3], dim=1), (X3,)),
+    (lambda x: torch.split(x, [4, 1, 2], dim=-1)[1] * 2, (X3,)),
+    (lambda x: torch.split(x, 4, dim=1)[0] * 2, (X3,)),
+], ids=["pad", "pad_value_3d", "pad_negative", "flip", "repeat", "repeat_new_dims", "tile", "stack",
+        "stack_scalars", "split_sizes", "split_sizes_one_used", "split_whole_axis"])
+def test_layout_ops(fn, args):
+    check(Fn(fn), *args)
+
+
+# --- indexing ------------------------------------------------------------------------------------
+def test_negative_indices_read_from_the_end():
+    """``x[idx]`` and ``torch.take`` with negative indices: the frontend read them out of bounds
+    (values like 1e179); an index out of range raises like PyTorch."""
+    idx = torch.tensor([-1, 0, -4, 2])
+    check(Fn(lambda x, i: x[i] * 2), X3[0], idx)
+    check(Fn(lambda x, i: x[:, i]), X3[0], idx)
+    check(Fn(lambda x, i: torch.take(x, i)), X3, torch.tensor([-56, 3, -1]))
+    m = Fn(lambda x, i: x[i])
+    add_tvm_dispatch(m, (X3[0], idx))
+    with pytest.raises(IndexError):
+        m(X3[0], torch.tensor([0, -5]))
+
+
+def test_unconverted_outputs_of_multi_output_ops_are_refused():
+    """``native_layer_norm``'s mean and rstd: the frontend converts the op to its first output
+    and its ``getitem`` then returns that for every index (a silently wrong value)."""
+    m = Fn(lambda x: torch.ops.aten.native_layer_norm.default(x, [7], None, None, 1e-5)[1])
+    with pytest.raises(UnsupportedOpError, match="output 1 of native_layer_norm"):
+        add_tvm_dispatch(m, (X3,))
+
+
+def test_integer_clamp_with_one_bound_builds():
+    """``clamp(int_tensor, max=5)``: the frontend's other bound is ``inf``, which an integer
+    kernel cannot hold (the build failed); linear interpolation decomposes to it."""
+    check(Fn(lambda x, i: x * i.clamp(max=5) + x[..., :1] * i.clamp(min=2)), X3, torch.arange(7))
+    check(Fn(lambda x: F.interpolate(x, scale_factor=1.7, mode="linear")), X3)
+
+
+# --- 0-d tensors and vector norms ----------------------------------------------------------------
+SCALAR = torch.tensor(1.5, dtype=F64)
+
+
+@pytest.mark.parametrize("fn,args", [
+    (lambda x: x.sum(0), (SCALAR,)), (lambda x: x.sum(-1, keepdim=True), (SCALAR,)),
+    (lambda x: x.mean(0), (SCALAR,)), (lambda x: torch.amax(x, 0), (SCALAR,)),
+    (lambda x, i: x.index_select(0, i) * 3, (SCALAR, torch.tensor([0]))),
+    (lambda x, i: x.index_select(0, i) * 3, (SCALAR, torch.tensor(0))),
+], ids=["sum", "sum_keepdim", "mean", "amax", "index_select_1d_index", "index_select_0d_index"])
+def test_zero_dim_reductions(fn, args):
+    check(Fn(fn), *args)
+
+
+def test_zero_dim_constant_in_the_graph():
+    """A 0-d tensor constant (``torch.tensor(3.0)`` in forward) crashed the compile cache's
+    fingerprint (a 0-d tensor cannot be viewed as bytes)."""
+    check(Fn(lambda x: x * torch.tensor(3.0, dtype=F64)), X3)
+
+
+@pytest.mark.parametrize("ord_,dim", [(0, None), (0, 1), (2, 1), (2, None), (1, (1, 2)), (3, 2), (0.5, 1),
+                                       (float("inf"), 2), (float("-inf"), None), (-1, 1)])
+def test_vector_norm(ord_, dim):
+    """``ord=0`` counts nonzeros (the frontend divides by zero) with gradient 0; the others get
+    PyTorch's gradient also where entries (or whole vectors) are 0."""
+    x = X3.clone()
+    if ord_ > 0:
+        x[0, 1] = 0
+        x[1, :, 3] = 0
+    check(Fn(lambda x: torch.linalg.vector_norm(x, ord_, dim)), x)
+
+
+# --- where and safe softmax ------------------------------------------------------------------------
+def test_where_gradient_sums_a_broadcast_branch():
+    """Minimal reproduction: Relax's own ``where`` gradient returns each branch's gradient at the
+    output's shape, so a broadcast branch (here (2, 1, 4) into (2, 3, 4), as in ``diag_embed``
+    or a masked fill) got a silently wrong gradient (errors of order 1 before the fix)."""
+    mask = torch.rand(3, 1) > 0.5
+    check(Fn(lambda x, y, m: torch.where(m, x[:, None, :], y)), randn(2, 4), randn(3, 4, seed=1), mask)
+    check(Fn(torch.diag_embed), randn(3, 4))
+
+
+def test_safe_softmax_of_fully_masked_rows():
+    """``_safe_softmax`` (attention's: 0 on rows that mask everything) had NaN gradients there:
+    the decomposition now feeds those rows 0 before the softmax."""
+    x = randn(2, 3, 4)
+    x[0, 1] = float("-inf")
+    x[1, :, 2] = float("-inf")
+    check(Fn(lambda x: torch.ops.aten._safe_softmax.default(x, -1)), x)
+
+
+@pytest.mark.parametrize("fn,x", [
+    (torch.asin, X3.tanh()), (torch.acos, X3.tanh()), (torch.atan, X3), (torch.tan, X3.tanh()),
+    (torch.asinh, X3), (torch.acosh, X3.abs() + 1.5), (torch.atanh, X3.tanh() * 0.9),
+    (lambda x: torch.atan2(x, x[:1].abs() + 0.5), X3), (lambda x: torch.remainder(x, x[:1] + 5), X3),
+    (lambda x: torch.fmod(x * 3, x[:1].abs() + 0.5), X3),
+], ids=["asin", "acos", "atan", "tan", "asinh", "acosh", "atanh", "atan2", "remainder", "fmod"])
+def test_elementwise_gradients_relax_lacks(fn, x):
+    check(Fn(fn), x)
+
+
+def test_a_case_no_formula_covers_is_refused_naming_the_op():
+    """Reflect padding (the bridge's converters never make it: PyTorch's decomposes to gathers)
+    has no exact gradient here: an ``UnsupportedOpError`` that names ``relax.nn.pad``."""
+    from tvm import relax
+
+    from tvmbridge.passes.gradient import build_adjoint
+
+    x = relax.Var("x", relax.TensorType((2, 5), "float64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.pad(x, [0, 0, 1, 1], "reflect")))
+        bb.emit_func_output(out)
+    with pytest.raises(UnsupportedOpError, match="reflect") as err:
+        build_adjoint(bb.get()["main"], [0], [True])
+    assert err.value.op == "relax.nn.pad"
