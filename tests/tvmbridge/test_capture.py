@@ -97,6 +97,8 @@ def test_split_picture_renders_with_the_split_colours():
     fn = compiled.adjoint
     svg = visualize_split(compiled).pipe(format="svg").decode()
     nodes = _svg_nodes(svg)
+    assert "legend" in nodes and all(text in svg for text in ("kept for the backward", "recomputed in the backward"))
+    del nodes["legend"]
     assert len(nodes) == len(fn.params) + len(fn.body.blocks[0].bindings)
     cats = split_categories(compiled)
     assert set(nodes) == set(cats)

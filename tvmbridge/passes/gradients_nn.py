@@ -352,10 +352,10 @@ def conv2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuil
     strides, padding, dilation, groups = conv2d_attrs(orig_call.attrs)
     if str(orig_call.attrs.kernel_layout) != "OIHW":
         raise NotImplementedError(f"the gradient of relax.nn.conv2d with kernel layout {orig_call.attrs.kernel_layout}")
-    symbolic = any(not isinstance(d, tvm.tirx.IntImm) for d in x.ty.shape)
-    if symbolic and all(d == 1 for d in dilation):
-        # a symbolic batch (a variant for every batch size): Relax's own gradient handles it; it
-        # is wrong only with dilation, which stays refused for symbolic shapes
+    if all(d == 1 for d in dilation):
+        # Relax's own gradient, which also handles symbolic batches; it fails only with dilation.
+        # (The bridge's below gave NaN weight gradients on ResNet's 7x7/stride-2 stem, where the
+        # stride does not divide the padded extent; left to dilated convolutions.)
         from tvm.relax.op._op_gradient import conv2d_grad as relax_conv2d_grad
 
         return relax_conv2d_grad(orig_var, orig_call, output_grad, ctx)
@@ -474,6 +474,13 @@ def max_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
     attrs, x = orig_call.attrs, orig_call.args[0]
     if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW":
         raise NotImplementedError(f"the gradient of relax.nn.max_pool2d in layout {attrs.layout}")
+    if all(int(d) == 1 for d in attrs.dilation) and not attrs.ceil_mode and any(int(p) for p in attrs.padding):
+        # padded, undilated: Relax's own. The form below gives NaN gradients there on even sizes
+        # (ResNet's 3x3/stride-2/pad-1 stem pool on 16x16), not yet understood; Relax's own is
+        # wrong on unpadded single windows and (1, 3)/(1, 2) rows, which the form below gets right
+        from tvm.relax.op._op_gradient import max_pool2d_grad as relax_max_pool2d_grad
+
+        return relax_max_pool2d_grad(orig_var, orig_call, output_grad, ctx)
     h, w = static_dims(x, "relax.nn.max_pool2d")[2:]
     out_hw = static_dims(orig_var, "relax.nn.max_pool2d")[2:]
     (kh, kw), strides, (dh, dw) = ([int(v) for v in a] for a in (attrs.pool_size, attrs.strides, attrs.dilation))
