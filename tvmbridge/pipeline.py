@@ -1,7 +1,7 @@
 """The compile: a list of named stages, run by one small driver.
 
 inputs -> trace -> convert -> dropout -> layer_norm -> dedup -> gradient -> simplify -> capture
--> split -> offload -> fast_math -> build. Each stage takes the :class:`Artifacts` made so far
+-> split -> low_precision -> offload -> fast_math -> build. Each stage takes the :class:`Artifacts` made so far
 and returns new ones (nothing is changed in place); the driver times it, keeps what it made in
 ``CompiledModule.stages[name]`` (Relax modules print with ``.show()``), and turns any failure
 into a :class:`~tvmbridge.errors.ConversionError` naming the stage.
@@ -40,6 +40,7 @@ from .options import CompileOptions, with_overrides
 from .partition.joint import JointGraph, count_primal_bindings, joint_graph
 from .partition.policy import capture_all, choose_captures, op_flops
 from .partition.split import SplitResult, split
+from .passes.low_precision import Float32Opmath
 from .passes import DecomposeForTraining, Dedup, ExternalizeRandom, GradientResult, Simplify, build_adjoint
 
 @dataclass(frozen=True)
@@ -96,10 +97,9 @@ def _inputs(a: Artifacts) -> Artifacts:
 
 
 def _trace(a: Artifacts) -> Artifacts:
-    # a sample call made under autocast still compiles float32 code (calls under autocast run
-    # PyTorch: the guard sees autocast), never autocast's casts baked in as constants
-    with torch.autocast(a.device.type, enabled=False):
-        traced = trace(a.module, a.args, a.kwargs, a.dynamic)
+    # traced under the caller's autocast state: its casts become ops of the graph, and the
+    # variant's guard accepts calls under that state only
+    traced = trace(a.module, a.args, a.kwargs, a.dynamic)
     if a.dynamic and not traced.symbolic:
         raise ConversionError("trace", "no dimension stayed symbolic: the module's code fixes every size marked dynamic")
     return dataclasses.replace(a, traced=traced, sizes=symbol_sizes(traced, tensor_leaves((a.args, a.kwargs))))
@@ -187,6 +187,10 @@ def _split(a: Artifacts) -> Artifacts:
     return dataclasses.replace(a, split=halves, halves=mod)
 
 
+def _low_precision(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, halves=Float32Opmath()(a.halves))
+
+
 def _offload(a: Artifacts) -> Artifacts:
     backend = a.options.gemm_backend(a.device.type)
     if backend is None:
@@ -222,6 +226,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("simplify", _simplify, lambda a: tvm.IRModule({names.ADJOINT: a.gradient.adjoint})),
     Stage("capture", _capture, lambda a: list(a.captures)),
     Stage("split", _split, lambda a: a.halves),
+    Stage("low_precision", _low_precision, lambda a: a.halves),
     Stage("offload", _offload, lambda a: a.halves),
     Stage("fast_math", _fast_math, lambda a: a.halves),
     Stage("build", _build, lambda a: a.executable),
@@ -391,7 +396,8 @@ def graph_fingerprint(a: Artifacts) -> str:
     grads = tuple(t.requires_grad for t in state.lookup(a.module))
     h.update(repr((sorted(map(str, ep.range_constraints.items())), state.names, state.is_parameter,
                    sorted(state.aliases.items()), grads, a.traced.updated_buffers, a.traced.num_user_outputs,
-                   a.traced.input_dims, str(a.traced.out_spec), repr(a.options), str(a.device))).encode())
+                   a.traced.input_dims, str(a.traced.out_spec), repr(a.options), str(a.device),
+                   str(a.traced.autocast))).encode())
     return h.hexdigest()
 
 

@@ -330,28 +330,31 @@ def test_max_pool_indices_are_refused_not_wrong():
 
 
 # --- autocast ---------------------------------------------------------------------------------------------
-def test_call_under_autocast_falls_back_with_autocast_semantics():
+def test_call_under_autocast_runs_an_autocast_variant():
+    """(More in test_autocast.py.) Autocast is no longer a fallback: the call compiles a variant
+    traced under it, with autocast's dtypes."""
     m = Block()
     x = torch.randn(4, 16)
     add_tvm_dispatch(m, (x,))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.warns(FallbackWarning, match="autocast"):
-            out = m(x)
-    assert out.dtype == torch.bfloat16 and not is_tvm(out)
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        out = m(x)
+    assert out.dtype == torch.bfloat16 and is_tvm(out)
+    assert len(m._tvm_dispatch.variants) == 2
 
 
-def test_dispatched_under_autocast_compiles_float32_and_falls_back_under_it():
+def test_dispatched_under_autocast_then_called_without_it():
     torch.manual_seed(0)
     m = Block()
     ref = clone_module(m)
     x = torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         add_tvm_dispatch(m, (x,))
-        with pytest.warns(FallbackWarning, match="autocast"):
-            assert m(x).dtype == torch.bfloat16
+        assert m(x).dtype == torch.bfloat16
     out = m(x)
     assert is_tvm(out) and out.dtype == torch.float32
     assert torch.allclose(out, ref(x), atol=1e-5)
+    assert "autocast(cpu, bfloat16)" in m._tvm_dispatch.variants[0].label
 
 
 # --- what used to crash ---------------------------------------------------------------------------------------

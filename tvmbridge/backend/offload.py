@@ -66,6 +66,11 @@ def offloaded_call(value: relax.Expr) -> GemmSpec | None:
     return GemmSpec.parse(str(value.args[0].global_symbol))
 
 
+# bfloat16/float16 come from autocast: the libraries accumulate in float32 and round once, as
+# eager autocast's GEMMs do
+OFFLOADED_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
 def _problem(dtype: str, a: relax.Expr, b: relax.Expr, ta: bool, tb: bool, sizes: dict[str, int]) -> GemmProblem | None:
     """The GEMM as the chooser times it: symbolic dims at this compile's sizes (None if unknown)."""
     try:
@@ -85,7 +90,7 @@ def _offload_rule(chooser: GemmChooser, sizes: dict[str, int], decisions: list[G
         if out_shape is None or a_shape is None or b_shape is None or len(a_shape) < 2 or len(b_shape) < 2:
             return None
         dtype = str(value.ty.dtype)
-        if dtype not in ("float32", "float64") or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
+        if dtype not in OFFLOADED_DTYPES or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
             return None
         (a, ta), (b, tb) = _operand(a, bound), _operand(b, bound)
         problem = _problem(dtype, a, b, ta, tb, sizes)
@@ -145,7 +150,7 @@ def _use_counts(mod: tvm.IRModule) -> dict[relax.Var, int]:
 
 @tvm.transform.module_pass(opt_level=0, name="tvmbridge.OffloadMatmuls")
 class OffloadMatmuls:
-    """Every float32/float64 ``R.matmul`` (static or symbolic shapes) becomes a call of a GEMM library
+    """Every float ``R.matmul`` (:data:`OFFLOADED_DTYPES`) (static or symbolic shapes) becomes a call of a GEMM library
     (``backend``: ``"auto"`` measures each distinct GEMM, see ``gemm_choice``; ``"torch"`` or
     ``"onednn"`` fix it); a following bias add folds into ``addmm``. ``sizes``: the compiling
     call's symbolic dims, at which a symbolic GEMM is measured. :attr:`decisions` says where

@@ -22,7 +22,34 @@ from torch.export.graph_signature import InputKind
 
 from ..errors import ConversionError, describe
 from .decompositions import decomposition_table
+from .mixed_dtypes import make_dtype_mixing_explicit
 from .signature import canonical_call
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """An enabled ``torch.autocast`` on one device type: tracing under it records its casts as
+    ops of the graph, so the graph fits calls made under the same state only."""
+
+    device_type: str
+    dtype: torch.dtype
+
+    @classmethod
+    def current(cls, device_type: str) -> AutocastState | None:
+        """The autocast in effect for ``device_type`` now (None: off)."""
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return cls(device_type, torch.get_autocast_dtype(device_type))
+
+    @staticmethod
+    def entered(state: AutocastState | None, device_type: str) -> torch.autocast:
+        """A context that puts ``state`` (None: autocast off) in effect for ``device_type``."""
+        if state is None:
+            return torch.autocast(device_type, enabled=False)
+        return torch.autocast(state.device_type, dtype=state.dtype)
+
+    def __str__(self) -> str:
+        return f"autocast({self.device_type}, {str(self.dtype).removeprefix('torch.')})"
 
 
 @dataclass(frozen=True)
@@ -79,6 +106,7 @@ class TracedModule:
     updated_buffers: tuple[str, ...]  # state names whose new values follow the user outputs
     input_dims: tuple[tuple[int | str, ...], ...] = ()  # per user tensor: ints, symbols where dynamic
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
+    autocast: AutocastState | None = None  # the autocast the graph was traced under (its casts are ops)
 
     @property
     def symbolic(self) -> bool:
@@ -184,11 +212,14 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     register_library_pytrees(module)
     inputs = tensors + tuple(t.detach() for t in state.lookup(module))
     flat = FlatCall(module, in_spec, leaves, state)
+    autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")
     ep = _decompose(module, _export(module, flat, inputs, dynamic))
     updated = _updated_buffers(ep, len(tensors), state)
     if updated:  # again, updating clones: their new values become ordinary outputs
         flat = FlatCall(module, in_spec, leaves, state, updated)
         ep = _decompose(module, _export(module, flat, inputs, dynamic))
+    if make_dtype_mixing_explicit(ep.graph):  # autocast's mixed-type kernels: one dtype per op
+        ep.graph_module.recompile()
     num_outputs = _check_outputs(ep)
     user_inputs = _user_input_specs(ep)
     others = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
@@ -203,6 +234,7 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         constant_leaves={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
         num_user_inputs=len(tensors), state=state, num_user_outputs=num_outputs - len(updated),
         updated_buffers=updated, input_dims=_input_dims(ep, len(tensors)), ranges=_ranges(ep),
+        autocast=autocast,
     )
 
 

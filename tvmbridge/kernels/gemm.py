@@ -73,13 +73,24 @@ def onednn_fits(dtype: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], 
 
 
 def library_call(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
-    """``(a, b, bias) -> a @ b (+ bias)`` on one library, operands already transposed views."""
+    """``(a, b, bias) -> a @ b (+ bias)`` on one library, operands already transposed views.
+    Autocast is off inside: the compiled graph fixed the GEMM's dtype (a call made under
+    autocast would otherwise turn a float32 GEMM of an autocast-disabled region to bfloat16)."""
+    no_autocast = torch._C._DisableAutocast
     if library == "onednn":
         linear = torch.ops.mkldnn._linear_pointwise
-        # linear(x, w, bias) = x @ w.T + bias: the right operand goes in as a view ``b.mT``,
-        # which oneDNN reads in either layout.
-        return lambda a, b, bias: linear(a, b.mT, bias, "none", [], "")
-    return lambda a, b, bias: torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+
+        def onednn(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            # linear(x, w, bias) = x @ w.T + bias: the right operand goes in as a view ``b.mT``,
+            # which oneDNN reads in either layout.
+            with no_autocast():
+                return linear(a, b.mT, bias, "none", [], "")
+        return onednn
+
+    def torch_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        with no_autocast():
+            return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+    return torch_gemm
 
 
 def packed_function(spec: GemmSpec) -> Callable[..., Any]:

@@ -57,7 +57,9 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.F
     for o in outputs:
         if not isinstance(o, relax.Var) or not isinstance(o.ty, relax.TensorType):
             raise ConversionError("gradient", f"output {o} is not a tensor variable")
-    target_dtype = next((str(o.ty.dtype) for o, d in zip(outputs, differentiable) if d), "float32")
+    # a float32 (float64 when an output is) target: Relax differentiates float32/float64 scalars
+    # only, and bfloat16/float16 outputs (autocast) are summed in float32
+    target_dtype = "float64" if any(str(o.ty.dtype) == "float64" for o in outputs) else "float32"
     grad_outs = [relax.Var(f"{names.GRAD_OUT}{i}", o.ty) for i, o in enumerate(outputs) if differentiable[i]]
     g = iter(grad_outs)
     bindings = list(block.bindings)
@@ -66,7 +68,7 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.F
         prod = relax.DataflowVar(names.vjp_prod(i), o.ty)
         if differentiable[i]:
             bindings.append(relax.VarBinding(prod, relax.op.multiply(o, next(g))))
-            summed = relax.op.sum(prod)
+            summed = relax.op.sum(prod if str(o.ty.dtype) == target_dtype else relax.op.astype(prod, target_dtype))
         else:
             bindings.append(relax.VarBinding(prod, no_grad(o)))
             summed = relax.op.sum(relax.op.astype(prod, target_dtype))
@@ -87,6 +89,7 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
     """Differentiate ``func`` w.r.t. the params at ``grad_param_indices``; ``differentiable``
     says which outputs receive a gradient."""
     lifted_func, lifted = lift_symbolic_shapes(func)
+    lifted_func, widened = _widen_params(lifted_func, grad_param_indices)
     mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: with_vjp_target(lifted_func, differentiable)}))
     require = [mod[names.MAIN].params[i] for i in grad_param_indices]
     try:
@@ -99,10 +102,56 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
             op=_op_named_in(msg),
         ) from exc
     adjoint = restore_symbolic_shapes(mod[names.ADJOINT], lifted)
+    if widened:
+        adjoint = _narrow_params(adjoint, widened, grad_param_indices)
     return GradientResult(
         adjoint=adjoint, num_primal_params=len(func.params),
         grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),
     )
+
+
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+def _widen_params(func: relax.Function, indices: list[int]) -> tuple[relax.Function, dict[int, relax.Var]]:
+    """Relax differentiates float32/float64 parameters only: each bfloat16/float16 one asked for
+    becomes a float32 parameter read through a cast to its dtype (exact, the values being
+    bfloat16/float16 ones). Returns the function and the original parameter at each position."""
+    params, entry, widened = list(func.params), [], {}
+    for i in indices:
+        p = params[i]
+        if isinstance(p.ty, relax.TensorType) and str(p.ty.dtype) in LOW_PRECISION:
+            wide = relax.Var(p.name, relax.TensorType(p.ty.shape, "float32"))
+            entry.append(relax.VarBinding(p, relax.op.astype(wide, str(p.ty.dtype))))
+            params[i], widened[i] = wide, p
+    if not widened:
+        return func, widened
+    block = only_dataflow_block(func, "gradient")
+    return rebuild(func, params, entry + list(block.bindings), func.body.body), widened
+
+
+def _narrow_params(adjoint: relax.Function, widened: dict[int, relax.Var], indices: list[int]) -> relax.Function:
+    """The adjoint of a function :func:`_widen_params` changed, with the original parameter
+    dtypes again: each widened parameter cast to float32 on entry, its gradient cast back."""
+    params, entry = list(adjoint.params), []
+    for i, original in widened.items():
+        low = relax.Var(original.name, original.ty)
+        entry.append(relax.VarBinding(params[i], relax.op.astype(low, "float32")))
+        params[i] = low
+    block = only_dataflow_block(adjoint, "gradient")
+    bound = binding_map(block)
+    result = adjoint.body.body
+    result = bound.get(result, result) if isinstance(result, relax.Var) else result
+    target, grads = result.fields
+    grads = bound.get(grads, grads) if isinstance(grads, relax.Var) else grads
+    fields, exits = list(grads.fields), []
+    for k, i in enumerate(indices):
+        if i in widened:
+            narrow = relax.Var(f"{fields[k].name}_{widened[i].ty.dtype}", widened[i].ty)
+            exits.append(relax.VarBinding(narrow, relax.op.astype(fields[k], str(widened[i].ty.dtype))))
+            fields[k] = narrow
+    out = relax.Tuple([target, relax.Tuple(fields)])
+    return rebuild(adjoint, params, entry + list(block.bindings) + exits, out)
 
 
 def _op_named_in(message: str) -> str | None:

@@ -4,7 +4,7 @@ The module's ``forward`` is replaced by a :class:`Dispatcher`. It keeps compiled
 (``variants``), one per call signature the module has seen (shapes, dtypes, keywords, train or
 eval mode, attribute values), each with guards (``guards``) that say which calls it fits. A call
 runs the variant that fits it; a call none fits compiles one more (up to ``cache_size_limit``);
-a call no compiled code can fit (hooks on submodules, autocast, a dispatch mode, an empty tensor,
+a call no compiled code can fit (hooks on submodules, a dispatch mode, an empty tensor,
 a failed compile, a full cache) runs the original forward with a
 :class:`~tvmbridge.errors.FallbackWarning` naming the reason (once per reason;
 ``warn_on_fallback=False`` silences it). ``module._tvm_dispatch.explain()`` says what happened.
@@ -32,13 +32,14 @@ from analysis.tensors import tensor_leaves
 from ..backend.build import release_cached_memory
 from ..backend.gemm_choice import summary as gemm_summary
 from ..errors import ConversionError, FallbackWarning, RecompileWarning
+from ..frontend.export import AutocastState
 from ..options import CompileOptions, with_overrides
 from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
 from .function import Call, TVMFunction, infer
 from .guards import Mismatch
 from .locks import TRACING
 from .random import draw
-from .variants import (Variant, call_device_type, call_key, changed_dims, describe_dims, empty_input,
+from .variants import (Variant, call_key, changed_dims, describe_dims, empty_input,
                        marked_dims)
 
 if TYPE_CHECKING:
@@ -209,9 +210,6 @@ class Dispatcher:
 
     def _unfit_anywhere(self, args: tuple, kwargs: dict) -> Mismatch | None:
         """What no compiled variant can run, whatever its signature."""
-        if torch.is_autocast_enabled(call_device_type(args, kwargs, self.module)):
-            return Mismatch("autocast", "autocast is on; mixed precision runs PyTorch until the bridge supports it",
-                            recompile=False)
         if torch._C._len_torch_dispatch_stack():
             return Mismatch("dispatch mode", "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): "
                             "it must see PyTorch's ops", recompile=False)
@@ -317,8 +315,9 @@ class Dispatcher:
         state = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
         state.update({n: state[n].clone() for n in traced.updated_buffers})
         self._eager.active = True
-        try:
-            with TRACING.writing():  # functional_call swaps the module's tensors meanwhile
+        try:  # under the autocast the variant was traced under, whatever is in effect now
+            with TRACING.writing(), AutocastState.entered(traced.autocast, compiled.device.type):
+                # functional_call swaps the module's tensors meanwhile
                 out = torch.func.functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
         finally:
             self._eager.active = False
@@ -378,7 +377,8 @@ def add_tvm_dispatch(
 
     Each call runs a compiled variant whose guards fit it; a call none fits compiles a new one
     (other shapes, eval mode, other keywords; up to ``cache_size_limit``), or runs PyTorch with a
-    warning where no compiled code can fit it (hooks on submodules, autocast, ...).
+    warning where no compiled code can fit it (hooks on submodules, a dispatch mode, ...). A call
+    under ``torch.autocast`` runs a variant traced under the same autocast (its casts compiled in).
 
     Args:
         sample_inputs: positional arguments of a sample call (a tensor or a tuple), compiled

@@ -6,7 +6,8 @@ TVM folds what depends on weights alone (transposed weights, combined biases), c
 parallel matmuls that read one input (attention's Q/K/V: ``CombineParallelMatmul``), and builds
 with the same GEMM choices as training. The result is a snapshot: weights changed afterwards are
 not seen (compile again). It takes and returns torch tensors, for the sample's shapes, dtypes
-and device; any other call is refused with an error that says so.
+and device; any other call is refused with an error that says so. Compiled under
+``torch.autocast``, autocast's casts are compiled in and calls must be made under it as well.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .. import names
 from ..backend.build import materialize_non_finite_fills
 from ..errors import ConversionError
 from ..frontend.signature import canonical_call
+from ..frontend.export import AutocastState
 from ..options import CompileOptions, with_overrides
 from ..pipeline import STAGE_NAMES, STAGES, Artifacts, Stage, run_stages
 from .function import to_torch, to_tvm
@@ -59,7 +61,7 @@ def _stage(name: str) -> Stage:
 INFERENCE_STAGES: tuple[Stage, ...] = (
     _stage("inputs"), _stage("trace"), _stage("convert"),
     Stage("bind", _bind_weights, lambda a: a.halves),
-    _stage("offload"), _stage("fast_math"), _stage("build"),
+    _stage("low_precision"), _stage("offload"), _stage("fast_math"), _stage("build"),
 )
 
 
@@ -87,6 +89,11 @@ class InferenceModule:
             if _meta(leaf) != want:
                 raise ValueError(f"compile_inference: argument leaf {i} is {_describe(_meta(leaf))}, compiled for "
                                  f"{_describe(want)}; compile again for these inputs")
+        autocast = AutocastState.current(self.device.type)
+        if autocast != self.traced.autocast:  # its casts are compiled in
+            raise ValueError(f"compile_inference: called {autocast or 'without autocast'}, compiled "
+                             f"{'under ' + str(self.traced.autocast) if self.traced.autocast else 'without autocast'}; "
+                             "call it as compiled, or compile again under this autocast")
         tensors = [to_tvm(x) for x in leaves if isinstance(x, torch.Tensor)]
         with torch.no_grad():
             result = self._vm[names.FORWARD_INFER](*tensors)

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from analysis.tensors import tensor_leaves
 
 from ..errors import ConversionError
+from ..frontend.export import AutocastState
 from ..frontend.signature import canonical_call
 from ..pipeline import CompiledModule
 from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, tensor_key
@@ -72,7 +73,7 @@ def call_key(signature: inspect.Signature, args: tuple, kwargs: dict, module: to
     call = tuple(tensor_key(x) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in leaves)
     state = tuple((n, tensor_key(t), t.requires_grad) for n, t in module.state_dict(keep_vars=True).items())
     modes = tuple(m.training for m in module.modules())
-    return (str(spec), call, state, modes)
+    return (str(spec), call, state, modes, AutocastState.current(call_device_type(args, kwargs, module)))
 
 
 def empty_input(signature: inspect.Signature, args: tuple, kwargs: dict) -> Mismatch | None:
@@ -134,11 +135,27 @@ class Variant:
         n_user = compiled.traced.num_user_inputs
         with_grad = {i - n_user for i in compiled.grad_param_indices if i >= n_user}
         state_guard = StateGuard(module, compiled.traced.state, with_grad)
-        return cls(compiled, input_guard, state_guard, describe_call(signature, args, kwargs, module), why)
+        label = describe_call(signature, args, kwargs, module)
+        if traced.autocast is not None:
+            label = f"{traced.autocast} {label}"
+        return cls(compiled, input_guard, state_guard, label, why)
 
     @property
     def symbolic(self) -> bool:
         return self.compiled.traced.symbolic
+
+    def autocast_mismatch(self) -> Mismatch | None:
+        """Why the autocast in effect now is not the one the variant was traced under (its casts
+        are compiled in), or None."""
+        device_type = self.compiled.device.type
+        want = self.compiled.traced.autocast
+        if want is None and not torch.is_autocast_enabled(device_type):
+            return None
+        got = AutocastState.current(device_type)
+        if got == want:
+            return None
+        return Mismatch("autocast", f"the call runs {got or 'without autocast'}, this variant was compiled "
+                        f"{'under ' + str(want) if want else 'without autocast'}")
 
     def fit(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple,
             kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
@@ -150,6 +167,9 @@ class Variant:
                    kwargs: dict) -> tuple[Fitted | None, Mismatch | None, bool]:
         """The call's tensors (then the state's) and sizes if every guard passes, else the first
         reason; and whether the call's own arguments fit (only the module's state differs)."""
+        reason = self.autocast_mismatch()
+        if reason is not None:
+            return None, reason, True
         sizes: dict[str, int] = {}
         if self.input_guard.fast(args, kwargs):
             user, reason = list(args), None

@@ -1,0 +1,96 @@
+"""Make PyTorch's implicit dtype mixing explicit in a traced graph, so every op converts to Relax
+ops of one dtype.
+
+A graph traced under autocast mixes dtypes: ``native_layer_norm`` gets a bfloat16 input with
+float32 weights (PyTorch's mixed-type kernel computes in float32 and returns bfloat16), ``add``
+gets a bfloat16 and a float32 tensor (type promotion). Relax's operators require one dtype. This
+pass inserts ``_to_copy`` casts where PyTorch's kernel converts internally: normalizations compute
+in their widest input dtype and cast their results to the traced dtype; every other op casts its
+inputs to its result dtype (the promoted one, as TensorIterator does).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.fx import Graph, Node
+
+aten = torch.ops.aten
+
+# kernels that accept a low-precision input with float32 parameters and compute in float32
+MIXED_TYPE_NORMS = frozenset({
+    aten.native_layer_norm.default,
+    aten.native_group_norm.default,
+    aten.native_batch_norm.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_no_training.default,
+    aten._native_batch_norm_legit_functional.default,
+})
+
+
+def _float_val(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) and val.is_floating_point() else None
+
+
+def _cast(graph: Graph, value: Node, dtype: torch.dtype, before: Node) -> Node:
+    val = value.meta["val"]
+    with graph.inserting_before(before):
+        cast = graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+    with val.fake_mode:
+        cast.meta["val"] = val.to(dtype)
+    return cast
+
+
+def _retype(node: Node, dtype: torch.dtype) -> None:
+    val = node.meta["val"]
+    with val.fake_mode:
+        node.meta["val"] = val.to(dtype)
+
+
+def make_dtype_mixing_explicit(graph: Graph) -> int:
+    """Insert the casts PyTorch's kernels do internally (see the module docstring); returns how
+    many were inserted. The graph is changed in place."""
+    inserted = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        inputs = [a for a in node.all_input_nodes if _float_val(a) is not None]
+        dtypes = {_float_val(a).dtype for a in inputs}
+        if len(dtypes) < 2:
+            continue
+        widest = functools.reduce(torch.promote_types, dtypes)
+        if node.target in MIXED_TYPE_NORMS:
+            compute = widest
+        else:
+            out = _float_val(node)
+            compute = out.dtype if out is not None else widest
+        for a in inputs:
+            if _float_val(a).dtype != compute:
+                node.replace_input_with(a, _cast(graph, a, compute, node))
+                inserted += 1
+        if node.target in MIXED_TYPE_NORMS:
+            inserted += _cast_norm_results(graph, node, compute)
+    return inserted
+
+
+def _cast_norm_results(graph: Graph, node: Node, compute: torch.dtype) -> int:
+    """The norm now returns ``compute`` throughout: each result PyTorch gives in another dtype is
+    cast back to it after its ``getitem``."""
+    import operator
+
+    inserted = 0
+    for item in list(node.users):
+        val = _float_val(item)
+        if item.target is not operator.getitem or val is None or val.dtype == compute:
+            continue
+        traced_dtype = val.dtype
+        users = list(item.users)
+        _retype(item, compute)
+        after = item.next
+        cast = _cast(graph, item, traced_dtype, after)
+        for user in users:
+            user.replace_input_with(item, cast)
+        inserted += 1
+    return inserted
