@@ -8,6 +8,13 @@ losses of AdamW steps from the same start on both (the largest difference, and t
 
     python scripts/bench_models.py                                  # all four, base, (8,128)
     python scripts/bench_models.py --models bert-mlm --size small   # quick
+
+With --autocast every step runs under torch.autocast(bfloat16) (float32 master weights), and the
+loss curves come in three: TVM autocast, eager autocast and eager float32. TVM's curve is within
+noise of eager autocast's when its distance to it is no larger than autocast's own distance to
+float32 (the "noise" mixed precision brings in the first place).
+
+    python scripts/bench_models.py --autocast --models bert-mlm --size small --steps 200
 """
 from __future__ import annotations
 
@@ -27,20 +34,27 @@ from tvmbridge.tools.timing import interleaved, machine_line, write_results  # n
 from tvmbridge.tools.whole_models import WHOLE_MODELS, TrainingTask, build_task  # noqa: E402
 
 
-def train_step(task: TrainingTask, model: torch.nn.Module):
+def autocast(on: bool) -> torch.autocast:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+
+
+def train_step(task: TrainingTask, model: torch.nn.Module, mixed: bool = False):
     def step(i: int) -> None:
         torch.manual_seed(i)
-        task.call(model).loss.backward()
+        with autocast(mixed):
+            loss = task.call(model).loss
+        loss.backward()
         model.zero_grad(set_to_none=True)
     return step
 
 
-def adamw_losses(task: TrainingTask, model: torch.nn.Module, steps: int) -> list[float]:
+def adamw_losses(task: TrainingTask, model: torch.nn.Module, steps: int, mixed: bool = False) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses = []
     for i in range(steps):
         torch.manual_seed(1000 + i)
-        loss = task.call(model).loss
+        with autocast(mixed):
+            loss = task.call(model).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -52,25 +66,40 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     batch = args.batch if name.endswith("lm") else args.image_batch
     task = build_task(name, args.size, batch=batch, seq=args.seq)
     eager = copy.deepcopy(task.model)
+    mixed = args.autocast
     t = time.perf_counter()
-    add_tvm_dispatch(task.model, task.args, task.kwargs)
+    with autocast(mixed):
+        add_tvm_dispatch(task.model, task.args, task.kwargs)
     compile_s = time.perf_counter() - t
     dispatch = task.model._tvm_dispatch
-    report = dispatch.report()
-    print(f"{name}: compiled in {compile_s:.1f} s", flush=True)
-    times = interleaved({"tvm": train_step(task, task.model), "eager": train_step(task, eager)}, args.runs, args.warmup)
+    report = dispatch.report() if not mixed else None
+    print(f"{name}: compiled in {compile_s:.1f} s{' under autocast(bfloat16)' if mixed else ''}", flush=True)
+    steps = {"tvm": train_step(task, task.model, mixed), "eager": train_step(task, eager, mixed)}
+    if mixed:
+        steps["eager float32"] = train_step(task, eager)
+    times = interleaved(steps, args.runs, args.warmup)
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"  train step: TVM {ms['tvm']:.1f} ms, eager {ms['eager']:.1f} ms ({ms['tvm'] / ms['eager']:.2f}x)", flush=True)
-    start = copy.deepcopy(eager)  # both curves from the same weights (timing changed no weights, BN stats alike)
+    print(f"  train step: TVM {ms['tvm']:.1f} ms, eager {ms['eager']:.1f} ms ({ms['tvm'] / ms['eager']:.2f}x)"
+          + (f", eager float32 {ms['eager float32']:.1f} ms" if mixed else ""), flush=True)
+    start = copy.deepcopy(eager)  # every curve from the same weights (timing changed no weights, BN stats alike)
     tvm_model = task.model
     tvm_model.load_state_dict(start.state_dict())
-    curves = {"tvm": adamw_losses(task, tvm_model, args.steps), "eager": adamw_losses(task, start, args.steps)}
+    curves = {"tvm": adamw_losses(task, tvm_model, args.steps, mixed),
+              "eager": adamw_losses(task, copy.deepcopy(start), args.steps, mixed)}
+    if mixed:
+        curves["eager float32"] = adamw_losses(task, start, args.steps)
     diff = max(abs(a - b) for a, b in zip(curves["tvm"], curves["eager"]))
     print(f"  {args.steps} AdamW steps: loss {curves['eager'][0]:.4f} -> {curves['eager'][-1]:.4f}, "
           f"largest TVM-eager difference {diff:.2e}", flush=True)
+    if mixed:
+        noise = max(abs(a - b) for a, b in zip(curves["eager"], curves["eager float32"]))
+        print(f"  largest eager autocast - eager float32 difference (autocast's own noise) {noise:.2e}: "
+              f"TVM {'within' if diff <= noise else 'OUTSIDE'} noise", flush=True)
+    assert dispatch.calls_fallback == 0, dispatch.explain()
     return {"model": name, "type": type(eager).__name__, "inputs": describe_inputs(task), "compile_s": compile_s,
-            "tvm_ms": ms["tvm"], "eager_ms": ms["eager"], "tvm_kept_bytes": report.tvm_bytes,
-            "pytorch_saved_bytes": report.pytorch_saved_bytes, "calls_tvm": dispatch.calls_tvm,
+            "autocast": mixed, "tvm_ms": ms["tvm"], "eager_ms": ms["eager"], "eager_float32_ms": ms.get("eager float32"),
+            "tvm_kept_bytes": report.tvm_bytes if report else 0,
+            "pytorch_saved_bytes": report.pytorch_saved_bytes if report else 0, "calls_tvm": dispatch.calls_tvm,
             "calls_torch": dispatch.calls_fallback, "losses": curves, "max_loss_diff": diff}
 
 
@@ -89,6 +118,12 @@ def markdown(rows: list[dict], machine: str) -> str:
                    f"{r['tvm_ms'] / r['eager_ms']:.2f}x | {r['tvm_kept_bytes'] / mib:.1f} | "
                    f"{r['pytorch_saved_bytes'] / mib:.1f} | {r['max_loss_diff']:.1e} |")
     for r in rows:
+        if r["autocast"]:
+            ac = r["losses"]["eager"]
+            noise = max(abs(a - b) for a, b in zip(ac, r["losses"]["eager float32"]))
+            out += ["", f"{r['type']} under autocast(bfloat16): eager float32 step {r['eager_float32_ms']:.1f} ms; "
+                    f"{len(ac)} AdamW steps, loss {ac[0]:.4f} -> {ac[-1]:.4f}; largest TVM - eager autocast loss "
+                    f"difference {r['max_loss_diff']:.2e}, eager autocast - eager float32 {noise:.2e}"]
         pairs = ", ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(r["losses"]["tvm"], r["losses"]["eager"]))
         out += ["", f"{r['type']} AdamW losses (TVM/eager): {pairs}"]
     return "\n".join(out)
@@ -104,6 +139,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20, help="AdamW steps of the loss curves")
+    ap.add_argument("--autocast", action="store_true", help="every step under torch.autocast(bfloat16), see above")
     ap.add_argument("--out", default="bench_results/bench_models")
     args = ap.parse_args()
     machine = machine_line()

@@ -18,8 +18,13 @@ Also: compile times, bytes kept for the backward per capture policy next to PyTo
 forward-only inference time, and a per-kernel breakdown of the default TVM step (VM instrument).
 Writes JSON and a markdown table (--out).
 
+With --autocast (mixed precision, bfloat16 on CPU): the BertLayer and BertForMaskedLM (base)
+steps under torch.autocast, TVM vs eager autocast vs torch.compile autocast vs eager float32,
+with the CPU's bfloat16 ISA support named (which path the low-precision GEMMs take).
+
     python scripts/bench_train.py                     # shapes (1,14) and (8,128)
     python scripts/bench_train.py --shapes 1x14 --runs 30 --no-compile
+    python scripts/bench_train.py --autocast --shapes 8x128,32x128 --runs 10
 """
 from __future__ import annotations
 
@@ -171,6 +176,85 @@ def bench_shape(batch: int, seq: int, args) -> dict:
     return res
 
 
+def bf16_path() -> str:
+    """What runs a bfloat16 GEMM here: the CPU's native bfloat16 instructions (AMX, AVX512-BF16)
+    through oneDNN, or an emulation (float32 math on converted operands)."""
+    from pathlib import Path
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f") if f in flags]
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return f"bfloat16 ISA flags: {', '.join(isa) or 'none'}; oneDNN native bfloat16: {'yes' if native else 'no (emulated)'}"
+
+
+def autocast_train_step(call: Callable[[int], torch.Tensor], params: list, dtype: torch.dtype | None) -> Callable[[int], None]:
+    def step(i: int) -> None:
+        torch.manual_seed(i)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = call(i)
+        loss.float().sum().backward()
+        for p in params:
+            p.grad = None
+    return step
+
+
+def bench_autocast(model: str, batch: int, seq: int, args) -> dict:
+    """One model at one shape: TVM autocast, eager autocast, torch.compile autocast, eager float32."""
+    from tvmbridge.tools.whole_models import build_task
+
+    low = torch.bfloat16
+    torch.manual_seed(0)
+    if model == "BertLayer":
+        base = bert_layer()
+        x, mask = bert_layer_inputs(batch, seq)
+        call_of = lambda m: (lambda i: m(x.detach().requires_grad_(), mask))  # noqa: E731
+        sample = ((x, mask), {})
+    else:
+        task = build_task("bert-mlm", "base", batch, seq)
+        base = task.model
+        call_of = lambda m: (lambda i: m(*task.args, **task.kwargs).loss)  # noqa: E731
+        sample = (task.args, task.kwargs)
+    res: dict = {"model": model, "shape": f"({batch},{seq})", "train_ms": {}, "compile_s": {}}
+    tvm_model = copy.deepcopy(base)
+    t = time.perf_counter()
+    with torch.autocast("cpu", dtype=low):
+        add_tvm_dispatch(tvm_model, *sample)
+    res["compile_s"]["tvm autocast"] = time.perf_counter() - t
+    models = {"tvm autocast": (tvm_model, low), "eager autocast": (copy.deepcopy(base), low),
+              "eager float32": (copy.deepcopy(base), None)}
+    if not args.no_compile:
+        compiled = torch.compile(copy.deepcopy(base))
+        step = autocast_train_step(call_of(compiled), list(compiled.parameters()), low)
+        t = time.perf_counter()
+        step(0)
+        res["compile_s"]["compile autocast"] = time.perf_counter() - t
+        models["compile autocast"] = (compiled, low)
+    steps = {k: autocast_train_step(call_of(m), list(m.parameters()), dt) for k, (m, dt) in models.items()}
+    times = interleaved(steps, args.runs, args.warmup)
+    for name, ts in times.items():
+        res["train_ms"][name] = statistics.median(ts) * 1e3
+        print(f"  {name:17s} train step {res['train_ms'][name]:9.2f} ms", flush=True)
+    dispatch = tvm_model._tvm_dispatch
+    assert dispatch.calls_tvm > 0 and dispatch.calls_fallback == 0, dispatch.explain()
+    return res
+
+
+def markdown_autocast(rows: list[dict], machine: str, args) -> str:
+    out = [f"machine: {machine}", bf16_path(), f"median of {args.runs} interleaved runs after {args.warmup} warm-up", "",
+           "| model | shape | variant | train step ms | vs eager autocast | vs eager float32 | compile s |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ac, f32 = r["train_ms"]["eager autocast"], r["train_ms"]["eager float32"]
+        for name, ms in r["train_ms"].items():
+            comp = f"{r['compile_s'][name]:.1f}" if name in r["compile_s"] else ""
+            out.append(f"| {r['model']} | {r['shape']} | {name} | {ms:.1f} | {ms / ac:.2f}x | {ms / f32:.2f}x | {comp} |")
+    return "\n".join(out)
+
+
 def markdown(rows: list[dict], machine: str, args) -> str:
     out = [f"machine: {machine}", f"median of {args.runs} interleaved runs after {args.warmup} warm-up "
            "(tvm-no-offload: fewer, timed alone)", ""]
@@ -216,8 +300,20 @@ def main() -> None:
     ap.add_argument("--gemm-table", action="store_true",
                     help="also time each distinct GEMM of the step alone on torch.matmul (MKL) and oneDNN")
     ap.add_argument("--out", default="bench_results/bench_train")
+    ap.add_argument("--autocast", action="store_true", help="mixed precision (bfloat16) instead, see above")
+    ap.add_argument("--models", default="BertLayer,BertForMaskedLM", help="with --autocast")
     args = ap.parse_args()
     machine = machine_line()
+    if args.autocast:
+        print(machine, "\n" + bf16_path(), flush=True)
+        rows = []
+        for spec in args.shapes.split(","):
+            b, s = (int(v) for v in spec.split("x"))
+            for model in args.models.split(","):
+                print(f"{model} training step under autocast(bfloat16) at ({b},{s}):", flush=True)
+                rows.append(bench_autocast(model, b, s, args))
+        write_results(args.out + "_autocast", machine, rows, markdown_autocast(rows, machine, args))
+        return
     rows = []
     for spec in args.shapes.split(","):
         b, s = (int(v) for v in spec.split("x"))

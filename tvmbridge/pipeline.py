@@ -1,7 +1,7 @@
 """The compile: a list of named stages, run by one small driver.
 
 inputs -> trace -> convert -> dropout -> layer_norm -> dedup -> gradient -> simplify -> capture
--> split -> low_precision -> offload -> fast_math -> build. Each stage takes the :class:`Artifacts` made so far
+-> split -> offload -> low_precision -> fast_math -> build. Each stage takes the :class:`Artifacts` made so far
 and returns new ones (nothing is changed in place); the driver times it, keeps what it made in
 ``CompiledModule.stages[name]`` (Relax modules print with ``.show()``), and turns any failure
 into a :class:`~tvmbridge.errors.ConversionError` naming the stage.
@@ -226,8 +226,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("simplify", _simplify, lambda a: tvm.IRModule({names.ADJOINT: a.gradient.adjoint})),
     Stage("capture", _capture, lambda a: list(a.captures)),
     Stage("split", _split, lambda a: a.halves),
-    Stage("low_precision", _low_precision, lambda a: a.halves),
     Stage("offload", _offload, lambda a: a.halves),
+    Stage("low_precision", _low_precision, lambda a: a.halves),
     Stage("fast_math", _fast_math, lambda a: a.halves),
     Stage("build", _build, lambda a: a.executable),
 )

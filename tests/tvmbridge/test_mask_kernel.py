@@ -63,3 +63,24 @@ def test_draw_masks_equal_eager_dropout(monkeypatch, fast):
     for s, mask in zip(sites, masks):
         ones = torch.ones(s.shape)
         assert torch.equal(torch.nn.functional.dropout(ones, s.p, training=True), ones * mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_precision_masks_from_the_kernel_equal_eager_dropout(monkeypatch, dtype):
+    """An autocast model's bfloat16 dropout masks come from the float32 kernel (ATen draws the
+    same stream for every dtype): F.dropout's masks, bit for bit, and the same generator state."""
+    shapes = [(4, 12, 64, 64), (16, 64, 128)]
+    sites = [RandomSite("dropout", s, torch.empty(s).stride(), dtype, p=p) for s, p in zip(shapes, (0.1, 0.3))]
+    calls = []
+    kernel = rng.bernoulli_
+    monkeypatch.setattr(rng, "bernoulli_", lambda t, p: calls.append(t.numel()) or kernel(t, p))
+    torch.manual_seed(5)
+    masks = draw(sites, torch.device("cpu"))
+    after = torch.get_rng_state()
+    assert len(calls) == 2
+    torch.manual_seed(5)
+    for s, mask in zip(sites, masks):
+        ones = torch.ones(s.shape, dtype=dtype)
+        assert mask.dtype == dtype
+        assert torch.equal(torch.nn.functional.dropout(ones, s.p, training=True), ones * mask)
+    assert torch.equal(torch.get_rng_state(), after)

@@ -21,7 +21,13 @@ aten = torch.ops.aten
 def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
-    """``scaled_dot_product_attention`` as ATen's math kernel computes it (attention.cpp)."""
+    """``scaled_dot_product_attention`` as ATen's math kernel computes it (attention.cpp):
+    bfloat16/float16 inputs (autocast) are upcast to float32 and the result cast back."""
+    low = query.dtype in (torch.bfloat16, torch.float16)
+    if low:
+        wide = [t if t is None or t.dtype == torch.bool else t.float() for t in (query, key, value, attn_mask)]
+        out = sdpa_math(*wide, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return out.to(query.dtype)
     negative = scale is not None and scale < 0
     factor = math.sqrt(abs(scale) if negative else scale) if scale is not None else 1 / math.sqrt(math.sqrt(query.shape[-1]))
     q = query * (-factor if negative else factor)

@@ -8,8 +8,9 @@ This pass rewrites every op with a low-precision tensor argument or result to
 ``astype(op(astype(args, float32)), low)``: the casts fuse into the op's kernel, the rounding
 of the result stays, so values between ops are exactly what eager autocast keeps.
 
-GEMMs are left alone (the GEMM libraries accumulate in float32 and round once, and are what
-autocast asks for), and so are ops that only move data (exact in any dtype).
+GEMMs are left alone (the GEMM libraries accumulate in float32, add a bias and round once, as
+eager's ``addmm`` does: so the pass runs after the offload has folded bias adds into them), and
+so are ops that only move data (exact in any dtype).
 """
 from __future__ import annotations
 
@@ -37,9 +38,20 @@ def _dtype(expr: Expr) -> str | None:
 
 @expr_functor.mutator
 class _Float32Opmath(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule) -> None:
+    def __init__(self, mod: tvm.IRModule, elide_rounding: bool) -> None:
         super().__init__(mod)
         self.rewritten = 0
+        self.elide_rounding = elide_rounding
+
+    def _widened(self, value: Expr) -> Expr:
+        """``value`` in float32: the float32 result it was rounded from, where it is one (a
+        chain of elementwise ops stays in float32, rounded where PyTorch or a GEMM reads it),
+        else ``value`` converted."""
+        bound = self.lookup_binding(value) if isinstance(value, relax.Var) else None
+        if (isinstance(bound, Call) and getattr(bound.op, "name", "") == "relax.astype"
+                and _dtype(bound.args[0]) == "float32" and self.elide_rounding):
+            return bound.args[0]
+        return relax.op.astype(value, "float32")
 
     def visit_call_(self, call: Call) -> Expr:
         call = relax.PyExprMutator.visit_call_(self, call)
@@ -51,7 +63,7 @@ class _Float32Opmath(relax.PyExprMutator):
         out = _dtype(call)
         if not low and out not in LOW_PRECISION:
             return call
-        new_args = [relax.op.astype(a, "float32") if _dtype(a) in LOW_PRECISION else a for a in args]
+        new_args = [self._widened(a) if _dtype(a) in LOW_PRECISION else a for a in args]
         wide = self.builder_.normalize(Call(call.op, new_args, call.attrs, call.ty_args, call.span))
         self.rewritten += 1
         if out in LOW_PRECISION:
@@ -62,13 +74,17 @@ class _Float32Opmath(relax.PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="tvmbridge.Float32Opmath")
 class Float32Opmath:
     """Every Relax function's low-precision math computed in float32 and rounded per op (see the
-    module docstring); a module without bfloat16/float16 values is returned unchanged."""
+    module docstring); a module without bfloat16/float16 values is returned unchanged.
+    ``elide_rounding``: an op reading another's rounded result reads its float32 value instead."""
+
+    def __init__(self, elide_rounding: bool = True) -> None:
+        self.elide_rounding = elide_rounding
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         updated = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
         for gvar, func in mod.functions.items():
             if isinstance(func, relax.Function):
-                mutator = _Float32Opmath(mod)
+                mutator = _Float32Opmath(mod, self.elide_rounding)
                 new = mutator.visit_expr(func)
                 if mutator.rewritten:
                     updated[gvar] = relax.transform.Normalize()(tvm.IRModule({gvar: new}))[gvar]

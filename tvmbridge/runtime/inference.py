@@ -61,7 +61,7 @@ def _stage(name: str) -> Stage:
 INFERENCE_STAGES: tuple[Stage, ...] = (
     _stage("inputs"), _stage("trace"), _stage("convert"),
     Stage("bind", _bind_weights, lambda a: a.halves),
-    _stage("low_precision"), _stage("offload"), _stage("fast_math"), _stage("build"),
+    _stage("offload"), _stage("low_precision"), _stage("fast_math"), _stage("build"),
 )
 
 

@@ -4,12 +4,15 @@ In graph order, site by site, so the generator advances exactly as in the eager 
 
 * a dropout's scaled mask as ``at::dropout`` makes it on CPU (``noise = empty_like(x)`` (same
   strides, so a channels_last input draws in memory order) ``.bernoulli_(1-p).div_(1-p)``); a
-  large contiguous float32 one by ``kernels.mt19937``, the same stream drawn vectorized, where its
-  start-up check passed. On CUDA/ROCm the fused ``native_dropout`` kernel on ones;
+  large contiguous one by ``kernels.mt19937``, the same stream drawn vectorized, where its
+  start-up check passed (a bfloat16/float16 mask drawn in float32 and converted: ATen's
+  ``bernoulli_`` samples in double whatever the dtype, checked once per dtype). On CUDA/ROCm the fused ``native_dropout`` kernel on ones;
 * any other random op by calling the same aten op with empty tensors of the recorded layout in
   place of its tensor arguments (whose values it does not read).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -27,11 +30,35 @@ def _dropout_mask(site: RandomSite, device: torch.device, fast: bool) -> torch.T
     if device.type != "cpu":
         noise.fill_(1)
         return torch.native_dropout(noise, site.p, True)[0]
-    if fast and site.dtype == torch.float32 and noise.is_contiguous() and noise.numel() >= mt19937.MIN_ELEMENTS:
-        mt19937.bernoulli_(noise, keep)
+    if fast and noise.is_contiguous() and noise.numel() >= mt19937.MIN_ELEMENTS and draws_like_float32(site.dtype):
+        if site.dtype == torch.float32:
+            mt19937.bernoulli_(noise, keep)
+        else:  # the same 0/1 values, drawn in float32 and converted exactly
+            noise.copy_(mt19937.bernoulli_(torch.empty(noise.shape), keep))
     else:
         noise.bernoulli_(keep)
     return noise.div_(keep)
+
+
+@functools.cache
+def draws_like_float32(dtype: torch.dtype) -> bool:
+    """Whether ``bernoulli_`` on a ``dtype`` tensor draws the same values from the same stream as
+    on a float32 one (ATen samples in double whatever the dtype; checked once per dtype), so an
+    autocast model's bfloat16 masks can come from the float32 kernel."""
+    if dtype == torch.float32:
+        return True
+    if not dtype.is_floating_point:
+        return False
+    saved = torch.get_rng_state()
+    try:
+        torch.manual_seed(0)
+        low = torch.empty(4099, dtype=dtype).bernoulli_(0.7)
+        after_low = torch.get_rng_state()
+        torch.manual_seed(0)
+        wide = torch.empty(4099).bernoulli_(0.7)
+        return bool(torch.equal(low.float(), wide) and torch.equal(after_low, torch.get_rng_state()))
+    finally:
+        torch.set_rng_state(saved)
 
 
 def _replay(site: RandomSite, device: torch.device) -> torch.Tensor:
