@@ -300,3 +300,18 @@ def test_whole_model_under_autocast(name, train):
     for (n, b), b_ref in zip(task.model.named_buffers(), ref.buffers()):
         if b.is_floating_point():
             assert (b - b_ref).abs().max().item() <= 0.02 * max(b_ref.abs().max().item(), 1.0), n
+
+
+def test_tvm_own_matmuls_under_autocast_accumulate_in_float32():
+    """With the GEMMs left to TVM (offload_matmul=False), bfloat16 matmuls accumulate in float32
+    as the libraries do: a bfloat16 accumulator over k=256 would be far off."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 8))
+    ref = copy.deepcopy(m)
+    x = torch.randn(16, 256)
+    add_tvm_dispatch(m, offload_matmul=False)
+    got = step(m, (x,), torch.bfloat16)
+    assert is_tvm(got[0][0])
+    assert "R.matmul" in m._tvm_dispatch.compiled.stages["low_precision"]["forward"].script()
+    assert_as_accurate_as_eager(got, step(ref, (x,), torch.bfloat16), step(ref, (x,), None, exact=True),
+                                torch.bfloat16)

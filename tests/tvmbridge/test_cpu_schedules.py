@@ -50,6 +50,7 @@ def test_softmax_row_reduction(n):
     mod = _module((6, 10, n), lambda x: relax.op.nn.softmax(x, axis=-1))
     tir = _kernels(mod)
     # the reduction runs on partial vectors (rfactor) only where the row splits into vectors
+    # (TVM drops a predicated split's predicate once the partials are computed at the row loop)
     assert ("_rf" in tir) == (n == 128)
     assert "T.parallel" in tir
     np.testing.assert_allclose(_run(mod, _x((6, 10, n))), _softmax(_x((6, 10, n))), rtol=1e-5, atol=1e-6)
@@ -61,6 +62,26 @@ def test_row_sum_ending_in_the_reduction():
     assert "_rf" in tir and "T.vectorized" in tir
     x = _x((64, 256))
     np.testing.assert_allclose(_run(mod, x), (x * x).sum(1, keepdims=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1003, 16 * 40 + 1])
+def test_ragged_row_exp_sum_and_broadcast_log(n):
+    """A vocabulary-sized row length no multiple of the vector (log-softmax's sum of exps): right
+    (no read past a row's end), and the per-row ``log`` read by the final subtract is computed
+    once per row, not inlined into every element."""
+    def log_softmax(x):
+        shifted = relax.op.subtract(x, relax.op.max(x, axis=[1], keepdims=True))
+        lse = relax.op.log(relax.op.sum(relax.op.exp(shifted), axis=[1], keepdims=True))
+        return relax.op.subtract(shifted, lse)
+
+    mod = _module((8, n), log_softmax)
+    tir = _kernels(mod)
+    logs = [f for f in tir.split("@T.prim_func") if "T.log(" in f]
+    assert logs and all(re.search(r"T\.log\(\w+\[v0, T\.int64\(0\)\]\)", f) for f in logs), logs
+    x = _x((8, n)) * 4
+    x[:, :16] = 50.0  # a row that read past its end (the next row's start) would take this max
+    want = torch.from_numpy(x).log_softmax(-1).numpy()
+    np.testing.assert_allclose(_run(mod, x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_column_sum_is_not_a_row_reduction():
@@ -121,3 +142,26 @@ def test_max_pool_gradient_is_not_left_to_a_rule_that_mis_schedules_it():
     add_tvm_dispatch(m, (x,))
     errs = relative_errors(run_step(m, (x,)), run_step(ref, (x,)))
     assert max(errs.values()) <= 1e-5, errs
+
+
+_ROW_KERNELS = {
+    "exp-sum": (lambda v: relax.op.sum(relax.op.exp(v), axis=[1], keepdims=True),
+                lambda a: np.exp(a).sum(1, keepdims=True)),
+    "max": (lambda v: relax.op.max(v, axis=[1], keepdims=True), lambda a: a.max(1, keepdims=True)),
+    "mean-subtract": (lambda v: relax.op.subtract(v, relax.op.mean(v, axis=[1], keepdims=True)),
+                      lambda a: a - a.mean(1, keepdims=True)),
+    "softmax": (lambda v: relax.op.nn.softmax(v, axis=-1), _softmax),
+}
+
+
+@pytest.mark.parametrize("n", [128, 50, 1003])
+@pytest.mark.parametrize("kernel", list(_ROW_KERNELS))
+def test_row_kernels_never_read_past_a_row(kernel, n):
+    """Each row starts with large values: a schedule that read past a row's end (a vector split
+    whose predicate got lost) would take the next row's into its max or sum."""
+    body, ref = _ROW_KERNELS[kernel]
+    x = _x((6, n)) * 3
+    x[:, :16] = 40.0
+    want = ref(x)
+    got = _run(_module((6, n), body), x)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6 * np.abs(want).max())

@@ -117,3 +117,25 @@ def test_compile_records_choices_and_numbers_are_unchanged():
     again = clone_module(ref)
     add_tvm_dispatch(again, x)
     assert all(c.reason in ("cached", "only candidate") for c in again._tvm_dispatch.variants[0].compiled.gemm_choices)
+
+
+@pytest.mark.parametrize("library", ["torch", "onednn"])
+def test_bfloat16_gemms_of_each_library_round_once(library):
+    """Autocast's bfloat16 GEMMs on each library: the float32 product of the bfloat16 operands
+    (bias included) rounded once to bfloat16, within one bfloat16 rounding, and bfloat16 out;
+    oneDNN is a candidate only where its start-up probe passed for bfloat16."""
+    from tvmbridge.kernels.gemm import library_call, onednn_works
+
+    problem = GemmProblem("bfloat16", (64, 96), (48, 96), False, True)
+    if library == "onednn":
+        if not (onednn_available() and onednn_works("bfloat16")):
+            assert "onednn" not in problem.candidates()
+            pytest.skip("oneDNN has no working bfloat16 inner product here")
+        assert "onednn" in problem.candidates()
+    g = torch.Generator().manual_seed(0)
+    a, w, bias = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((64, 96), (48, 96), (48,)))
+    with torch.autocast("cpu", dtype=torch.float16):  # ignored inside: the graph fixed the dtype
+        y = library_call(library)(a, w.mT, bias)
+    exact = torch.addmm(bias.double(), a.double(), w.double().mT)
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-2).all()

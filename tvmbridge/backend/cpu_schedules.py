@@ -5,8 +5,10 @@ reductions (softmax, norms); it has none for the elementwise chains that fusion 
 and its gradient, bias adds, dropout multiplies) nor for column reductions (``collapse_sum`` of a
 bias gradient). Two rules fill that gap, in dlight's own form:
 
-* :class:`Elementwise`: inline every block into the last, fuse its loops, parallelize the outer
-  part over the cores and vectorize the inner part to the target's vector width;
+* :class:`Elementwise`: inline every block into the last (except broadcast operands, far smaller
+  than the output: those are computed once, not once per element they are read for), fuse its
+  loops, parallelize the outer part over the cores and vectorize the inner part to the target's
+  vector width;
 * :class:`SpatialParallel`: a fallback for any single reduction block: put the spatial loops
   outermost and parallelize them (the reduction runs serially inside each thread).
 
@@ -47,6 +49,7 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 _MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread start-up dominates)
+_BROADCAST_RATIO = 8  # an elementwise block this many times smaller than the kernel's output stays a block
 
 
 def _vec_lanes(target: Target, sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
@@ -76,7 +79,11 @@ class Elementwise(CPUScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos or not all(i.is_injective() for i in infos):
             return None
+        total = _numel(sch, sch.get_loops(infos[-1].block_rv))
         for info in infos[:-1]:
+            size = _numel(sch, sch.get_loops(info.block_rv))
+            if total is not None and size is not None and size * _BROADCAST_RATIO <= total:
+                continue  # a broadcast operand (a row's log-sum-exp): computed once, not per element
             try:
                 sch.compute_inline(info.block_rv)
             except s_tir.ScheduleError:

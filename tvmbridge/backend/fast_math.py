@@ -3,8 +3,8 @@
 LLVM lowers ``erf`` and ``exp`` to scalar libm calls, which cannot be vectorized;
 ``topi.fast_erf`` and friends are polynomial approximations a few float32 ulps from libm (the
 README gives the measured speed and error), far below float32 training noise. So on float32 only:
-``nn.gelu`` is written as ``x/2 (1 + erf(x/sqrt2))`` and ``erf``, ``exp``, ``tanh`` and
-``softmax`` use the fast kernels.
+``nn.gelu`` is written as ``x/2 (1 + erf(x/sqrt2))``, ``erf``, ``exp``, ``tanh`` and
+``softmax`` use the fast kernels, and ``log_softmax`` is written out with the fast ``exp``.
 Float64 (where the checker compares against PyTorch at 1e-10) is never touched. It is the last
 Relax step before legalization, after the split: the graphs the analyses see are unchanged.
 Turn it off with ``add_tvm_dispatch(..., fast_math=False)``.
@@ -28,6 +28,8 @@ def _gelu_fast(x):
 class _Float32FastMath(FastMathCodeGenerator._cls):
     def visit_call_(self, call: Call) -> Expr:
         name = getattr(call.op, "name", "")
+        if name == "relax.nn.log_softmax" and str(call.args[0].ty.dtype) == "float32":
+            return _log_softmax(self.builder_, relax.PyExprMutator.visit_expr(self, call.args[0]), int(call.attrs.axis))
         if name in ("relax.exp", "relax.erf", "relax.tanh", "relax.nn.softmax", "relax.nn.gelu"):
             x = call.args[0]
             # TE needs the shape written out (a symbolic value may carry only a shape variable)
@@ -36,6 +38,16 @@ class _Float32FastMath(FastMathCodeGenerator._cls):
                     return self.builder_.call_te(_gelu_fast, x)
                 return super().visit_call_(call)
         return relax.PyExprMutator.visit_call_(self, call)
+
+
+def _log_softmax(builder: relax.BlockBuilder, x: Expr, axis: int) -> Expr:
+    """``x - max - log(sum(exp(x - max)))`` with the fast ``exp``: plain reductions and
+    elementwise ops that fuse with their neighbours (a cast in front, the loss after), where
+    TOPI's ``log_softmax`` is one opaque kernel with scalar libm calls."""
+    op = relax.op
+    shifted = builder.emit(op.subtract(x, op.max(x, axis=[axis], keepdims=True)))
+    exp = builder.emit(builder.call_te(topi.fast_exp, shifted))
+    return op.subtract(shifted, op.log(op.sum(exp, axis=[axis], keepdims=True)))
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmbridge.FastMathFloat32")

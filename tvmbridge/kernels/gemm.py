@@ -8,9 +8,9 @@ Libraries:
 
 * ``"torch"``: ``torch.matmul``/``torch.addmm`` (MKL's sgemm on x86).
 * ``"onednn"``: PyTorch's bundled oneDNN inner product (``torch.ops.mkldnn._linear_pointwise``,
-  the kernel inductor's CPU freezing path calls), which dispatches on the CPU's ISA. Float32
-  only, and only where the right operand is 2-D (weight-like): :func:`onednn_fits`. It is an
-  internal op, so :func:`onednn_works` checks it once against ``torch.mm`` before it is used.
+  the kernel inductor's CPU freezing path calls), which dispatches on the CPU's ISA. Float32 or
+  bfloat16, and only where the right operand is 2-D (weight-like): :func:`onednn_fits`. It is an
+  internal op, so :func:`onednn_works` checks it once per dtype against ``torch.addmm``.
 
 Both are IEEE float32 GEMMs whose results differ by summation order only, unless the user lowered
 ``torch.backends.mkldnn.matmul``'s precision, which then holds for eager PyTorch as well.
@@ -65,11 +65,15 @@ ALL_SPECS = [GemmSpec(lib, ta, tb, bias) for lib in LIBRARIES for ta, tb, bias i
 _BY_NAME = {s.name: s for s in ALL_SPECS}
 
 
+ONEDNN_DTYPES = ("float32", "bfloat16")
+
+
 def onednn_fits(dtype: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], trans_a: bool) -> bool:
-    """Where oneDNN's inner product applies: float32, a 2-D right operand, a left operand it can
-    read as rows of ``k`` without a gather (2-D, or N-D untransposed), and no empty dimension."""
-    return (dtype == "float32" and len(b_shape) == 2 and (len(a_shape) == 2 or not trans_a)
-            and 0 not in a_shape and 0 not in b_shape)
+    """Where oneDNN's inner product applies: float32 or bfloat16 (where :func:`onednn_works` for
+    it), a 2-D right operand, a left operand it can read as rows of ``k`` without a gather (2-D,
+    or N-D untransposed), and no empty dimension."""
+    return (dtype in ONEDNN_DTYPES and len(b_shape) == 2 and (len(a_shape) == 2 or not trans_a)
+            and 0 not in a_shape and 0 not in b_shape and (dtype == "float32" or onednn_works(dtype)))
 
 
 def library_call(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
@@ -129,15 +133,17 @@ def onednn_available() -> bool:
 
 
 @functools.cache
-def onednn_works() -> bool:
-    """Whether PyTorch's oneDNN inner product runs and agrees with ``torch.addmm`` on a probe
-    (a torch build without it or with a changed schema keeps ``torch`` instead of failing at run
-    time)."""
+def onednn_works(dtype: str = "float32") -> bool:
+    """Whether PyTorch's oneDNN inner product runs in ``dtype`` and agrees with ``torch.addmm``
+    on a probe (a torch build without it, a changed schema or a CPU oneDNN has no bfloat16 path
+    for keeps ``torch`` instead of failing at run time)."""
     try:
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(5, 7, generator=g), torch.randn(3, 7, generator=g)
         bias = torch.randn(3, generator=g)
+        x, w, bias = (t.to(getattr(torch, dtype)) for t in (x, w, bias))
         y = library_call("onednn")(x.mT.contiguous().mT, w.mT, bias)
-        return bool(torch.allclose(y, torch.addmm(bias, x, w.mT), rtol=1e-5, atol=1e-5))
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        return bool(y.dtype == x.dtype and torch.allclose(y.float(), torch.addmm(bias, x, w.mT).float(), rtol=tol, atol=tol))
     except Exception:  # noqa: BLE001 - any failure means: do not use it
         return False

@@ -8,9 +8,10 @@ This pass rewrites every op with a low-precision tensor argument or result to
 ``astype(op(astype(args, float32)), low)``: the casts fuse into the op's kernel, the rounding
 of the result stays, so values between ops are exactly what eager autocast keeps.
 
-GEMMs are left alone (the GEMM libraries accumulate in float32, add a bias and round once, as
-eager's ``addmm`` does: so the pass runs after the offload has folded bias adds into them), and
-so are ops that only move data (exact in any dtype).
+Offloaded GEMMs are left alone (the GEMM libraries accumulate in float32, add a bias and round
+once, as eager's ``addmm`` does: so the pass runs after the offload has folded bias adds into
+them); a matmul TVM runs itself keeps its low-precision operands with a float32 accumulator. Ops
+that only move data are left alone (exact in any dtype).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ LOW_PRECISION = ("bfloat16", "float16")
 
 # exact in any dtype, or run by a library in the low dtype on purpose
 _KEEP = frozenset({
-    "relax.matmul", "relax.astype", "relax.reshape", "relax.permute_dims", "relax.expand_dims",
+    "relax.astype", "relax.reshape", "relax.permute_dims", "relax.expand_dims",
     "relax.squeeze", "relax.flatten", "relax.broadcast_to", "relax.concat", "relax.split",
     "relax.strided_slice", "relax.dynamic_strided_slice", "relax.take", "relax.gather_elements",
     "relax.gather_nd", "relax.tile", "relax.flip", "relax.repeat", "relax.layout_transform",
@@ -61,6 +62,12 @@ class _Float32Opmath(relax.PyExprMutator):
         args = list(call.args)
         low = [a for a in args if _dtype(a) in LOW_PRECISION]
         out = _dtype(call)
+        if op.name == "relax.matmul":  # not offloaded: low-precision operands, float32 accumulator
+            if out not in LOW_PRECISION:
+                return call
+            self.rewritten += 1
+            wide = self.builder_.emit(relax.op.matmul(args[0], args[1], out_dtype="float32"))
+            return relax.op.astype(wide, out)
         if not low and out not in LOW_PRECISION:
             return call
         new_args = [self._widened(a) if _dtype(a) in LOW_PRECISION else a for a in args]
