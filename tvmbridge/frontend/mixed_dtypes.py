@@ -11,6 +11,7 @@ inputs to its result dtype (the promoted one, as TensorIterator does).
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 from torch.fx import Graph, Node
@@ -78,8 +79,6 @@ def make_dtype_mixing_explicit(graph: Graph) -> int:
 def _cast_norm_results(graph: Graph, node: Node, compute: torch.dtype) -> int:
     """The norm now returns ``compute`` throughout: each result PyTorch gives in another dtype is
     cast back to it after its ``getitem``."""
-    import operator
-
     inserted = 0
     for item in list(node.users):
         val = _float_val(item)

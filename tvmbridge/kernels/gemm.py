@@ -13,7 +13,8 @@ Libraries:
   internal op, so :func:`onednn_works` checks it once per dtype against ``torch.addmm``.
 
 Both are IEEE float32 GEMMs whose results differ by summation order only, unless the user lowered
-``torch.backends.mkldnn.matmul``'s precision, which then holds for eager PyTorch as well.
+``torch.backends.mkldnn.matmul``'s precision, which then holds for eager PyTorch as well; in
+bfloat16 (autocast) both accumulate in float32 and round the result once.
 """
 from __future__ import annotations
 

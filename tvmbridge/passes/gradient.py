@@ -21,6 +21,7 @@ from .. import names
 from ..errors import ConversionError, UnsupportedOpError
 from . import gradients  # noqa: F401 - registers the bridge's gradients with TVM
 from . import gradients_nn  # noqa: F401 - and those of nn and layout ops (issue 14)
+from .low_precision import LOW_PRECISION
 from ..ir import binding_map, lift_symbolic_shapes, only_dataflow_block, rebuild, restore_symbolic_shapes
 
 
@@ -108,9 +109,6 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
         adjoint=adjoint, num_primal_params=len(func.params),
         grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),
     )
-
-
-LOW_PRECISION = ("bfloat16", "float16")
 
 
 def _widen_params(func: relax.Function, indices: list[int]) -> tuple[relax.Function, dict[int, relax.Var]]:
