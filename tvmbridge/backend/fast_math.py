@@ -28,7 +28,8 @@ def _gelu_fast(x):
 class _Float32FastMath(FastMathCodeGenerator._cls):
     def visit_call_(self, call: Call) -> Expr:
         name = getattr(call.op, "name", "")
-        if name == "relax.nn.log_softmax" and str(call.args[0].ty.dtype) == "float32":
+        if (name == "relax.nn.log_softmax" and str(call.args[0].ty.dtype) == "float32"
+                and isinstance(call.args[0].ty.shape, relax.ShapeExpr)):
             return _log_softmax(self.builder_, relax.PyExprMutator.visit_expr(self, call.args[0]), int(call.attrs.axis))
         if name in ("relax.exp", "relax.erf", "relax.tanh", "relax.nn.softmax", "relax.nn.gelu"):
             x = call.args[0]
@@ -43,9 +44,12 @@ class _Float32FastMath(FastMathCodeGenerator._cls):
 def _log_softmax(builder: relax.BlockBuilder, x: Expr, axis: int) -> Expr:
     """``x - max - log(sum(exp(x - max)))`` with the fast ``exp``: plain reductions and
     elementwise ops that fuse with their neighbours (a cast in front, the loss after), where
-    TOPI's ``log_softmax`` is one opaque kernel with scalar libm calls."""
+    TOPI's ``log_softmax`` is one opaque kernel with scalar libm calls. (A row whose length is no
+    multiple of the vector keeps serial sums: padding it costs a full copy, as FuseOps does not
+    fuse a ``concat`` or ``pad`` into a reduction.)"""
     op = relax.op
-    shifted = builder.emit(op.subtract(x, op.max(x, axis=[axis], keepdims=True)))
+    top = builder.emit(op.max(x, axis=[axis], keepdims=True))
+    shifted = builder.emit(op.subtract(x, top))
     exp = builder.emit(builder.call_te(topi.fast_exp, shifted))
     return op.subtract(shifted, op.log(op.sum(exp, axis=[axis], keepdims=True)))
 
