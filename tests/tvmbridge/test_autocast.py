@@ -315,3 +315,20 @@ def test_tvm_own_matmuls_under_autocast_accumulate_in_float32():
     assert "R.matmul" in m._tvm_dispatch.compiled.stages["low_precision"]["forward"].script()
     assert_as_accurate_as_eager(got, step(ref, (x,), torch.bfloat16), step(ref, (x,), None, exact=True),
                                 torch.bfloat16)
+
+
+def test_symbolic_variant_under_autocast_serves_every_batch():
+    """A training loop under autocast whose batch size varies: the second size compiles one
+    symbolic autocast variant, which serves the sizes after it."""
+    torch.manual_seed(0)
+    m = Block()
+    ref = copy.deepcopy(m)
+    add_tvm_dispatch(m)
+    for n in (4, 6, 9, 13):
+        x = torch.randn(n, 5, 16)
+        got, want = step(m, (x,), torch.bfloat16), step(ref, (x,), torch.bfloat16)
+        assert is_tvm(got[0][0]) and got[0][0].dtype == torch.bfloat16
+        for k in want[1]:
+            assert (got[1][k] - want[1][k]).abs().max().item() <= 0.03 * want[1][k].abs().max().item() + 1e-6, k
+    d = m._tvm_dispatch
+    assert len(d.variants) == 2 and d.variants[1].symbolic and d.variants[1].calls == 3, d.explain()
