@@ -85,6 +85,17 @@ def relative_errors(a, b) -> dict[str, float]:
     return {k: v / max(1.0, scale[k]) for k, v in max_errors(a, b).items()}
 
 
+class Fn(torch.nn.Module):
+    """A function of the call's tensors as a module."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 class MLP(torch.nn.Module):
     """Linear, GELU, LayerNorm, dropout, Linear: the smallest module with every pass at work."""
 

@@ -13,20 +13,9 @@ import torch.nn.functional as F
 
 from tvmbridge import UnsupportedOpError, add_tvm_dispatch
 
-from ..helpers import clone_module, is_tvm, run_step
+from ..helpers import Fn, clone_module, is_tvm, run_step
 
 F64 = torch.float64
-
-
-class Fn(nn.Module):
-    """A function of the call's tensors as a module."""
-
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 def errors(got, want) -> dict[str, float]:

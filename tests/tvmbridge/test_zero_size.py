@@ -13,16 +13,7 @@ import torch.nn as nn
 from analysis.memory.partition import PartitionGraph, PartitionNode, min_cut
 from tvmbridge import ConversionError, FallbackWarning, add_tvm_dispatch
 
-from ..helpers import clone_module, is_tvm, max_errors, run_step
-
-
-class Fn(nn.Module):
-    def __init__(self, fn) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
+from ..helpers import Fn, clone_module, is_tvm, max_errors, run_step
 
 
 def same_as_pytorch(module: nn.Module, ref: nn.Module, x: torch.Tensor) -> None:

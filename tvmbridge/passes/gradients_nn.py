@@ -387,14 +387,19 @@ def conv1d_attrs(attrs: object) -> tuple[list[int], list[int], list[int], int]:
     return [1, int(attrs.strides[0])], [0, left, 0, right], [1, int(attrs.dilation[0])], int(attrs.groups)
 
 
+def conv1d_as_2d(orig_call: Call, output_grad: Var, ctx: BlockBuilder, kernel_layout: str) -> tuple:
+    """A 1-D convolution's 2-D attributes (:func:`conv1d_attrs`) and its input, weight and output
+    gradient with a unit height inserted, for the 2-D gradients."""
+    if str(orig_call.attrs.kernel_layout) != kernel_layout:
+        raise NotImplementedError(f"the gradient of {orig_call.op.name} with kernel layout {orig_call.attrs.kernel_layout}")
+    x, w = orig_call.args
+    return (*conv1d_attrs(orig_call.attrs), tuple(emit(ctx, op.expand_dims(t, 2)) for t in (x, w, output_grad)))
+
+
 @gradient("relax.nn.conv1d")
 def conv1d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """The 2-D gradients over a unit height."""
-    x, w = orig_call.args
-    if str(orig_call.attrs.kernel_layout) != "OIW":
-        raise NotImplementedError(f"the gradient of relax.nn.conv1d with kernel layout {orig_call.attrs.kernel_layout}")
-    strides, padding, dilation, groups = conv1d_attrs(orig_call.attrs)
-    x4, w4, g4 = (emit(ctx, op.expand_dims(t, 2)) for t in (x, w, output_grad))
+    strides, padding, dilation, groups, (x4, w4, g4) = conv1d_as_2d(orig_call, output_grad, ctx, "OIW")
     dx = conv_data_grad(g4, w4, static_dims(x4, "relax.nn.conv1d"), strides, padding, dilation, groups)
     dw = conv_weight_grad(x4, g4, static_dims(w4, "relax.nn.conv1d"), strides, padding, dilation, groups)
     return [op.squeeze(dx, [2]), op.squeeze(dw, [2])]
@@ -403,12 +408,8 @@ def conv1d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuil
 @gradient("relax.nn.conv1d_transpose")
 def conv1d_transpose_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """The 2-D transposed convolution's gradients over a unit height."""
-    x, w = orig_call.args
-    if str(orig_call.attrs.kernel_layout) != "IOW":
-        raise NotImplementedError(f"the gradient of relax.nn.conv1d_transpose with kernel layout {orig_call.attrs.kernel_layout}")
-    strides, padding, dilation, groups = conv1d_attrs(orig_call.attrs)
-    x4, w4, g4 = (emit(ctx, op.expand_dims(t, 2)) for t in (x, w, output_grad))
-    dx = op.nn.conv2d(g4, w4, strides, padding, dilation, groups, out_dtype=dtype_of(x))
+    strides, padding, dilation, groups, (x4, w4, g4) = conv1d_as_2d(orig_call, output_grad, ctx, "IOW")
+    dx = op.nn.conv2d(g4, w4, strides, padding, dilation, groups, out_dtype=dtype_of(orig_call.args[0]))
     dw = conv_weight_grad(g4, x4, static_dims(w4, "relax.nn.conv1d_transpose"), strides, padding, dilation, groups)
     return [op.squeeze(dx, [2]), op.squeeze(dw, [2])]
 
@@ -522,18 +523,11 @@ def adaptive_pool_grad(output_grad: Expr, x: Expr, layout: str, what: str) -> Ex
 
 
 @gradient("relax.nn.adaptive_avg_pool2d")
-def adaptive_avg_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
-    """Each input element gets ``g / bin size`` of every bin it lies in (bins may overlap)."""
-    layout = str(orig_call.attrs.layout)
-    if str(orig_call.attrs.out_layout) != layout:
-        raise NotImplementedError("the gradient of relax.nn.adaptive_avg_pool2d with another output layout")
-    return [adaptive_pool_grad(output_grad, orig_call.args[0], layout, "relax.nn.adaptive_avg_pool2d")]
-
-
 @gradient("relax.nn.adaptive_avg_pool1d")
-def adaptive_avg_pool1d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
-    """As the 2-D one, over one axis."""
-    layout = str(orig_call.attrs.layout)
+def adaptive_avg_pool_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """Each input element gets ``g / bin size`` of every bin it lies in (bins may overlap); the
+    1-D pool as the 2-D one, over one axis."""
+    name, layout = orig_call.op.name, str(orig_call.attrs.layout)
     if str(orig_call.attrs.out_layout) != layout:
-        raise NotImplementedError("the gradient of relax.nn.adaptive_avg_pool1d with another output layout")
-    return [adaptive_pool_grad(output_grad, orig_call.args[0], layout, "relax.nn.adaptive_avg_pool1d")]
+        raise NotImplementedError(f"the gradient of {name} with another output layout")
+    return [adaptive_pool_grad(output_grad, orig_call.args[0], layout, name)]
