@@ -360,9 +360,26 @@ class SingleOutputReductions(CPUScheduleRule):
         return self.rule.apply(func, target, tunable)
 
 
-def apply_cpu_schedules(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
-    """Schedule every TIR function of ``mod`` that no rule has scheduled yet. (dlight's CPU GEMV
-    rule is left out: it asserts on scalar reductions, and dense matmuls are offloaded.)"""
+def cpu_rules() -> list[CPUScheduleRule]:
+    """The default CPU rules, first match wins. (dlight's CPU GEMV rule is left out: it asserts on
+    scalar reductions, and dense matmuls are offloaded.)"""
     rules = [RowReduction(), SingleOutputReductions(dlight.cpu.Reduction()), Elementwise(), SpatialParallel()]
+    return [Guarded(r) for r in rules]
+
+
+def apply_cpu_schedules(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
+    """Schedule every TIR function of ``mod`` that no rule has scheduled yet, in a copy (dlight's
+    pass edits the module it is given in place)."""
     with target:
-        return dlight.ApplyDefaultSchedule(*[Guarded(r) for r in rules])(mod)
+        return dlight.ApplyDefaultSchedule(*cpu_rules())(mod.clone())
+
+
+def default_cpu_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
+    """The schedule ``apply_cpu_schedules`` gives one kernel, with its trace; None when no rule
+    takes it."""
+    with target:
+        for rule in cpu_rules():
+            sch = rule.apply(func, target, False)
+            if sch is not None:
+                return sch[0] if isinstance(sch, list) else sch
+    return None

@@ -7,7 +7,13 @@ inference compile): what ``build.lower`` makes before scheduling, extracted with
 (evolutionary search, XGBoost cost model) under a per-task trial budget, into a JSON database in
 a work directory shared by all tasks; a task that already has records there is skipped, so a
 second run resumes. A compile given the database (``tuning_db=``) takes each kernel's best
-record; kernels without one keep the bridge's default schedule.
+record; kernels without one keep the bridge's default schedule. The default schedule of each tuned
+kernel is measured by the same runner and committed as a record too, so a compile never takes a
+tuned schedule slower than the default.
+
+Candidates are built by ``build_candidate`` rather than MetaSchedule's default build, which
+imports every tensor intrinsic TVM has (CUDA's among them) in each fresh build worker; on a small
+machine that import alone ran past the builder's timeout, so every candidate of a kernel failed.
 """
 from __future__ import annotations
 
@@ -19,15 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.s_tir import analysis as s_tir_analysis
 
 DATABASE_FILES = ("database_workload.json", "database_tuning_record.json")
 
 
+BUILD_TIMEOUT_S = 120.0
+
+
 @dataclass
 class TaskResult:
-    """One tuned kernel: its name, FLOPs, the default schedule's latency, the best tuned one."""
+    """One tuned kernel: its name, FLOPs, the default schedule's latency, the best tuned one, and
+    how many of its measured candidates failed (with the first build error, when one did)."""
 
     name: str
     flops: float
@@ -35,11 +46,81 @@ class TaskResult:
     tuned_ms: float | None
     trials: int
     resumed: bool = False
+    failed: int = 0
+    error: str | None = None
 
     def __str__(self) -> str:
         fmt = lambda v: f"{v:9.3f}" if v is not None else "      n/a"  # noqa: E731
-        note = " (records found: resumed)" if self.resumed else ""
-        return f"{self.name[:48]:48s} {self.flops / 1e6:10.2f} {fmt(self.default_ms)} {fmt(self.tuned_ms)} {self.trials:6d}{note}"
+        notes = [" (records found: resumed)" if self.resumed else "",
+                 f" ({self.failed} failed" + (f": {self.error}" if self.error else "") + ")" if self.failed else ""]
+        return (f"{self.name[:48]:48s} {self.flops / 1e6:10.2f} {fmt(self.default_ms)} {fmt(self.tuned_ms)} "
+                f"{self.trials:6d}{''.join(notes)}")
+
+
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: Any) -> Any:
+    """MetaSchedule's default build, less its import of every tensor intrinsic: a scheduled
+    candidate carries its tensorized bodies already, so the build worker needs none of them."""
+    from tvm.driver import build as tvm_build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+def default_trace(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRModule, Any] | None:
+    """A task's kernel under its default CPU schedule, and that schedule's trace; None when no
+    rule takes it or the trace does not replay to the same kernel."""
+    from .cpu_schedules import default_cpu_schedule
+
+    if target.kind.name != "llvm" or (sch := default_cpu_schedule(mod["main"], target)) is None:
+        return None
+    replayed = tvm.s_tir.Schedule(mod)
+    sch.trace.apply_to_schedule(replayed, remove_postproc=False)
+    if not tvm_ffi.structural_equal(replayed.mod["main"], sch.mod["main"]):
+        return None
+    return sch.mod, sch.trace
+
+
+def default_record(mod: tvm.IRModule, target: tvm.target.Target, workload: Any, builder: Any,
+                   runner: Any) -> Any | None:
+    """The default CPU schedule of a task's kernel as a tuning record, measured by ``runner``;
+    None when ``default_trace`` has none or it fails to build or run."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.meta_schedule.builder import BuilderInput
+    from tvm.s_tir.meta_schedule.database import TuningRecord
+    from tvm.s_tir.meta_schedule.runner import RunnerInput
+
+    if (default := default_trace(mod, target)) is None:
+        return None
+    scheduled, trace = default
+    built = builder.build([BuilderInput(scheduled, target)])[0]
+    if built.error_msg:
+        return None
+    args_info = ArgInfo.from_prim_func(mod["main"])
+    ran = runner.run([RunnerInput(built.artifact_path, "cpu", args_info)])[0].result()
+    if ran.error_msg or not ran.run_secs:
+        return None
+    return TuningRecord(trace, workload, run_secs=ran.run_secs, target=target, args_info=args_info)
+
+
+def _recording_builder() -> Any:
+    """A local builder (``build_candidate``, ``BUILD_TIMEOUT_S``) that keeps the first error it
+    meets, so that a kernel whose candidates all fail can say why."""
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir.meta_schedule.builder import LocalBuilder, PyBuilder
+
+    @derived_object
+    class RecordingBuilder(PyBuilder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = LocalBuilder(f_build=build_candidate, timeout_sec=BUILD_TIMEOUT_S)
+            self.errors: list[str] = []
+
+        def build(self, build_inputs: list) -> list:
+            results = self.inner.build(build_inputs)
+            self.errors += [r.error_msg for r in results if r.error_msg]
+            return results
+
+    return RecordingBuilder()
 
 
 def open_database(work_dir: str | os.PathLike, create: bool = False) -> Any | None:
@@ -69,7 +150,7 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: Any) 
     with target, database:
         tuned = relax.transform.MetaScheduleApplyDatabase()(mod)
     missing = [gv.name_hint for gv, f in tuned.functions_items()
-               if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tir.is_scheduled", False)]
+               if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)]
     return tuned, missing
 
 
@@ -100,6 +181,8 @@ def _latency_ms(mod: tvm.IRModule, target: tvm.target.Target, runs: int = 5) -> 
 
 
 def default_schedule(task_mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """The task's kernel under the default schedule (a copy: the task's module stays the
+    unscheduled workload that database records are keyed by)."""
     from .cpu_schedules import apply_cpu_schedules
 
     return apply_cpu_schedules(task_mod, target) if target.kind.name == "llvm" else task_mod
@@ -115,27 +198,52 @@ def tune_tasks(tasks: list[Any], target: tvm.target.Target, work_dir: str | os.P
     if database is None:
         raise RuntimeError(f"cannot open or create a tuning database in {work_dir}")
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    builder, runner = _recording_builder(), ms.runner.LocalRunner()
     results, spent = [], 0
     for task in tqdm(tasks, desc="tvmbridge tune", unit="task", disable=not progress):
         budget = trials_per_task if max_trials is None else max(0, min(trials_per_task, max_trials - spent))
-        results.append(_tune_one(task, target, work_dir, database, budget, ms))
+        results.append(_tune_one(task, target, work_dir, database, builder, runner, budget, ms))
         spent += results[-1].trials
     return results
 
 
-def _tune_one(task: Any, target: tvm.target.Target, work_dir: Any, database: Any, budget: int, ms: Any) -> TaskResult:
+def _tune_one(task: Any, target: tvm.target.Target, work_dir: Any, database: Any, builder: Any, runner: Any,
+              budget: int, ms: Any) -> TaskResult:
     mod = task.dispatched[0]
     flops = float(s_tir_analysis.estimate_tir_flops(mod))
     default_ms = _latency_ms(default_schedule(mod, target), target)
     done = database.has_workload(mod)  # tuned in an earlier run (its records may all be failures)
     if done or budget <= 0:
-        return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), 0, resumed=bool(done))
+        return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), 0, resumed=bool(done),
+                          failed=_failed(database, mod))
     ctx = ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply", search_strategy="evolutionary",
                          task_name=task.task_name)
+    # The default goes in after the search, so that an interrupted run is not taken for a finished
+    # one on resuming; it is measured first, as MetaSchedule's search marks the task's module scheduled.
+    default = default_record(mod, target, database.commit_workload(mod), builder, runner)
+    builder.errors.clear()
     ms.tune_tasks(tasks=[ctx], task_weights=[1.0], work_dir=str(work_dir), max_trials_global=budget,
                   max_trials_per_task=budget, num_trials_per_iter=min(budget, 16), database=database,
-                  cost_model="xgb")
-    return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), budget)
+                  builder=builder, runner=runner, cost_model="xgb")
+    error = builder.errors[0].strip().splitlines()[0][:120] if builder.errors else None
+    trials, failed = len(_records(database, mod)), _failed(database, mod)
+    if default is not None:
+        database.commit_tuning_record(default)
+    return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), trials, failed=failed, error=error)
+
+
+FAILED_RUN_SECS = 1e9  # MetaSchedule records a candidate that failed to build or run as 1e10 s
+
+
+def _records(database: Any, mod: tvm.IRModule) -> list[Any]:
+    if not database.has_workload(mod):
+        return []
+    workload = database.commit_workload(mod)
+    return [r for r in database.get_all_tuning_records() if r.workload.same_as(workload)]
+
+
+def _failed(database: Any, mod: tvm.IRModule) -> int:
+    return sum(1 for r in _records(database, mod) if not r.run_secs or max(map(float, r.run_secs)) >= FAILED_RUN_SECS)
 
 
 def _best_ms(database: Any, mod: tvm.IRModule) -> float | None:

@@ -23,6 +23,14 @@ def tune_module(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dict
                 work_dir: str, trials_per_task: int = 64, max_trials: int | None = None, inference: bool = False,
                 options: CompileOptions | None = None, progress: bool = True) -> list[TaskResult]:
     """Tune every kernel TVM keeps for this call into ``work_dir``; one result per kernel."""
+    tasks, target = module_tasks(module, sample_inputs, sample_kwargs, work_dir=work_dir, inference=inference,
+                                 options=options)
+    return tune_tasks(tasks, target, work_dir, trials_per_task, max_trials, progress)
+
+
+def module_tasks(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dict | None = None, *, work_dir: str,
+                 inference: bool = False, options: CompileOptions | None = None) -> tuple[list[Any], Any]:
+    """MetaSchedule's tasks for the kernels TVM keeps in this call's compile, and their target."""
     opts = with_overrides(options, {"tuning_db": str(work_dir)})
     open_database(work_dir, create=True)
     args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
@@ -39,8 +47,7 @@ def tune_module(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dict
     if device.type != "cpu":
         raise NotImplementedError("tuning runs on CPU here; GPU tuning needs a device to measure on")
     target = target_for(device)
-    tasks = extract_tasks(lower(relax_mod, target, schedule=False), target)
-    return tune_tasks(tasks, target, work_dir, trials_per_task, max_trials, progress)
+    return extract_tasks(lower(relax_mod, target, schedule=False), target), target
 
 
 def table(results: list[TaskResult]) -> str:
