@@ -12,6 +12,7 @@ Variants per shape:
   tvm-no-cpu-schedules  TVM's own kernels left as serial loops
   tvm-no-fusion  one TVM kernel per Relax op (no FuseOps/FuseTIR)
   tvm-no-offload  TVM's own (untuned) matmul kernels; only for --no-offload-shapes (very slow)
+  tvm-tuned     the default with --tuning-db (a MetaSchedule database), when given
   eager         PyTorch eager
   compile       torch.compile (inductor), unless --no-compile
 Also: compile times, bytes kept for the backward per capture policy next to PyTorch's saved bytes,
@@ -139,6 +140,8 @@ def bench_shape(batch: int, seq: int, args) -> dict:
         "tvm-no-fast-math": default.replace(fast_math=False), "tvm-no-cpu-schedules": default.replace(cpu_schedules=False),
         "tvm-no-fusion": default.replace(fuse=False),
     }
+    if args.tuning_db:
+        variants["tvm-tuned"] = default.replace(tuning_db=args.tuning_db)
     if f"{batch}x{seq}" in args.no_offload_shapes.split(","):
         variants["tvm-no-offload"] = default.replace(offload_matmul=False)
     layers = {}
@@ -301,6 +304,8 @@ def main() -> None:
     ap.add_argument("--gemm-table", action="store_true",
                     help="also time each distinct GEMM of the step alone on torch.matmul (MKL) and oneDNN")
     ap.add_argument("--out", default="bench_results/bench_train")
+    ap.add_argument("--tuning-db", default=None, help="also time the default step with this MetaSchedule database "
+                                                      "(tvmbridge tune --model bert-layer-base): tvm-tuned")
     ap.add_argument("--autocast", action="store_true", help="mixed precision (bfloat16) instead, see above")
     ap.add_argument("--models", default="BertLayer,BertForMaskedLM", help="with --autocast")
     args = ap.parse_args()

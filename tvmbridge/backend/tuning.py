@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +49,14 @@ class TaskResult:
     resumed: bool = False
     failed: int = 0
     error: str | None = None
+    calls: int = 1
 
     def __str__(self) -> str:
         fmt = lambda v: f"{v:9.3f}" if v is not None else "      n/a"  # noqa: E731
         notes = [" (records found: resumed)" if self.resumed else "",
                  f" ({self.failed} failed" + (f": {self.error}" if self.error else "") + ")" if self.failed else ""]
-        return (f"{self.name[:48]:48s} {self.flops / 1e6:10.2f} {fmt(self.default_ms)} {fmt(self.tuned_ms)} "
-                f"{self.trials:6d}{''.join(notes)}")
+        return (f"{self.name[:48]:48s} {self.calls:5d} {self.flops / 1e6:10.2f} {fmt(self.default_ms)} "
+                f"{fmt(self.tuned_ms)} {self.trials:6d}{''.join(notes)}")
 
 
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: Any) -> Any:
@@ -189,8 +191,11 @@ def default_schedule(task_mod: tvm.IRModule, target: tvm.target.Target) -> tvm.I
 
 
 def tune_tasks(tasks: list[Any], target: tvm.target.Target, work_dir: str | os.PathLike, trials_per_task: int,
-               max_trials: int | None = None, progress: bool = True) -> list[TaskResult]:
-    """Tune each task in turn into the database in ``work_dir`` (see the module docstring)."""
+               max_trials: int | None = None, progress: bool = True,
+               time_budget_s: float | None = None) -> list[TaskResult]:
+    """Tune each task in turn into the database in ``work_dir`` (see the module docstring), the
+    kernels that take the most time per call first (default latency times calls), so that a trial
+    or time budget goes where it matters; once ``time_budget_s`` has passed, no further task starts."""
     from tqdm import tqdm
     from tvm.s_tir import meta_schedule as ms
 
@@ -198,38 +203,41 @@ def tune_tasks(tasks: list[Any], target: tvm.target.Target, work_dir: str | os.P
     if database is None:
         raise RuntimeError(f"cannot open or create a tuning database in {work_dir}")
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    measured = [(task, _latency_ms(default_schedule(task.dispatched[0], target), target))
+                for task in tqdm(tasks, desc="default latencies", unit="kernel", disable=not progress)]
+    measured.sort(key=lambda tm: -(tm[1] or 0.0) * int(tm[0].weight))
     builder, runner = _recording_builder(), ms.runner.LocalRunner()
-    results, spent = [], 0
-    for task in tqdm(tasks, desc="tvmbridge tune", unit="task", disable=not progress):
+    results, spent, start = [], 0, time.monotonic()
+    for task, default_ms in tqdm(measured, desc="tvmbridge tune", unit="task", disable=not progress):
         budget = trials_per_task if max_trials is None else max(0, min(trials_per_task, max_trials - spent))
-        results.append(_tune_one(task, target, work_dir, database, builder, runner, budget, ms))
+        if time_budget_s is not None and time.monotonic() - start > time_budget_s:
+            budget = 0
+        results.append(_tune_one(task, default_ms, target, work_dir, database, builder, runner, budget, ms))
         spent += results[-1].trials
     return results
 
 
-def _tune_one(task: Any, target: tvm.target.Target, work_dir: Any, database: Any, builder: Any, runner: Any,
-              budget: int, ms: Any) -> TaskResult:
+def _tune_one(task: Any, default_ms: float | None, target: tvm.target.Target, work_dir: Any, database: Any,
+              builder: Any, runner: Any, budget: int, ms: Any) -> TaskResult:
     mod = task.dispatched[0]
-    flops = float(s_tir_analysis.estimate_tir_flops(mod))
-    default_ms = _latency_ms(default_schedule(mod, target), target)
+    flops, calls = float(s_tir_analysis.estimate_tir_flops(mod)), int(task.weight)
     done = database.has_workload(mod)  # tuned in an earlier run (its records may all be failures)
     if done or budget <= 0:
         return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), 0, resumed=bool(done),
-                          failed=_failed(database, mod))
+                          failed=_failed(database, mod), calls=calls)
     ctx = ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply", search_strategy="evolutionary",
                          task_name=task.task_name)
-    # The default goes in after the search, so that an interrupted run is not taken for a finished
-    # one on resuming; it is measured first, as MetaSchedule's search marks the task's module scheduled.
-    default = default_record(mod, target, database.commit_workload(mod), builder, runner)
     builder.errors.clear()
     ms.tune_tasks(tasks=[ctx], task_weights=[1.0], work_dir=str(work_dir), max_trials_global=budget,
                   max_trials_per_task=budget, num_trials_per_iter=min(budget, 16), database=database,
                   builder=builder, runner=runner, cost_model="xgb")
     error = builder.errors[0].strip().splitlines()[0][:120] if builder.errors else None
     trials, failed = len(_records(database, mod)), _failed(database, mod)
-    if default is not None:
+    # The default goes in after the search: a run interrupted before it is not taken for finished.
+    if (default := default_record(mod, target, database.commit_workload(mod), builder, runner)) is not None:
         database.commit_tuning_record(default)
-    return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), trials, failed=failed, error=error)
+    return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), trials, failed=failed, error=error,
+                      calls=calls)
 
 
 FAILED_RUN_SECS = 1e9  # MetaSchedule records a candidate that failed to build or run as 1e10 s

@@ -38,11 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     tune = sub.add_parser("tune", help="tune a built-in model's TVM kernels with MetaSchedule into a database "
                                        "that add_tvm_dispatch(..., tuning_db=DIR) applies")
     tune.add_argument("--work-dir", required=True, help="the database directory (a second run resumes)")
-    tune.add_argument("--model", default="bert-layer", choices=("bert-layer", *_whole_models()))
+    tune.add_argument("--model", default="bert-layer", choices=("bert-layer", "bert-layer-base", *_whole_models()),
+                      help="bert-layer: a small BertLayer; bert-layer-base: BERT-base sizes, as bench_train.py times")
     tune.add_argument("--batch", type=int, default=1)
     tune.add_argument("--seq", type=int, default=14)
     tune.add_argument("--trials-per-task", type=int, default=64)
     tune.add_argument("--max-trials", type=int, default=None, help="total trial budget over all kernels")
+    tune.add_argument("--minutes", type=float, default=None,
+                      help="time budget: no kernel starts tuning after this (the costliest kernels go first)")
     tune.add_argument("--inference", action="store_true", help="tune the inference compile instead of training")
     add_option_arguments(tune, skip=("progress", "converters", "tuning_db"))
     args = parser.parse_args(argv)
@@ -64,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _builtin(name: str, batch: int = 2, seq: int = 14) -> tuple:
-    """A built-in model and its sample call: ``bert-layer`` (small BertLayer) or a whole model."""
-    if name == "bert-layer":
+    """A built-in model and its sample call: ``bert-layer`` (small BertLayer), ``bert-layer-base``
+    (BERT-base sizes) or a whole model."""
+    if name in ("bert-layer", "bert-layer-base"):
         from analysis.models import bert_layer, bert_layer_inputs
 
+        if name == "bert-layer-base":
+            return bert_layer(), bert_layer_inputs(batch, seq), {}
         return bert_layer(64, 4, 128), bert_layer_inputs(batch, seq, 64), {}
     from .whole_models import build_task
 
@@ -80,7 +86,8 @@ def _tune(args: argparse.Namespace, options: object) -> None:
 
     module, inputs, kwargs = _builtin(args.model, args.batch, args.seq)
     results = tune_module(module, inputs, kwargs, work_dir=args.work_dir, trials_per_task=args.trials_per_task,
-                          max_trials=args.max_trials, inference=args.inference, options=options)
+                          max_trials=args.max_trials, inference=args.inference, options=options,
+                          time_budget_s=None if args.minutes is None else args.minutes * 60)
     print(table(results))
     print(f"database: {args.work_dir} (use: add_tvm_dispatch(..., tuning_db={args.work_dir!r}))")
 

@@ -16,16 +16,17 @@ from ..backend.tuning import TaskResult, extract_tasks, open_database, tune_task
 from ..devices import target_for
 from ..options import CompileOptions, with_overrides
 
-HEADER = f"{'kernel':48s} {'MFLOP':>10s} {'default ms':>9s} {'tuned ms':>9s} {'trials':>6s}"
+HEADER = f"{'kernel':48s} {'calls':>5s} {'MFLOP':>10s} {'default ms':>9s} {'tuned ms':>9s} {'trials':>6s}"
 
 
 def tune_module(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dict | None = None, *,
                 work_dir: str, trials_per_task: int = 64, max_trials: int | None = None, inference: bool = False,
-                options: CompileOptions | None = None, progress: bool = True) -> list[TaskResult]:
+                options: CompileOptions | None = None, progress: bool = True,
+                time_budget_s: float | None = None) -> list[TaskResult]:
     """Tune every kernel TVM keeps for this call into ``work_dir``; one result per kernel."""
     tasks, target = module_tasks(module, sample_inputs, sample_kwargs, work_dir=work_dir, inference=inference,
                                  options=options)
-    return tune_tasks(tasks, target, work_dir, trials_per_task, max_trials, progress)
+    return tune_tasks(tasks, target, work_dir, trials_per_task, max_trials, progress, time_budget_s)
 
 
 def module_tasks(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dict | None = None, *, work_dir: str,
@@ -51,4 +52,11 @@ def module_tasks(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dic
 
 
 def table(results: list[TaskResult]) -> str:
-    return "\n".join([HEADER, *map(str, results)])
+    """One row per kernel, then the kernels' time per call of the module: default and tuned (each
+    kernel's best of the two, as a compile with the database takes it)."""
+    timed = [r for r in results if r.default_ms is not None]
+    before = sum(r.calls * r.default_ms for r in timed)
+    after = sum(r.calls * min(r.default_ms, r.tuned_ms if r.tuned_ms is not None else r.default_ms) for r in timed)
+    total = (f"TVM kernels per call ({len(timed)} of {len(results)} timed): default {before:.3f} ms, "
+             f"tuned {after:.3f} ms")
+    return "\n".join([HEADER, *map(str, results), total])
