@@ -57,10 +57,22 @@ def test_default_schedules_leave_the_task_modules_unscheduled(tmp_path):
         assert not task.dispatched[0]["main"].attrs.get("tirx.is_scheduled", False)
 
 
-def test_records_made_for_the_tasks_apply_to_the_compile(tmp_path):
-    """A database holding a record for every task (here the measured default schedules, as a
-    tuning run commits them) covers every kernel of the compile: no kernel reported untuned, and
-    PyTorch's numbers."""
+def _tuning_warnings(tuning_db: str) -> list[str]:
+    """Compile and run Tiny with the database (PyTorch's numbers asserted); the tuning warnings."""
+    from tvmbridge.backend.build import _note_tuning
+
+    _note_tuning.cache_clear()  # each is said once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _same_as_pytorch(tuning_db)
+    return [str(w.message) for w in caught if "tuning database" in str(w.message)]
+
+
+def _database_of_defaults(tmp_path, retarget=None, schedule=None) -> list:
+    """A database in ``tmp_path`` with one record per kernel of Tiny's compile: the measured
+    default schedule (as a tuning run commits it), or ``schedule(task module)``'s trace, made for
+    ``retarget`` instead of this machine when given."""
+    import tvm
     from tvm.s_tir import meta_schedule as ms
 
     from tvmbridge.backend.tuning import _recording_builder, default_record, open_database
@@ -69,15 +81,61 @@ def test_records_made_for_the_tasks_apply_to_the_compile(tmp_path):
     tasks, target = module_tasks(Tiny(), (torch.randn(4, 16),), work_dir=str(tmp_path))
     database = open_database(tmp_path, create=True)
     builder, runner = _recording_builder(), ms.runner.LocalRunner()
+    records = []
     for task in tasks:
         mod = task.dispatched[0]
         record = default_record(mod, target, database.commit_workload(mod), builder, runner)
         assert record is not None and 0 < float(record.run_secs[0]) < 1, task.task_name
+        if schedule is not None and (trace := schedule(mod)) is not None:
+            record = ms.database.TuningRecord(trace, record.workload, run_secs=[1e-9], target=target,
+                                              args_info=record.args_info)
+        if retarget is not None:
+            record = ms.database.TuningRecord(record.trace, record.workload, run_secs=record.run_secs,
+                                              target=tvm.target.Target(retarget), args_info=record.args_info)
         database.commit_tuning_record(record)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _same_as_pytorch(str(tmp_path))
-    assert not [str(w.message) for w in caught if "no record in the tuning database" in str(w.message)]
+        records.append(record)
+    return records
+
+
+def test_records_made_for_the_tasks_apply_to_the_compile(tmp_path):
+    """A database holding a record for every task covers every kernel of the compile: no kernel
+    reported untuned, and PyTorch's numbers."""
+    _database_of_defaults(tmp_path)
+    assert _tuning_warnings(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("other", [{"kind": "cuda", "arch": "sm_90"}, {"kind": "llvm", "mcpu": "another cpu"}])
+def test_records_for_another_target_are_ignored_with_a_warning(tmp_path, other):
+    """A database tuned on another machine (a GPU, or another CPU model) is not applied here: a
+    warning names the target, the kernels keep the default schedules, the numbers are PyTorch's."""
+    from tvmbridge.devices import target_for
+
+    here = target_for(torch.device("cpu"))
+    if other.get("mcpu") == "another cpu":
+        other = {**here.export(), "mcpu": "znver4" if here.attrs.get("mcpu") != "znver4" else "skylake-avx512"}
+    _database_of_defaults(tmp_path, retarget=other)
+    said = _tuning_warnings(str(tmp_path))
+    assert any("records for another target" in m and other.get("mcpu", other.get("arch")) in m for m in said), said
+    assert any("have no record" in m for m in said), said
+
+
+def test_a_record_that_does_not_compile_leaves_the_database_out(tmp_path):
+    """A record for this target whose schedule replays but does not compile (here a loop bound
+    to a GPU thread) makes the compile warn and use the default schedules; it does not fail."""
+    import tvm
+
+    def gpu_bound(mod):
+        sch = tvm.s_tir.Schedule(mod)
+        block = sch.get_child_blocks(sch.get_sblock("root"))[0] if sch.get_child_blocks(sch.get_sblock("root")) else None
+        try:
+            sch.bind(sch.get_loops(block)[0], "threadIdx.x")
+        except Exception:  # noqa: BLE001 - a reduction loop: this kernel keeps its default
+            return None
+        return sch.trace
+
+    _database_of_defaults(tmp_path, schedule=gpu_bound)
+    said = _tuning_warnings(str(tmp_path))
+    assert any("failed" in m and "default schedules" in m for m in said), said
 
 
 @pytest.mark.slow

@@ -94,31 +94,56 @@ def lower(
 
 
 def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) -> tvm.IRModule:
-    from .tuning import apply_database, open_database
+    """The database's records for this target applied; any failure to read or apply them is a
+    warning and the default schedules, never an error from inside TVM."""
+    from .tuning import apply_database, open_database, records_for
 
     database = open_database(tuning_db)
     if database is None:
         return mod
-    tuned, missing = apply_database(mod, target, database)
-    kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in tuned.functions.values())
+    try:
+        usable, foreign = records_for(database, target)
+        tuned, missing = apply_database(mod, target, usable)
+    except Exception as exc:  # noqa: BLE001 - a record TVM cannot replay: defaults, said once
+        _note_tuning(f"tvmbridge: the tuning database {tuning_db} could not be applied "
+                     f"({_error_summary(exc)}); using the default schedules")
+        return mod
+    if foreign:
+        _note_tuning(f"tvmbridge: the tuning database {tuning_db} holds records for another target "
+                     f"({'; '.join(foreign)[:300]}), not {target}; they are ignored (tune on this machine: "
+                     "tvmbridge tune)")
     if missing:
-        _note_untuned(str(tuning_db), len(missing), kernels)
+        kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in tuned.functions.values())
+        _note_tuning(f"tvmbridge: {len(missing)} of {kernels} kernels have no record in the tuning database "
+                     f"{tuning_db}; they keep the default schedule (tune this module: tvmbridge tune)")
     return tuned
 
 
+def _error_summary(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:200]
+
+
 @functools.cache
-def _note_untuned(tuning_db: str, missing: int, kernels: int) -> None:
-    """Said once per database and count: kernels the database has no record for."""
-    warnings.warn(f"tvmbridge: {missing} of {kernels} kernels have no record in the tuning database {tuning_db}; "
-                  "they keep the default schedule (tune this module: tvmbridge tune)", stacklevel=4)
+def _note_tuning(message: str) -> None:
+    """Said once per message: what a tuning database did not cover, or could not do."""
+    warnings.warn(message, stacklevel=5)
 
 
 def compile_module(
     mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True,
     tuning_db: str | None = None,
 ) -> tvm.runtime.Executable:
+    """Lower and compile; a tuned schedule that does not compile leaves the database out (with
+    a warning) rather than failing the compile."""
     with stage_errors("build", what=f"compiling for {target.kind.name} failed"):
-        return tvm.compile(lower(mod, target, schedule, fuse, tuning_db), target=target)
+        if tuning_db is not None and schedule:
+            try:
+                return tvm.compile(lower(mod, target, schedule, fuse, tuning_db), target=target)
+            except Exception as exc:  # noqa: BLE001 - a record that replays but does not compile here
+                _note_tuning(f"tvmbridge: compiling with the tuning database {tuning_db} failed "
+                             f"({_error_summary(exc)}); compiled with the default schedules instead")
+        return tvm.compile(lower(mod, target, schedule, fuse, None), target=target)
 
 
 def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:

@@ -146,6 +146,32 @@ def open_database(work_dir: str | os.PathLike, create: bool = False) -> Any | No
         return None
 
 
+TARGET_KEYS = ("mcpu", "arch", "mattr")  # what makes a schedule tuned for one chip wrong for another
+
+
+def same_target(a: tvm.target.Target | None, b: tvm.target.Target) -> bool:
+    """Whether a record made for ``a`` fits ``b``: the same kind and, where given, CPU or GPU model."""
+    return a is not None and a.kind.name == b.kind.name and all(
+        str(a.attrs.get(k, "")) == str(b.attrs.get(k, "")) for k in TARGET_KEYS)
+
+
+def records_for(database: Any, target: tvm.target.Target) -> tuple[Any, list[str]]:
+    """The database's records made for ``target``, in memory, and the other targets it holds
+    records for. A schedule tuned elsewhere is not applied: a GPU schedule does not compile for a
+    CPU, and a CPU schedule's vector widths and tiles were chosen for another chip."""
+    from tvm.s_tir import meta_schedule as ms
+
+    usable, foreign = ms.database.MemoryDatabase(), set()
+    for rec in database.get_all_tuning_records():
+        if not same_target(rec.target, target):
+            foreign.add(str(rec.target) if rec.target is not None else "no target")
+            continue
+        workload = usable.commit_workload(rec.workload.mod)
+        usable.commit_tuning_record(ms.database.TuningRecord(rec.trace, workload, run_secs=rec.run_secs,
+                                                             target=rec.target, args_info=rec.args_info))
+    return usable, sorted(foreign)
+
+
 def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: Any) -> tuple[tvm.IRModule, list[str]]:
     """Every kernel of ``mod`` with a record takes its best one (marked scheduled, so the default
     rules leave it); returns the module and the kernels that had none."""
@@ -236,6 +262,7 @@ def _tune_one(task: Any, default_ms: float | None, target: tvm.target.Target, wo
     # The default goes in after the search: a run interrupted before it is not taken for finished.
     if (default := default_record(mod, target, database.commit_workload(mod), builder, runner)) is not None:
         database.commit_tuning_record(default)
+        default_ms = _mean_ms(default.run_secs)  # by the runner that timed the candidates: comparable
     return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), trials, failed=failed, error=error,
                       calls=calls)
 
@@ -260,5 +287,9 @@ def _best_ms(database: Any, mod: tvm.IRModule) -> float | None:
     top = database.get_top_k(database.commit_workload(mod), 1)
     if not top or not top[0].run_secs:
         return None
-    secs = [float(s) for s in top[0].run_secs]
+    return _mean_ms(top[0].run_secs)
+
+
+def _mean_ms(run_secs: Any) -> float:
+    secs = [float(s) for s in run_secs]
     return sum(secs) / len(secs) * 1e3
