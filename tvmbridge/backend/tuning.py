@@ -257,12 +257,12 @@ def _tune_one(task: Any, default_ms: float | None, target: tvm.target.Target, wo
     ms.tune_tasks(tasks=[ctx], task_weights=[1.0], work_dir=str(work_dir), max_trials_global=budget,
                   max_trials_per_task=budget, num_trials_per_iter=min(budget, 16), database=database,
                   builder=builder, runner=runner, cost_model="xgb")
-    error = builder.errors[0].strip().splitlines()[0][:120] if builder.errors else None
+    error = builder.errors[0].strip().splitlines()[-1][:120] if builder.errors else None  # the message, past any traceback
     trials, failed = len(_records(database, mod)), _failed(database, mod)
-    # The default goes in after the search: a run interrupted before it is not taken for finished.
+    # Measured by the runner that timed the candidates, so the compile takes whichever is faster.
     if (default := default_record(mod, target, database.commit_workload(mod), builder, runner)) is not None:
         database.commit_tuning_record(default)
-        default_ms = _mean_ms(default.run_secs)  # by the runner that timed the candidates: comparable
+        default_ms = _mean_ms(default.run_secs)
     return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), trials, failed=failed, error=error,
                       calls=calls)
 
