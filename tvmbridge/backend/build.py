@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from typing import Any
 
@@ -96,13 +97,12 @@ def lower(
 def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) -> tvm.IRModule:
     """The database's records for this target applied; any failure to read or apply them is a
     warning and the default schedules, never an error from inside TVM."""
-    from .tuning import apply_database, open_database, records_for
+    from .tuning import apply_database
 
-    database = open_database(tuning_db)
-    if database is None:
-        return mod
     try:
-        usable, foreign = records_for(database, target)
+        if (records := _records_for(str(tuning_db), target)) is None:
+            return mod
+        usable, foreign = records
         tuned, missing = apply_database(mod, target, usable)
     except Exception as exc:  # noqa: BLE001 - a record TVM cannot replay: defaults, said once
         _note_tuning(f"tvmbridge: the tuning database {tuning_db} could not be applied "
@@ -117,6 +117,24 @@ def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) 
         _note_tuning(f"tvmbridge: {len(missing)} of {kernels} kernels have no record in the tuning database "
                      f"{tuning_db}; they keep the default schedule (tune this module: tvmbridge tune)")
     return tuned
+
+
+_RECORDS: dict[tuple, tuple[Any, list[str]]] = {}
+
+
+def _records_for(tuning_db: str, target: tvm.target.Target) -> tuple[Any, list[str]] | None:
+    """The database's records for ``target`` (``tuning.records_for``), read once per state of its
+    files: every variant a dispatch compiles would otherwise parse the whole database again."""
+    from .tuning import DATABASE_FILES, open_database, records_for
+
+    paths = [os.path.join(tuning_db, f) for f in DATABASE_FILES]
+    stamp = tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size) if os.path.isfile(p) else None for p in paths)
+    key = (os.path.abspath(tuning_db), stamp, str(target))
+    if key not in _RECORDS:
+        if (database := open_database(tuning_db)) is None:
+            return None
+        _RECORDS[key] = records_for(database, target)
+    return _RECORDS[key]
 
 
 def _error_summary(exc: BaseException) -> str:
