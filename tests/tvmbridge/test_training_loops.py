@@ -74,7 +74,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, dispatch: bool, out: str)
         y.square().mean().backward()
     if rank == 0:
         torch.save({n: p.grad for n, p in layer.named_parameters()}, out)
-    dist.destroy_process_group()
+    dist.barrier()
+    # Skip the interpreter's teardown: in torch 2.13, freeing the DDP reducer's gloo group can
+    # deadlock (its destructor joins gloo's worker thread while holding the GIL, and that thread
+    # waits for the GIL), which hung a CI run with both ranks done.
+    os._exit(0)
 
 
 def _ddp_grads(dispatch: bool) -> dict[str, torch.Tensor]:
