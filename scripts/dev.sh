@@ -20,6 +20,11 @@ setup() {
     # torch==2.13.0 first: on this machine pip takes the CPU wheel that lies on disk.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
     "$VENV/bin/python" -m pip install -q -e ".[test]"
+    # the model zoo's timm models: torchvision pinned to torch's pair (--no-deps: it must never
+    # replace the CPU torch), timm without its resolver; PyPI's torchvision is CUDA-linked, so its
+    # C ops stay unloaded beside the CPU torch and two registrations are guarded (see the script)
+    "$VENV/bin/python" -m pip install -q --no-deps "torchvision==0.28.*" timm
+    "$VENV/bin/python" scripts/torchvision_cpu.py
     touch "$stamp"
   fi
   # graphviz's `dot` renders the IR pictures; install it where we can (Debian, as root).
