@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedOpError": "tvmbridge.errors",
     "FallbackWarning": "tvmbridge.errors",
     "RecompileWarning": "tvmbridge.errors",
+    "VerificationWarning": "tvmbridge.errors",
     "CaptureReport": "tvmbridge.runtime.report",
     "visualize": "tvmbridge.tools.visualize",
     "visualize_split": "tvmbridge.tools.visualize",

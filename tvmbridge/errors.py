@@ -59,6 +59,12 @@ class FallbackWarning(UserWarning):
     (or pass ``warn_on_fallback=False``) to silence it."""
 
 
+class VerificationWarning(FallbackWarning):
+    """A compiled variant disagreed with PyTorch on its first call (or failed while running): it
+    was discarded and that call signature runs PyTorch from then on; the message names the worst
+    tensor. Please report it: it is a bug of the bridge."""
+
+
 class RecompileWarning(UserWarning):
     """A call compiled another variant because its arguments differ in kind from the sample's (a
     keyword given or left out, another positional count), as when a parent module passes extra

@@ -49,6 +49,12 @@ class CompileOptions:
     warn_on_fallback: bool = field(default=True, metadata=_doc(
         "warn (tvmbridge.FallbackWarning, once per reason) when a call runs PyTorch because the "
         "compiled code does not fit it"))
+    verify: bool = field(default=True, metadata=_doc(
+        "check the first call of every compiled variant against PyTorch on that very call (outputs, "
+        "updated buffers, and at its first backward every gradient, same random masks); a mismatch "
+        "beyond float noise discards the variant and runs PyTorch for that signature, with a "
+        "tvmbridge.VerificationWarning naming the worst tensor. Costs one eager forward and "
+        "backward per variant; off only for benchmarks"))
     dynamic: bool | str | dict = field(default="auto", metadata=_doc(
         "symbolic dimensions: 'auto' (a dimension in which a call differs from a compiled variant "
         "is compiled symbolically, one variant for every size), False (a variant per exact shape), "
@@ -82,7 +88,8 @@ class CompileOptions:
                 f"unknown matmul backend offload_matmul={self.offload_matmul!r}; choose one of "
                 f"{list(GEMM_BACKENDS)}, True (= 'auto'), False (TVM's own kernels) or None (device default)"
             )
-        for name in ("fast_math", "cpu_schedules", "fuse", "mask_kernel", "fallback", "warn_on_fallback", "verbose"):
+        for name in ("fast_math", "cpu_schedules", "fuse", "mask_kernel", "fallback", "warn_on_fallback", "verify",
+                     "verbose"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if not (self.dynamic in ("auto", False) or isinstance(self.dynamic, dict)):

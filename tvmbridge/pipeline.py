@@ -139,14 +139,15 @@ def _is_float(dtype: Any) -> bool:
 
 
 def _grad_indices(a: Artifacts) -> tuple[int, ...]:
-    """Float user inputs, then parameters that require grad, by primal parameter position."""
+    """Float user inputs, then parameters that require grad, by primal parameter position; those no
+    output depends on are left out (their gradient is None, not zeros)."""
     func = a.primal[names.MAIN]
     n_user = a.traced.num_user_inputs
     idx = [i for i in range(n_user) if _is_float(func.params[i].ty.dtype)]
     state = a.traced.state
     tensors = state.lookup(a.module)
     idx += [n_user + j for j, t in enumerate(tensors) if state.is_parameter[j] and t.requires_grad]
-    return tuple(idx)
+    return tuple(i for i in idx if i not in a.traced.no_grad_path)  # PyTorch leaves those None
 
 
 def differentiable_outputs(func: relax.Function, num_user_outputs: int) -> list[bool]:

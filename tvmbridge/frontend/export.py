@@ -107,6 +107,7 @@ class TracedModule:
     input_dims: tuple[tuple[int | str, ...], ...] = ()  # per user tensor: ints, symbols where dynamic
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
     autocast: AutocastState | None = None  # the autocast the graph was traced under (its casts are ops)
+    no_grad_path: frozenset[int] = frozenset()  # inputs no float user output depends on: no gradient
 
     @property
     def symbolic(self) -> bool:
@@ -234,8 +235,31 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         constant_leaves={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
         num_user_inputs=len(tensors), state=state, num_user_outputs=num_outputs - len(updated),
         updated_buffers=updated, input_dims=_input_dims(ep, len(tensors)), ranges=_ranges(ep),
-        autocast=autocast,
+        autocast=autocast, no_grad_path=_inputs_without_grad_path(ep, num_outputs - len(updated)),
     )
+
+
+def _inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
+    """The export's inputs (by position) from which no floating-point user output can be reached
+    through floating-point values: PyTorch leaves their ``.grad`` None (an unused ``mask_token``, a
+    weight that only feeds a comparison), so the compiled backward must not hand back zeros."""
+    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
+
+    def is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout) carries a tuple
+        val = node.meta.get("val")
+        return any(isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
+                   for v in (val if isinstance(val, (tuple, list)) else (val,)))
+
+    reached: set[torch.fx.Node] = set()
+    stack = [o for o in outputs if isinstance(o, torch.fx.Node) and is_float(o)]
+    while stack:
+        node = stack.pop()
+        if node in reached:
+            continue
+        reached.add(node)
+        stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
+    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    return frozenset(i for i, spec in enumerate(_user_input_specs(ep)) if placeholders[spec.arg.name] not in reached)
 
 
 def _ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:

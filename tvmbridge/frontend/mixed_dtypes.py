@@ -6,7 +6,9 @@ float32 weights (PyTorch's mixed-type kernel computes in float32 and returns bfl
 gets a bfloat16 and a float32 tensor (type promotion). Relax's operators require one dtype. This
 pass inserts ``_to_copy`` casts where PyTorch's kernel converts internally: normalizations compute
 in their widest input dtype and cast their results to the traced dtype; every other op casts its
-inputs to its result dtype (the promoted one, as TensorIterator does).
+inputs to its result dtype (the promoted one, as TensorIterator does). Matrix products and
+convolutions do not promote: PyTorch raises for mixed inputs (a float64 batch into a float32
+model), and so does this pass, where the fake tensors of the trace let it through.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import operator
 
 import torch
 from torch.fx import Graph, Node
+
+from ..errors import ConversionError
 
 aten = torch.ops.aten
 
@@ -27,6 +31,13 @@ MIXED_TYPE_NORMS = frozenset({
     aten._native_batch_norm_legit.no_stats,
     aten._native_batch_norm_legit_no_training.default,
     aten._native_batch_norm_legit_functional.default,
+})
+
+
+# kernels that require one dtype (no promotion): a mixed call is an error in PyTorch
+SAME_DTYPE_KERNELS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.mv.default,
+    aten.addmv.default, aten.dot.default, aten.convolution.default, aten._convolution.default,
 })
 
 
@@ -62,6 +73,11 @@ def make_dtype_mixing_explicit(graph: Graph) -> int:
         if len(dtypes) < 2:
             continue
         widest = functools.reduce(torch.promote_types, dtypes)
+        if node.target in SAME_DTYPE_KERNELS:
+            names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            raise ConversionError("trace", f"{node.target} gets {names} inputs, which PyTorch refuses (its "
+                                  "kernels need one dtype): convert the inputs to the module's dtype, or the "
+                                  "module to the inputs'", op=str(node.target))
         if node.target in MIXED_TYPE_NORMS:
             compute = widest
         else:

@@ -26,21 +26,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.utils.stateless import _reparametrize_module
 
 from analysis.tensors import tensor_leaves
 
 from ..backend.build import release_cached_memory
 from ..backend.gemm_choice import summary as gemm_summary
-from ..errors import ConversionError, FallbackWarning, RecompileWarning
+from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning
 from ..frontend.export import AutocastState
 from ..options import CompileOptions, with_overrides
 from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
-from .function import Call, TVMFunction, infer
+from .function import Call, CompiledCallError, TVMFunction, infer
 from .guards import Mismatch
 from .locks import TRACING
+from .checked import rng_states, run_checked, set_rng_states
 from .random import draw
-from .variants import (Variant, call_key, changed_dims, describe_dims, empty_input,
+from .variants import (Fitted, Variant, call_key, changed_dims, describe_dims, empty_input,
                        marked_dims)
+from .verify import GradientCheck
 
 if TYPE_CHECKING:
     from .report import CaptureReport
@@ -84,7 +87,13 @@ class Dispatcher:
     def _reset(self) -> None:
         self.variants: tuple[Variant, ...] = ()
         self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed
-        self.signature = inspect.signature(self.forward_fn.__get__(self.module))
+        original = self.instance_forward if self.instance_forward is not None else self.forward_fn.__get__(self.module)
+        # the module's own forward signature, for every binding of a call (the guard's, the trace's) and
+        # for callers that inspect ``module.forward`` (Trainer drops the columns forward does not name)
+        self.signature = inspect.signature(original)
+        self.__signature__ = self.signature
+        for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+            setattr(self, attr, getattr(original, attr, None))
         self.calls_tvm = 0
         self.calls_fallback = 0
         self.fallback_reasons: collections.Counter[str] = collections.Counter()
@@ -93,6 +102,8 @@ class Dispatcher:
         self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
         self._failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
         self._warned: set[str] = set()
+        self.discarded: list[str] = []  # why variants were dropped (failed, or disagreed with PyTorch)
+        self._dynamic_off = False  # a symbolic variant was discarded: compile exact shapes only
         self._lock = threading.Lock()  # counters and the warned set
         self._eager = threading.local()
 
@@ -160,7 +171,7 @@ class Dispatcher:
         (``dynamic="auto"``) those in which the call differs from a variant of its kind, unless a
         symbolic compile of this module failed before."""
         choice = self.options.dynamic
-        if choice is False:
+        if choice is False or self._dynamic_off:
             return None
         if isinstance(choice, dict):
             dims = marked_dims(self.signature, args, kwargs, choice)
@@ -204,7 +215,18 @@ class Dispatcher:
         self.last_decision = variant  # explain() words it: no formatting on the hot path
         if fitted.sizes and variant.new_sizes_fill_pool(fitted.sizes):
             release_cached_memory()
-        return self._run(variant.compiled, fitted.tensors, fitted.sizes)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in fitted.tensors)
+        if self.options.verify and variant.trust.needed(needs_grad):
+            return run_checked(self, variant, fitted, args, kwargs, needs_grad)
+        rng = rng_states(variant.compiled.device) if variant.compiled.random_sites else None
+        try:
+            outs = self._execute(variant, fitted, needs_grad, rng, args, kwargs)
+        except CompiledCallError as exc:  # PyTorch runs the call; its own errors (hooks, checkpoint) pass
+            if rng is not None:
+                set_rng_states(rng, variant.compiled.device)
+            reason = self.discard(variant, args, kwargs, f"the compiled code failed while running ({exc})")
+            return self._fallback(reason, args, kwargs)
+        return self._finish(variant.compiled, fitted.tensors, outs)
 
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
 
@@ -275,16 +297,20 @@ class Dispatcher:
         self._last = self.variants.index(variant)
         return variant, fitted, None
 
-    def _run(self, compiled: CompiledModule, tensors: list[torch.Tensor], sizes: dict[str, int]) -> Any:
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        rng = self._rng_states(compiled) if needs_grad and compiled.random_sites else None
+    def _execute(self, variant: Variant, fitted: Fitted, needs_grad: bool, rng: dict | None, args: tuple,
+                 kwargs: dict, check: GradientCheck | None = None) -> list[torch.Tensor]:
+        """The compiled code on the call's tensors and freshly drawn random values: its flat outputs."""
+        compiled, tensors, sizes = variant.compiled, fitted.tensors, fitted.sizes
         sites = [site.bind(sizes) for site in compiled.random_sites] if sizes else compiled.random_sites
         randoms = draw(sites, compiled.device, compiled.options.mask_kernel)
-        if needs_grad:
-            eager = functools.partial(self._eager_outputs, compiled)
-            outs = TVMFunction.apply(Call(compiled, randoms, eager, rng), *tensors)
-        else:
-            outs = infer(compiled, tensors + randoms)
+        if not needs_grad:
+            return list(infer(compiled, tensors + randoms))
+        eager = functools.partial(self._eager_outputs, compiled)
+        discard = functools.partial(self.discard, variant, args, kwargs)
+        return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, check, discard), *tensors))
+
+    def _finish(self, compiled: CompiledModule, tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        """Index flags checked, updated buffers written back, the module's own output rebuilt."""
         traced = compiled.traced
         n_user, n_state = traced.num_user_outputs, len(traced.updated_buffers)
         for flag in outs[n_user + n_state:]:
@@ -297,16 +323,38 @@ class Dispatcher:
                     by_name[name].copy_(new)
         return pytree.tree_unflatten(list(outs[:n_user]), traced.out_spec)
 
-    @staticmethod
-    def _rng_states(compiled: CompiledModule) -> dict[str, torch.Tensor]:
-        states = {"cpu": torch.get_rng_state()}
-        if compiled.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(compiled.device)
-        return states
+    def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
+        """Drop a variant that failed or disagreed with PyTorch: calls of its signature run PyTorch
+        from now on (a symbolic one's failure turns symbolic compiles off for this module)."""
+        try:
+            key = call_key(self.signature, args, kwargs, self.module)
+        except ConversionError:
+            key = None
+        reason = Mismatch(f"discarded {len(self.discarded)}", f"variant '{variant.label}' was discarded: {message}",
+                          recompile=False)
+        with self._lock:
+            self.variants = tuple(v for v in self.variants if v is not variant)
+            if key is not None:
+                self.failures[key] = reason
+            self.discarded.append(reason.message)
+            self.last_decision = f"ran PyTorch: {reason.message}"
+            self._dynamic_off = self._dynamic_off or variant.symbolic
+        if warn:
+            warnings.warn(f"tvmbridge: {type(self.module).__name__}: {reason.message}; PyTorch runs these calls "
+                          "from now on (please report this: it is a bug of the bridge)", VerificationWarning,
+                          stacklevel=_caller_stacklevel())
+        with self._lock:
+            self._warned.add(reason.key)
+        return reason
 
     def _eager_outputs(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """PyTorch's forward on the given call and state tensors (buffers it updates are cloned,
-        so they are not updated twice): the flat outputs, as the compiled code returns them."""
+        """PyTorch's forward on the given call and state tensors: the flat outputs, as the
+        compiled code returns them (for a double backward)."""
+        return pytree.tree_leaves(self.eager_call(compiled, tensors)[0])
+
+    def eager_call(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """PyTorch's forward on the given call and state tensors: its output, and the new values
+        of the buffers it updates (updated on clones, so they are not updated twice)."""
         traced = compiled.traced
         user = iter(tensors[:traced.num_user_inputs])
         leaves = [traced.constant_leaves[i] if i in traced.constant_leaves else next(user)
@@ -315,13 +363,14 @@ class Dispatcher:
         state = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
         state.update({n: state[n].clone() for n in traced.updated_buffers})
         self._eager.active = True
-        try:  # under the autocast the variant was traced under, whatever is in effect now
-            with TRACING.writing(), AutocastState.entered(traced.autocast, compiled.device.type):
-                # functional_call swaps the module's tensors meanwhile
-                out = torch.func.functional_call(self.module, state, args, kwargs, tie_weights=True, strict=False)
+        try:  # under the autocast the variant was traced under, whatever is in effect now; the module's
+            # tensors swapped for these meanwhile; its forward alone (its own hooks run around this call)
+            with TRACING.writing(), AutocastState.entered(traced.autocast, compiled.device.type), \
+                    _reparametrize_module(self.module, state, tie_weights=True, strict=False):
+                out = self.original_forward(*args, **kwargs)
         finally:
             self._eager.active = False
-        return pytree.tree_leaves(out)
+        return out, {n: state[n] for n in traced.updated_buffers}
 
     def _fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
         with self._lock:
@@ -341,7 +390,8 @@ class Dispatcher:
         """What the last call did and why, and how often each path ran."""
         last = self.last_decision
         if isinstance(last, Variant):
-            last = f"ran the compiled code (variant {self.variants.index(last) + 1}: {last.label})"
+            number = f"variant {self.variants.index(last) + 1}" if last in self.variants else "a discarded variant"
+            last = f"ran the compiled code ({number}: {last.label})"
         lines = [f"{type(self.module).__name__}: last call {last}",
                  f"calls: {self.calls_tvm} compiled, {self.calls_fallback} PyTorch"]
         for i, v in enumerate(self.variants, 1):
@@ -349,6 +399,7 @@ class Dispatcher:
                          f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}; "
                          f"GEMMs: {gemm_summary(list(v.compiled.gemm_choices))}")
         lines += [f"  {n} x PyTorch: {reason}" for reason, n in self.fallback_reasons.most_common()]
+        lines += [f"  discarded: {why}" for why in self.discarded]
         return "\n".join(lines)
 
     def report(self) -> CaptureReport:

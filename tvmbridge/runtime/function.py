@@ -22,7 +22,9 @@ import torch
 import tvm_ffi
 
 from .. import names
+from ..errors import describe
 from ..pipeline import CompiledModule
+from .verify import GradientCheck
 
 
 def to_tvm(t: torch.Tensor) -> Any:
@@ -47,6 +49,8 @@ class Call:
     randoms: list[torch.Tensor]
     eager: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     rng_states: dict[str, torch.Tensor] | None = None
+    check: GradientCheck | None = None  # a variant's first calls: PyTorch's graph to compare gradients with
+    discard: Callable[[str], Any] | None = None  # drops the variant (its backward failed or disagreed)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -57,6 +61,48 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def unalias(results: list[torch.Tensor | None], owned: list[torch.Tensor] = ()) -> list[torch.Tensor | None]:
+    """``results`` with every tensor that shares memory with an earlier one, or with one of
+    ``owned`` (the caller's inputs, the incoming gradients), replaced by a copy.
+
+    TVM hands one buffer out as several values where its graph computes one value twice (two
+    parallel Linears' equal gradients, ``h + 0`` and ``h * 1``, a gradient that *is* the output
+    gradient). PyTorch's results never share memory that way: an in-place edit of one (gradient
+    accumulation, clipping, ``optimizer.step``) would change the others. A sweep over address
+    ranges, so hundreds of gradients cost a sort."""
+    spans = []  # (device, start, is_result, stop, index): owned storages whole, results as they are
+    for t in owned:
+        if t is not None and t.numel():
+            storage = t.untyped_storage()
+            spans.append((str(t.device), storage.data_ptr(), 0, storage.data_ptr() + storage.nbytes(), -1))
+    for i, t in enumerate(results):
+        if t is not None and t.numel():
+            spans.append((str(t.device), t.data_ptr(), 1, t.data_ptr() + t.numel() * t.element_size(), i))
+    out = list(results)
+    device, end = None, -1
+    for dev, start, is_result, stop, i in sorted(spans):  # at one address, owned (0) sorts first
+        if dev != device:
+            device, end = dev, -1
+        if is_result and start < end:
+            out[i] = results[i].clone()
+        else:
+            end = max(end, stop)
+    return out
+
+
+class CompiledCallError(RuntimeError):
+    """The compiled code itself failed (TVM's VM or a kernel), as opposed to PyTorch around it."""
+
+
+def run_vm(compiled: CompiledModule, function: str, args: list[Any]) -> list[Any]:
+    """``function`` of the compiled module on ``args``; any failure inside is a ``CompiledCallError``."""
+    try:
+        with compiled.vm() as vm:
+            return list(vm[function](*args))
+    except Exception as exc:  # noqa: BLE001 - TVM raises many types
+        raise CompiledCallError(describe(exc)) from exc
+
+
 class TVMFunction(torch.autograd.Function):
     """``apply(call, *tensors)`` with ``tensors`` = the call's tensors, then the module's state."""
 
@@ -64,14 +110,13 @@ class TVMFunction(torch.autograd.Function):
     def forward(ctx: Any, call: Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         compiled = call.compiled
         primal = list(tensors) + call.randoms
-        with compiled.vm() as vm:
-            result = [to_torch(r) for r in vm[names.FORWARD](*[to_tvm(t) for t in primal])]
+        result = [to_torch(r) for r in run_vm(compiled, names.FORWARD, [to_tvm(t) for t in primal])]
         n = compiled.num_outputs
         outputs, captured = result[:n], result[n:]
         # an output over an input's memory (the input returned as is) is copied: edits of it must not
         # reach the input; an output over a captured value's memory is saved too, so that an
         # in-place edit of it fails the version check in backward, as in PyTorch
-        outputs = [o.clone() if any(_overlaps(o, t) for t in tensors) else o for o in outputs]
+        outputs = unalias(outputs, tensors)
         guarded = [o for o in outputs if any(_overlaps(o, c) for c in captured)]
         read = [primal[i] for i in compiled.split.backward_param_indices]
         ctx.save_for_backward(*captured, *read, *guarded)
@@ -94,13 +139,28 @@ class TVMFunction(torch.autograd.Function):
                 grads_in.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=compiled.device))
         saved = ctx.saved_tensors[: ctx.num_saved]  # unpacking all of them checks their versions
         args = [to_tvm(t) for t in saved] + [to_tvm(g) for g in grads_in]
-        with compiled.vm() as vm:
-            grads = vm[names.BACKWARD](*args)
+        call: Call = ctx.call
+        try:
+            grads = run_vm(compiled, names.BACKWARD, args)
+        except CompiledCallError as exc:  # the step goes on: PyTorch's forward, differentiated
+            if call.discard is not None:
+                call.discard(f"its backward failed ({exc})")
+            return (None, *_eager_vjp(ctx, grad_outputs))
         result: list[torch.Tensor | None] = [None] * len(ctx.inputs)
         needs = ctx.needs_input_grad[1:]
         for g, i in zip(grads, compiled.grad_param_indices):
             if i < len(result) and needs[i]:
                 result[i] = to_torch(g)
+        # autograd may keep a gradient as ``.grad`` and add the next into it in place: none may share
+        # memory with another, with an incoming gradient or with a value a retained graph still reads
+        result = unalias(result, [*grads_in, *saved])
+        check, call.check = call.check, None  # once per call; frees PyTorch's graph
+        if check is not None:
+            want = check.eager_gradients(ctx.inputs, needs, list(grad_outputs))
+            found = check.check(result, want, needs)
+            check.on_result(found)
+            if found is not None:
+                result = want
         return (None, *result)
 
 
@@ -114,6 +174,7 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
                 f"expected version {v} instead."
             )
     call: Call = ctx.call
+    create_graph = torch.is_grad_enabled()
     devices = [call.compiled.device] if call.compiled.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         if call.rng_states is not None:
@@ -124,7 +185,7 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
     pairs = [(o, g) for o, g, d in zip(outputs, grad_outputs, call.compiled.differentiable) if d and g is not None]
     wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
     grads = torch.autograd.grad([o for o, _ in pairs], [ctx.inputs[i] for i in wanted],
-                                [g for _, g in pairs], create_graph=True, allow_unused=True)
+                                [g for _, g in pairs], create_graph=create_graph, allow_unused=True)
     result: list[torch.Tensor | None] = [None] * len(ctx.inputs)
     for i, g in zip(wanted, grads):
         result[i] = g
@@ -133,6 +194,5 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
 
 def infer(compiled: CompiledModule, primal: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Outputs only, through ``forward_infer`` (nothing captured)."""
-    with compiled.vm() as vm:
-        result = vm[names.FORWARD_INFER](*[to_tvm(t) for t in primal])
-    return tuple(to_torch(r) for r in result)
+    result = run_vm(compiled, names.FORWARD_INFER, [to_tvm(t) for t in primal])
+    return tuple(unalias([to_torch(r) for r in result], primal))

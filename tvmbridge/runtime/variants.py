@@ -23,6 +23,7 @@ from ..frontend.export import AutocastState
 from ..frontend.signature import canonical_call
 from ..pipeline import CompiledModule
 from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, tensor_key
+from .verify import Trust
 
 
 def leaf_labels(cargs: tuple, ckwargs: dict) -> list[str]:
@@ -108,6 +109,13 @@ class Variant:
     why: str
     calls: int = 0
     recent_sizes: set = field(default_factory=set)  # of a symbolic variant, since the pool was trimmed
+    trust: Trust = field(default_factory=Trust)  # how far its calls were checked against PyTorch
+
+    def tensor_names(self) -> list[str]:
+        """A name per tensor the compiled code takes: the call's (as explain() labels them), then the state's."""
+        guard = self.input_guard
+        return [label for label, k in zip(guard.labels, guard.keys) if k is not None] + \
+            list(self.compiled.traced.state.names)
 
     def new_sizes_fill_pool(self, sizes: dict[str, int], keep: int = 4) -> bool:
         """Whether a call at ``sizes`` should first trim TVM's memory pool: it is the ``keep + 1``-th
@@ -133,7 +141,8 @@ class Variant:
                                  _positional_form(signature, args, kwargs, leaves),
                                  SymbolicDims(traced.input_dims, traced.ranges))
         n_user = compiled.traced.num_user_inputs
-        with_grad = {i - n_user for i in compiled.grad_param_indices if i >= n_user}
+        # a parameter may require grad if the backward computes its gradient, or none is due (no output depends on it)
+        with_grad = {i - n_user for i in (*compiled.grad_param_indices, *traced.no_grad_path) if i >= n_user}
         state_guard = StateGuard(module, compiled.traced.state, with_grad)
         label = describe_call(signature, args, kwargs, module)
         if traced.autocast is not None:

@@ -1,0 +1,140 @@
+"""The first-call safety net (``verify``): a variant that disagrees with PyTorch on its first call,
+or fails while running, is discarded, that call gets PyTorch's values, and later calls of its
+signature run PyTorch; errors PyTorch raises are raised."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from tvm import relax
+
+from tvmbridge import VerificationWarning, add_tvm_dispatch
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+def _relu_negated(node, importer):
+    """A deliberately wrong converter: relu of -x."""
+    x = importer.env[node.args[0]]
+    return importer.block_builder.emit(relax.op.nn.relu(relax.op.negative(x)))
+
+
+def _relu_wrong_gradient(node, importer):
+    """relu's value with a wrong gradient: relu(x) + (x - no_grad(x))."""
+    bb, x = importer.block_builder, importer.env[node.args[0]]
+    return bb.emit(relax.op.add(relax.op.nn.relu(x), relax.op.subtract(x, relax.op.grad.no_grad(x))))
+
+
+def _step(m: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    m.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    out = m(x)
+    out.sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _assert_step_equal(got: tuple, want: tuple) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for n in want[1]:
+        torch.testing.assert_close(got[1][n], want[1][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("converter,where", [(_relu_negated, "outputs"), (_relu_wrong_gradient, "gradients")])
+def test_wrong_converter_is_caught_on_the_first_call(converter, where: str) -> None:
+    torch.manual_seed(0)
+    eager = MLP().train()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), converters={"relu.default": converter})
+    x = torch.randn(5, 6)
+    with pytest.warns(VerificationWarning, match=f"its {where} disagreed with PyTorch's") as record:
+        got = _step(tvm, x)
+    message = str(record[0].message)
+    assert ("output" in message) if where == "outputs" else ("gradient of a.weight" in message
+                                                             or "gradient of a.bias" in message)
+    _assert_step_equal(got, _step(eager, x))  # the step that found it is right (PyTorch's values)
+    dispatch = tvm._tvm_dispatch
+    assert not dispatch.variants and "discarded" in dispatch.explain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the signature runs PyTorch silently now: warned once
+        _assert_step_equal(_step(tvm, x), _step(eager, x))
+    assert dispatch.calls_fallback >= 1
+
+
+def test_without_the_net_the_wrong_converter_is_silently_wrong() -> None:
+    """The net is what catches it (so the test above tests the net, not the converter)."""
+    torch.manual_seed(0)
+    eager = MLP()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), converters={"relu.default": _relu_negated}, verify=False)
+    x = torch.randn(5, 6)
+    assert not torch.allclose(_step(tvm, x)[0], _step(eager, x)[0], atol=1e-3)
+
+
+def test_a_right_variant_is_trusted_after_its_first_step() -> None:
+    torch.manual_seed(0)
+    eager = MLP()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager))
+    x = torch.randn(5, 6)
+    for _ in range(2):
+        _assert_step_equal(_step(tvm, x), _step(eager, x))
+    (variant,) = tvm._tvm_dispatch.variants
+    assert variant.trust.outputs and variant.trust.gradients
+    assert type(tvm(x).grad_fn).__name__ == "TVMFunctionBackward"
+
+
+def test_pytorch_errors_are_raised_as_pytorch_raises_them() -> None:
+    m = add_tvm_dispatch(MLP())
+    m(torch.randn(5, 6))
+    with pytest.raises(RuntimeError, match="dtype"):
+        m(torch.randn(5, 6, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="dtype"):  # again: never runs compiled code for it
+        m(torch.randn(5, 6, dtype=torch.float64))
+
+
+class _BrokenVM:
+    def __getitem__(self, name: str):
+        def fail(*args):
+            raise RuntimeError("simulated TVM runtime failure")
+        return fail
+
+    def set_instrument(self, *args) -> None:
+        pass
+
+
+def test_a_failing_forward_runs_pytorch_for_that_call() -> None:
+    torch.manual_seed(0)
+    eager = MLP()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager))
+    x = torch.randn(5, 6)
+    _step(tvm, x)  # verified
+    (variant,) = tvm._tvm_dispatch.variants
+    variant.compiled._pool[:] = [_BrokenVM()]
+    with pytest.warns(VerificationWarning, match="simulated TVM runtime failure"):
+        got = _step(tvm, x)
+    _assert_step_equal(got, _step(eager, x))  # same dropout mask: the generator was rewound
+    assert not tvm._tvm_dispatch.variants
+
+
+def test_a_failing_backward_gives_pytorchs_gradients() -> None:
+    torch.manual_seed(0)
+    eager = MLP()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager))
+    x = torch.randn(5, 6)
+    _step(tvm, x)
+    (variant,) = tvm._tvm_dispatch.variants
+    tvm.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    out = tvm(x)  # forward compiled
+    variant.compiled._pool[:] = [_BrokenVM()]
+    with pytest.warns(VerificationWarning, match="backward failed"):
+        out.sum().backward()
+    got = (out.detach(), {n: p.grad.clone() for n, p in tvm.named_parameters()})
+    _assert_step_equal(got, _step(eager, x))

@@ -1,0 +1,190 @@
+"""Everyday training code against PyTorch: keyword calls, the forward's signature, results that
+must not share memory, parameters a call does not use.
+
+Each case runs with ``verify=False``: the first-call safety net would hide the defect, and these
+must be right without it.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+from tvmbridge import add_tvm_dispatch
+
+
+class Tagger(torch.nn.Module):
+    """A text model's call: same-shape ids and mask, an optional third input of another rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+        self.types = torch.nn.Embedding(2, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> tuple:
+        """Logits, and the loss when labels are given."""
+        h = self.emb(input_ids)
+        if token_type_ids is not None:
+            h = h + self.types(token_type_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1).to(h.dtype)
+        logits = self.out(h).mean(1)
+        if labels is None:
+            return (logits,)
+        return torch.nn.functional.cross_entropy(logits, labels), logits
+
+
+def _batch(b: int, s: int, seed: int, types: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    batch = {"attention_mask": torch.ones(b, s, dtype=torch.long), "labels": torch.randint(0, 3, (b,), generator=g),
+             "input_ids": torch.randint(0, 50, (b, s), generator=g)}  # not in signature order
+    batch["attention_mask"][0, s // 2:] = 0
+    if types:
+        batch["token_type_ids"] = torch.randint(0, 2, (b, s), generator=g)
+    return batch
+
+
+def _grads(m: torch.nn.Module) -> dict:
+    return {n: p.grad for n, p in m.named_parameters()}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for n in want:
+        if want[n] is None:
+            assert got[n] is None, n
+        else:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["no-sample", "sample"])
+def test_keyword_calls_bind_as_pytorch_binds_them(sample: bool) -> None:
+    torch.manual_seed(0)
+    eager = Tagger()
+    tvm = copy.deepcopy(eager)
+    first = _batch(2, 6, 1)
+    add_tvm_dispatch(tvm, sample_kwargs=first if sample else None, verify=False)
+    # the first batch, another length (a second variant), then a keyword of another rank
+    for batch in (first, _batch(3, 9, 2), _batch(2, 6, 3, types=True)):
+        for m in (eager, tvm):
+            m.zero_grad(set_to_none=True)
+            loss, _ = m(**batch)
+            loss.backward()
+        torch.testing.assert_close(tvm(**batch)[1], eager(**batch)[1], rtol=1e-5, atol=1e-6)
+        _assert_same(_grads(tvm), _grads(eager))
+    assert len(tvm._tvm_dispatch.variants) >= 2
+
+
+def test_dispatched_forward_keeps_the_signature() -> None:
+    m = Tagger()
+    want = inspect.signature(m.forward)
+    add_tvm_dispatch(m, verify=False)
+    assert inspect.signature(m.forward) == want
+    assert m.forward.__name__ == "forward" and m.forward.__doc__ == Tagger.forward.__doc__
+    m.remove_tvm_dispatch()
+    assert inspect.signature(m.forward) == want
+
+
+class Parallel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+class Cell(torch.nn.Module):
+    """An RNN-style cell: two biases added to one sum get equal gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wi, self.wh = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4))
+        self.bi, self.bh = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.wi + self.bi + h @ self.wh + self.bh)
+
+
+class Positional(torch.nn.Module):
+    """``pos``'s gradient is the output gradient itself; ``unused`` takes no part in the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(2, 4))
+        self.unused = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos
+
+
+@pytest.mark.parametrize("make,inputs", [
+    (Parallel, lambda: (torch.randn(2, 4),)),
+    (Cell, lambda: (torch.randn(2, 4), torch.randn(2, 4))),
+], ids=["parallel-linears", "rnn-cell"])
+def test_gradients_never_share_memory(make, inputs) -> None:
+    """Accumulation over two backwards and clipping: a shared buffer would be scaled twice."""
+    torch.manual_seed(0)
+    eager = make()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False)
+    args = inputs()
+    for m in (eager, tvm):
+        for _ in range(2):
+            m(*args).pow(2).sum().backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+    ptrs = [p.grad.data_ptr() for p in tvm.parameters()]
+    assert len(set(ptrs)) == len(ptrs)
+    _assert_same(_grads(tvm), _grads(eager))
+
+
+def test_gradient_is_not_the_callers_output_gradient_and_unused_stays_none() -> None:
+    torch.manual_seed(0)
+    eager = Positional()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False)
+    x = torch.randn(2, 4)
+    g = torch.randn(2, 4)
+    g_before = g.clone()
+    out = tvm(x)
+    out.backward(g, retain_graph=True)
+    assert tvm.pos.grad.data_ptr() != g.data_ptr()
+    out.backward(g)  # accumulates into .grad in place: must not change the caller's g
+    torch.testing.assert_close(g, g_before, rtol=0, atol=0)
+    torch.testing.assert_close(tvm.pos.grad, 2 * g)
+    assert tvm.unused.grad is None  # as in PyTorch: AdamW must not decay it
+    opt = torch.optim.AdamW(tvm.parameters(), lr=0.1, weight_decay=0.5)
+    before = tvm.unused.detach().clone()
+    opt.step()
+    torch.testing.assert_close(tvm.unused.detach(), before, rtol=0, atol=0)
+
+
+class Four(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.lin(x)
+        return h, h + 0, h * 1, h.clone()
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_outputs_never_share_memory(grad: bool) -> None:
+    m = add_tvm_dispatch(Four(), verify=False)
+    with torch.set_grad_enabled(grad):
+        outs = m(torch.randn(2, 4))
+    assert len({o.data_ptr() for o in outs}) == 4
+    with torch.no_grad():
+        outs[1].add_(1)
+    torch.testing.assert_close(outs[0] + 1, outs[1])
+    torch.testing.assert_close(outs[0], outs[3])
+
+
+def test_a_float64_batch_into_a_float32_model_raises_as_pytorch_does() -> None:
+    m = add_tvm_dispatch(torch.nn.Linear(6, 3), verify=False)
+    m(torch.randn(5, 6))
+    with pytest.warns(UserWarning, match="PyTorch refuses"), pytest.raises(RuntimeError, match="dtype"):
+        m(torch.randn(5, 6, dtype=torch.float64))  # the compile refuses it, PyTorch raises its own error

@@ -1,0 +1,92 @@
+"""A variant's first calls, run next to PyTorch and compared (see :mod:`.verify`).
+
+PyTorch runs first, on the very tensors of the call (an error there is the user's error, raised
+as PyTorch raises it), then the generator is rewound and the compiled code runs, drawing the same
+random values. Outputs and updated buffers are compared now; gradients at the call's first
+backward. A disagreement discards the variant and this call returns PyTorch's result.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from .function import CompiledCallError
+from .verify import Discrepancy, GradientCheck, worst
+
+if TYPE_CHECKING:
+    from .dispatch import Dispatcher
+    from .variants import Fitted, Variant
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """The generator states a call may draw from (CPU, and the call's CUDA device)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"], device)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: tuple, kwargs: dict,
+                needs_grad: bool) -> Any:
+    """Run the call both ways; return the compiled result where it agrees, PyTorch's otherwise."""
+    compiled = variant.compiled
+    traced = compiled.traced
+    before = rng_states(compiled.device)
+    try:  # what PyTorch saves for its backward bypasses saved-tensor hooks (checkpoint's count the call's own)
+        with torch.set_grad_enabled(needs_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            eager_out, eager_state = dispatcher.eager_call(compiled, fitted.tensors)
+    except Exception:
+        # PyTorch refuses this call (a dtype mismatch, a bad index...): so must we, and never run it compiled
+        dispatcher.discard(variant, args, kwargs, "PyTorch raises an error on this call", warn=False)
+        raise
+    after = rng_states(compiled.device)
+    set_rng_states(before, compiled.device)
+    paths = pytree.tree_flatten_with_path(eager_out)[0]
+    n_user = traced.num_user_outputs
+    check = None
+    if needs_grad:
+        differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
+        leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
+        check = GradientCheck(leaves, variant.tensor_names(), lambda found: _gradients_checked(
+            dispatcher, variant, args, kwargs, found))
+    try:
+        outs = dispatcher._execute(variant, fitted, needs_grad, before, args, kwargs, check)
+    except CompiledCallError as exc:  # PyTorch's result stands
+        found = f"the compiled code failed on its first call ({exc})"
+    else:
+        pairs = [("output" + pytree.keystr(path), outs[i], want) for i, (path, want) in enumerate(paths)]
+        pairs += [(f"buffer {name}", outs[n_user + j], eager_state[name])
+                  for j, name in enumerate(traced.updated_buffers)]
+        discrepancy = worst(pairs)
+        found = None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
+    if found is None:
+        variant.trust.outputs = True
+        return dispatcher._finish(compiled, fitted.tensors, outs)
+    set_rng_states(after, compiled.device)
+    dispatcher.discard(variant, args, kwargs, found)
+    with torch.no_grad():
+        for name, tensor in zip(traced.state.names, fitted.tensors[traced.num_user_inputs:]):
+            if name in eager_state:
+                tensor.copy_(eager_state[name])
+    return eager_out
+
+
+def _gradients_checked(dispatcher: Dispatcher, variant: Variant, args: tuple, kwargs: dict,
+                       found: Discrepancy | None) -> None:
+    if found is None:
+        variant.trust.gradients = True
+    else:
+        dispatcher.discard(variant, args, kwargs,
+                           f"its gradients disagreed with PyTorch's on its first backward: {found}")

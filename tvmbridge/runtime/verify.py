@@ -1,0 +1,135 @@
+"""The safety net: the first call of every compiled variant is checked against PyTorch itself.
+
+However many cases the tests name, a compiler meets graphs nobody tried. So a new variant does
+not earn trust from its compile: its first call runs PyTorch's forward too, on the same tensors
+with the generator rewound (the same dropout masks), and compares every output and updated
+buffer; the first backward of a call that needs gradients compares every gradient (a ``None``
+where PyTorch gives one, or the reverse, counts) with PyTorch's for the same incoming gradients.
+Only then is the variant trusted. A mismatch beyond float noise discards the variant; that call
+returns PyTorch's values, so even the step that found the bug is right.
+
+"Float noise" is judged per tensor against a scale: ``|got - want| <= atol + rtol * scale``,
+with ``rtol`` from the dtype and ``scale`` the tensor's largest magnitude (not each element's:
+a sum's cancellation makes small elements noisy), but at least ``GROUP_FLOOR`` of the largest
+magnitude among its group (all outputs, or all gradients, of the call): the noise of a sum is
+relative to the terms summed, and a gradient that cancels to nearly zero (LayerNorm's weight under
+a uniform output gradient) carries the noise of its terms. It is a net for real bugs (a swapped
+input, a wrong gradient formula, an aliased buffer), not a proof of bitwise equality.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# relative to the tensor's largest magnitude; float noise of a whole model stays well inside
+RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.bfloat16: 4e-2, torch.float16: 2e-2}
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+GROUP_FLOOR = 1e-2
+
+
+@dataclass(frozen=True)
+class Discrepancy:
+    """The worst tensor of a comparison: its name, what differed, and by how much."""
+
+    name: str
+    detail: str
+    excess: float  # error over tolerance (> 1: a mismatch); inf for a structural difference
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.detail}"
+
+
+def _magnitude(t: torch.Tensor | None) -> float:
+    if t is None or t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
+        return 0.0
+    finite = t.detach()[torch.isfinite(t.detach())]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def compare(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
+            floor: float = 0.0) -> Discrepancy | None:
+    """Why ``got`` is not ``want`` to float noise (None: it is); ``floor``: the least scale."""
+    if got is None or want is None:
+        if got is None and want is None:
+            return None
+        return Discrepancy(name, f"{'None' if got is None else 'a tensor'} where PyTorch gives "
+                           f"{'None' if want is None else 'a tensor'}", float("inf"))
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return Discrepancy(name, f"{tuple(got.shape)} {got.dtype} where PyTorch gives {tuple(want.shape)} "
+                           f"{want.dtype}", float("inf"))
+    got, want = got.detach(), want.detach()
+    if not (want.is_floating_point() or want.is_complex()):
+        bad = int((got != want).sum())
+        return Discrepancy(name, f"{bad} elements differ", float("inf")) if bad else None
+    if want.numel() == 0:
+        return None
+    inf = torch.isinf(want)
+    if not torch.equal(torch.isnan(got), torch.isnan(want)) or not torch.equal(torch.isinf(got), inf) \
+            or not torch.equal(got[inf], want[inf]):
+        return Discrepancy(name, "NaN/inf at other places than PyTorch's", float("inf"))
+    finite = torch.isfinite(want)
+    g, w = got[finite].double(), want[finite].double()
+    if g.numel() == 0:
+        return None
+    scale = max(float(w.abs().max()), floor)
+    err = float((g - w).abs().max())
+    tol = ATOL.get(want.dtype, 1e-6) + RTOL.get(want.dtype, 1e-3) * scale
+    if err <= tol:
+        return None
+    return Discrepancy(name, f"max abs error {err:.3g} where the largest value is {float(w.abs().max()):.3g} "
+                       f"(tolerance {tol:.2g})", err / tol)
+
+
+def worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> Discrepancy | None:
+    """The worst discrepancy over ``(name, got, want)`` pairs, or None when all agree."""
+    floor = GROUP_FLOOR * max((_magnitude(want) for _, _, want in pairs), default=0.0)
+    found = [d for name, got, want in pairs if (d := compare(name, got, want, floor)) is not None]
+    return max(found, key=lambda d: d.excess) if found else None
+
+
+@dataclass
+class Trust:
+    """How far a variant has been checked against PyTorch: its outputs (any call), its gradients
+    (a call that needed them, at its first backward)."""
+
+    outputs: bool = False
+    gradients: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def needed(self, needs_grad: bool) -> bool:
+        return not self.outputs or (needs_grad and not self.gradients)
+
+
+@dataclass
+class GradientCheck:
+    """What the first backward of a checked call compares against: PyTorch's differentiable
+    outputs of the same call (their graph reaches the same input tensors), and where to report."""
+
+    eager_outputs: list[torch.Tensor | None]  # per compiled output; None where not differentiable
+    names: list[str]  # per call tensor (the call's, then the module's state)
+    on_result: Callable[[Discrepancy | None], None]
+    done: bool = False
+
+    def eager_gradients(self, inputs: list[torch.Tensor], needs: tuple[bool, ...],
+                        grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """PyTorch's gradients of the call's inputs for ``grad_outputs`` (its own graph, consumed)."""
+        pairs = [(o, g) for o, g in zip(self.eager_outputs, grad_outputs)
+                 if o is not None and g is not None and o.requires_grad]
+        wanted = [i for i, need in enumerate(needs) if need]
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        if not pairs or not wanted:
+            return result
+        with torch.enable_grad():
+            grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                        [g for _, g in pairs], allow_unused=True)
+        for i, g in zip(wanted, grads):
+            result[i] = g
+        return result
+
+    def check(self, got: list[torch.Tensor | None], want: list[torch.Tensor | None],
+              needs: tuple[bool, ...]) -> Discrepancy | None:
+        pairs = [(f"gradient of {name}", g, w) for name, g, w, need in zip(self.names, got, want, needs) if need]
+        return worst(pairs)
