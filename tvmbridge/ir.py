@@ -65,7 +65,7 @@ def lift_symbolic_shapes(func: relax.Function) -> tuple[relax.Function, dict[rel
     lifted: dict[relax.Var, relax.ShapeExpr] = {}
     bindings = []
     for b in block.bindings:
-        value = b.value
+        value = _without_symbolic_shape(b.value)
         if isinstance(value, relax.Call) and any(_symbolic_shape(a) for a in value.args):
             args = [_shape_param(a, lifted) if _symbolic_shape(a) else a for a in value.args]
             value = relax.Call(value.op, args, value.attrs, value.ty_args)
@@ -73,6 +73,26 @@ def lift_symbolic_shapes(func: relax.Function) -> tuple[relax.Function, dict[rel
     if not lifted:
         return func, lifted
     return rebuild(func, list(func.params) + list(lifted), bindings, func.body.body), lifted
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(str(x) == str(y) for x, y in zip(a, b))
+
+
+def _without_symbolic_shape(value: relax.Expr) -> relax.Expr:
+    """``value`` without its symbolic shape argument where it needs none: a broadcast or reshape
+    to the shape its input already has is the input (a reshape to ``-1`` is no way out: in the
+    copy Gradient makes, the input's shape may be known only through a lifted one).
+    A lifted shape costs the shapes downstream (a copy infers ``R.Tensor(shape_arg)`` for the
+    result, and broadcasting ops then know only its rank), so the fewer, the better."""
+    if not (is_op(value, "relax.broadcast_to") or is_op(value, "relax.reshape")) or not _symbolic_shape(value.args[1]):
+        return value
+    x, shape = value.args
+    known = getattr(x.ty, "shape", None)
+    target = list(shape.values)
+    if isinstance(known, relax.ShapeExpr) and _same_shape(list(known.values), target):
+        return x
+    return value
 
 
 def _shape_param(shape: relax.ShapeExpr, lifted: dict[relax.Var, relax.ShapeExpr]) -> relax.Var:

@@ -13,6 +13,7 @@ BACKWARD = "backward"  # (captures..., primal params read..., grad_outs...) -> g
 RANDOM_INPUT = "random"  # prefix of the per-call random inputs (dropout masks, noise, ...)
 GRAD_OUT = "grad_out"  # prefix of the output-gradient parameters of the adjoint
 VJP_PROD = "vjp_prod"  # prefix of the bindings o_i * grad_out_i of the VJP target
+SIZES = "call_sizes"  # the backward's last parameter when symbolic: the call's shape symbols (a shape)
 SAVED = "saved_"  # prefix of the backward's parameters that receive captured values
 
 PACKED_PREFIX = "tvmbridge."  # global functions the bridge registers with TVM's FFI

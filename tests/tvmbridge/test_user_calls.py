@@ -188,3 +188,91 @@ def test_a_float64_batch_into_a_float32_model_raises_as_pytorch_does() -> None:
     m(torch.randn(5, 6))
     with pytest.warns(UserWarning, match="PyTorch refuses"), pytest.raises(RuntimeError, match="dtype"):
         m(torch.randn(5, 6, dtype=torch.float64))  # the compile refuses it, PyTorch raises its own error
+
+
+class DropPath(torch.nn.Module):
+    """Stochastic depth as timm/ConvNext write it: ``rand`` sized by the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(x.shape[0], 1, 1, dtype=x.dtype, device=x.device) >= 0.3
+        return x + self.lin(x) * keep / 0.7
+
+
+def test_random_ops_sized_by_the_call_at_every_shape() -> None:
+    """A random op's size argument replays at each call's sizes (symbolic variants included)."""
+    torch.manual_seed(0)
+    eager = DropPath()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False)
+    for b, s in ((2, 5), (3, 5), (4, 7), (5, 9)):
+        x = torch.randn(b, s, 8)
+        got, want = [], []
+        for m, out in ((tvm, got), (eager, want)):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(b)
+            y = m(x)
+            y.pow(2).sum().backward()
+            out += [y.detach(), m.lin.weight.grad]
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    assert any(v.symbolic for v in tvm._tvm_dispatch.variants)
+
+
+class IntegerMath(torch.nn.Module):
+    """PyTorch's promotions: ``log`` of an integer tensor, a bool mask times floats, ``int // 2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        scale = torch.log(pos + 1) * (pos > 2)
+        return self.lin(x) * scale.unsqueeze(-1) + (pos // 2).unsqueeze(-1) / 3 + pos.clamp(1, 2).unsqueeze(-1)
+
+
+def test_integer_inputs_promote_as_pytorch_promotes_them() -> None:
+    torch.manual_seed(0)
+    eager = IntegerMath()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False)
+    x, pos = torch.randn(5, 4), torch.arange(5)
+    got, want = tvm(x, pos), eager(x, pos)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(got, want)
+    _assert_same(_grads(tvm), _grads(eager))
+
+
+class MaskedSelect(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[mask].sum()
+
+
+class StackedLSTM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 6, num_layers=2, dropout=0.2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("make,inputs,message", [
+    (MaskedSelect, (torch.randn(5, 4), torch.tensor([True, False, True, True, False])), "depends on the values"),
+    (StackedLSTM, (torch.randn(2, 3, 4),), "dropout between its layers"),
+], ids=["boolean-mask-indexing", "lstm-dropout"])
+def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: str) -> None:
+    from tvmbridge.errors import ConversionError
+
+    with pytest.raises(ConversionError, match=message):
+        add_tvm_dispatch(make().train(), inputs)
+    m = add_tvm_dispatch(make().train(), fallback=True)  # or PyTorch keeps running it, with a warning
+    with pytest.warns(UserWarning, match=message):
+        out = m(*inputs)
+    assert out.requires_grad

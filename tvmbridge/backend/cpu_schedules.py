@@ -94,6 +94,11 @@ class Elementwise(CPUScheduleRule):
             return None
         n = _numel(sch, loops)
         lanes = _vec_lanes(target, sch, block)
+        if _selects(sch, block):  # see _selects: parallel, never vectorized
+            outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+            if n is None or n >= _MIN_PARALLEL:
+                sch.parallel(outer)
+            return sch
         if n is None:  # a symbolic size: serve every size, parallel over all but a static inner axis
             return _schedule_symbolic_elementwise(sch, block, loops, lanes)
         inner_extent = get_extent(sch, loops[-1])
@@ -118,6 +123,15 @@ class Elementwise(CPUScheduleRule):
         if n >= _MIN_PARALLEL:
             sch.parallel(outer)
         return sch
+
+
+def _selects(sch: s_tir.Schedule, block) -> bool:
+    """Whether ``block`` chooses between reads with ``if_then_else`` (a concatenation, a pad, a
+    shifted copy, once inlined). TVM 0.27 vectorizes such a block wrongly when the condition
+    varies across the lanes: a RoPE gradient (``split``, ``concatenate``, ``transpose``, 16 lanes
+    over rows of 8) came out off by 1e29. Those kernels are copies bound by memory, so they stay
+    scalar (and parallel)."""
+    return "if_then_else" in str(sch.get(block))
 
 
 def _tile_transpose(sch: s_tir.Schedule, block, loops: list, lanes: int):
@@ -257,7 +271,7 @@ def _inline_elementwise_chains(sch: s_tir.Schedule, infos: list) -> bool:
 
 def _vectorize_inner(sch: s_tir.Schedule, block, lanes: int) -> None:
     loops = sch.get_loops(block)
-    if len(loops) <= 1:
+    if len(loops) <= 1 or _selects(sch, block):
         return
     extent = get_extent(sch, loops[-1])
     if not isinstance(extent, int):

@@ -186,8 +186,12 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
             return torch.export.export(flat, args=inputs, strict=False,
                                        dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {}))
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
+            hint = ""
+            if "pytree" in str(exc) and "Cache" in str(exc):  # transformers' encoder-decoder cache
+                hint = ("; the model returns a key/value cache torch.export cannot flatten: train with "
+                        "use_cache=False (model.config.use_cache = False, or pass use_cache=False)")
             raise ConversionError(
-                "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}"
+                "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"
             ) from exc
 
 

@@ -77,6 +77,22 @@ def _evaluate(expr: str, sizes: tuple[tuple[str, int], ...]) -> int:
 
 
 @dataclass(frozen=True)
+class SizeList:
+    """A size-list argument of a random op (``rand``'s ``size``): ints, symbolic sizes as their
+    expressions' text, evaluated at each call's sizes."""
+
+    dims: tuple[int | str, ...]
+
+    def bind(self, sizes: dict[str, int]) -> SizeList:
+        return SizeList(evaluate_dims(self.dims, sizes))
+
+    def value(self) -> list[int]:
+        if not all(isinstance(d, int) for d in self.dims):
+            raise ValueError(f"size {self.dims} is symbolic: bind it to the call's sizes first")
+        return list(self.dims)
+
+
+@dataclass(frozen=True)
 class RandomSite:
     """One random value the compiled code needs per call, drawn by PyTorch in graph order.
 
@@ -96,14 +112,16 @@ class RandomSite:
     @property
     def symbolic(self) -> bool:
         metas = [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, TensorMeta)]
-        return any(isinstance(d, str) for d in (*self.shape, *self.stride, *(x for m in metas for x in m.shape)))
+        lists = [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, SizeList)]
+        return any(isinstance(d, str) for d in (*self.shape, *self.stride, *(x for m in metas for x in m.shape),
+                                                  *(x for s in lists for x in s.dims)))
 
     def bind(self, sizes: dict[str, int]) -> RandomSite:
         """This site at the call's sizes (``sizes``: symbol name -> size)."""
         if not self.symbolic:
             return self
-        args = tuple(a.bind(sizes) if isinstance(a, TensorMeta) else a for a in self.args)
-        kwargs = {k: v.bind(sizes) if isinstance(v, TensorMeta) else v for k, v in self.kwargs.items()}
+        args = tuple(a.bind(sizes) if isinstance(a, (TensorMeta, SizeList)) else a for a in self.args)
+        kwargs = {k: v.bind(sizes) if isinstance(v, (TensorMeta, SizeList)) else v for k, v in self.kwargs.items()}
         return dataclasses.replace(self, shape=evaluate_dims(self.shape, sizes),
                                    stride=evaluate_dims(self.stride, sizes), args=args, kwargs=kwargs)
 
@@ -134,16 +152,30 @@ def _dims(values: Any) -> tuple[int | str, ...]:
     return tuple(int(v) if isinstance(v, int) else str(v.node.expr) for v in values)
 
 
+def _size_value(v: Any) -> int | str | None:
+    """A size as traced (an int, or a symbolic one's expression), or None when ``v`` is none."""
+    if isinstance(v, torch.fx.Node):
+        v = v.meta.get("val")
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return int(v)
+    return str(v.node.expr) if isinstance(v, torch.SymInt) else None
+
+
 def _meta(value: Any) -> Any:
+    """A random op's argument as the runtime replays it: a tensor's layout, a size list (fx's own
+    list type, and symbolic sizes, would not reach the op), or the value itself."""
+    if isinstance(value, (list, tuple)) and value and all(_size_value(v) is not None for v in value):
+        return SizeList(tuple(_size_value(v) for v in value))
     if isinstance(value, torch.fx.Node):
         v = value.meta.get("val")
         if not isinstance(v, torch.Tensor):
             raise ConversionError("convert", f"random op argument {value} is not a tensor")
         return TensorMeta(_dims(v.shape), _dims(v.stride()), v.dtype)
-    if isinstance(value, torch.SymInt) or (
-            isinstance(value, (list, tuple)) and any(isinstance(v, torch.SymInt) for v in value)):
-        raise UnsupportedOpError("convert", "a random op with a symbolic size argument", op="random")
-    return value
+    if isinstance(value, torch.SymInt):
+        raise UnsupportedOpError("convert", "a random op with a symbolic scalar argument", op="random")
+    return list(value) if isinstance(value, list) else value
 
 
 def sympy_to_tir(expr: Any, symbols: dict[str, tvm.tirx.Var]) -> tvm.tirx.PrimExpr:
@@ -207,6 +239,8 @@ class BridgeImporter(ExportedProgramImporter):
             "_native_batch_norm_legit_no_training.default": self._batch_norm_eval,
             "batch_norm.default": self._batch_norm_aten,
             "embedding.default": self._embedding,
+            "slice.Tensor": self._slice_traced(table["slice.Tensor"]),
+            **{name: self._arange_traced(table[name]) for name in ("arange.default", "arange.start", "arange.start_step")},
             "gather.default": self._gather_checked,
             "select.int": self._select_wrapped,
             "cat.default": self._cat_legacy_empty,
@@ -218,6 +252,65 @@ class BridgeImporter(ExportedProgramImporter):
         })
         table.update(self._nn_converters(table))
         return {name: self._named(name, fn) for name, fn in table.items()}
+
+    def _slice_traced(self, default: Callable) -> Callable:
+        """``x[..., start:end:step]`` as the trace sized it: in bounds by construction (torch clamped
+        it), so ``strided_slice`` need not clamp; clamping with symbolic sizes writes the length as
+        ``min(s0, 512)``, which Relax cannot prove equal to ``s0``, and the sums downstream (position
+        embeddings) lose their shapes."""
+        def convert(node: torch.fx.Node) -> relax.Expr:
+            args = list(node.args) + [None] * (5 - len(node.args))
+            x_val, out_val = node.args[0].meta["val"], node.meta["val"]
+            dim = (args[1] or 0) % x_val.dim()
+            start, step = args[2], args[4] or 1
+            length = out_val.shape[dim]
+            if start is None:
+                start = 0
+            if not isinstance(start, int) or isinstance(length, int) and length == 0:
+                return default(node)  # a symbolic start (the default converter's clamps are needed)
+            if start < 0:
+                start = max(start + x_val.shape[dim], 0)
+            end = start + step * (length - 1) + 1
+            x = self.env[node.args[0]]
+            if start == 0 and step == 1 and str(length) == str(x_val.shape[dim]):
+                return x  # the whole axis (a mask cut to a length it already has)
+            if isinstance(end, int) or x_val.is_floating_point():
+                return self.block_builder.emit(relax.op.strided_slice(
+                    x, [dim], [self.prim(start)], [self.prim(end)], [step], assume_inbound=True))
+            # an index buffer cut to the input's length (position_ids[:, :seq]): a symbolic bound as a
+            # shape (Relax's Gradient mis-visits TIR variables inside strided_slice's bound tuple,
+            # see ir.lift_symbolic_shapes); no gradient flows through integers
+            const = functools.partial(relax.const, dtype="int64")
+            end_tensor = relax.op.shape_to_tensor(relax.ShapeExpr([self.prim(end)]))
+            cut = relax.op.dynamic_strided_slice(x, const([start if d == dim else 0 for d in range(x_val.dim())]),
+                                                 self._ends(x_val, dim, end_tensor),
+                                                 const([step if d == dim else 1 for d in range(x_val.dim())]))
+            return self.block_builder.emit(relax.op.reshape(cut, [self.prim(d) for d in out_val.shape]))
+        return convert
+
+    def _arange_traced(self, default: Callable) -> Callable:
+        """``arange`` of a symbolic length (``arange(seq)`` for positions and masks) as
+        ``start + step * (cumsum(ones(n)) - 1)``: the length in a shape, not in the scalar
+        arguments whose TIR variables Relax's Gradient mis-visits (see :meth:`_slice_traced`)."""
+        def convert(node: torch.fx.Node) -> relax.Expr:
+            val = node.meta["val"]
+            args = list(node.args)
+            start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+            if val.dim() != 1 or isinstance(val.shape[0], int) or not all(type(v) is int for v in (start, step)):
+                return default(node)
+            ones = relax.op.ones(relax.ShapeExpr([self.prim(val.shape[0])]), "int64")
+            index = relax.op.subtract(relax.op.cumsum(ones, axis=0), relax.const(1, "int64"))
+            value = relax.op.add(relax.const(start, "int64"), relax.op.multiply(relax.const(step, "int64"), index))
+            dtype = str(val.dtype).removeprefix("torch.")
+            return self.block_builder.emit(value if dtype == "int64" else relax.op.astype(value, dtype))
+        return convert
+
+    def _ends(self, val: torch.Tensor, dim: int, end: relax.Expr) -> relax.Expr:
+        """``dynamic_strided_slice``'s end tensor: the full size on every axis but ``dim``."""
+        parts = [end if d == dim else relax.op.shape_to_tensor(relax.ShapeExpr([self.prim(val.shape[d])]))
+                 for d in range(val.dim())]
+        return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=0)
+
 
     @staticmethod
     def _named(name: str, fn: Callable) -> Callable:
@@ -240,6 +333,11 @@ class BridgeImporter(ExportedProgramImporter):
         """Any other random op: replayed per call when its tensor arguments give only a layout."""
         name = f"{node.target.__name__}"
         tensor_args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+        if name in _RNN_OPS:
+            raise UnsupportedOpError(
+                "convert", f"{name.split('.')[0]} with dropout between its layers in train mode draws its masks "
+                "inside ATen's fused kernel, which the bridge cannot replay; set the RNN's dropout to 0 (or put "
+                "an nn.Dropout between single-layer RNNs), or use fallback=True", op=name)
         if tensor_args and name not in _SHAPE_ONLY_RANDOM:
             raise UnsupportedOpError(
                 "convert", f"random op {name} draws from values the module computes; only random ops "
@@ -258,7 +356,8 @@ class BridgeImporter(ExportedProgramImporter):
             raise UnsupportedOpError("convert", "the boolean mask output of native_dropout is used", op="native_dropout")
         val = node.args[0].meta["val"]
         site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(node.args[1]))
-        mask = self.random_input(site, str(x.ty.dtype), list(x.ty.shape))
+        # the mask's shape from the trace (a Relax type after a tuple getitem may not carry one)
+        mask = self.random_input(site, str(val.dtype).removeprefix("torch."), [self.prim(d) for d in val.shape])
         return self.block_builder.emit(relax.op.multiply(x, mask))
 
     def _dropout_value(self, node: torch.fx.Node) -> relax.Expr:
@@ -308,9 +407,11 @@ class BridgeImporter(ExportedProgramImporter):
         """A constant rounded to ``dtype`` first, as C++ rounds ``static_cast<float>(momentum)``."""
         return relax.const(np.array(value, dtype=dtype), dtype)
 
-    def _apply_affine(self, x: relax.Expr, mean: relax.Expr, invstd: relax.Expr, weight: Any, bias: Any) -> relax.Expr:
+    def _apply_affine(self, x: relax.Expr, mean: relax.Expr, invstd: relax.Expr, weight: Any, bias: Any,
+                      centered: bool = False) -> relax.Expr:
         """``x * alpha + beta`` with ``alpha = invstd * w`` and ``beta = b - mean * alpha`` per
-        channel, the form ATen's CPU kernel computes."""
+        channel, the form ATen's CPU kernel computes; ``centered`` (train mode): with the gradient
+        of ``(x - mean) * alpha + b`` (:meth:`_centered_gradient`)."""
         bb = self.block_builder
         dtype = str(x.ty.dtype)
         alpha = invstd if weight is None else bb.emit(relax.op.multiply(invstd, self.env[weight]))
@@ -319,7 +420,34 @@ class BridgeImporter(ExportedProgramImporter):
                 else bb.emit(relax.op.subtract(self.env[bias], shift)))
         ndim = len(x.ty.shape)
         out = bb.emit(relax.op.multiply(x, self._channel(bb.emit(relax.op.astype(alpha, dtype)), ndim)))
-        return bb.emit(relax.op.add(out, self._channel(bb.emit(relax.op.astype(beta, dtype)), ndim)))
+        out = bb.emit(relax.op.add(out, self._channel(bb.emit(relax.op.astype(beta, dtype)), ndim)))
+        return self._centered_gradient(out, x, mean, alpha, bias) if centered else out
+
+    def _centered_gradient(self, out: relax.Expr, x: relax.Expr, mean: relax.Expr, alpha: relax.Expr,
+                           bias: Any) -> relax.Expr:
+        """``out`` (its value: ATen's bits) with the gradient of ``t = (x - mean) * alpha + b``
+        computed in double: ``no_grad(out) + (t - no_grad(t))``, exactly ``out`` for a finite ``t``.
+
+        Differentiated as written, ``x * alpha + (b - mean * alpha)`` gives ``alpha`` the gradient
+        ``sum(g * x) - mean * sum(g)``: two sums that cancel wherever a channel's mean is large
+        against its spread (BatchNorm over the 1x1 and 2x2 maps of a small batch), and float32
+        sums over a whole channel in TVM's sequential order. Through ``t`` it is ATen's centered
+        ``dotp = sum(g * (x - mean))``, and the channel sums (``dotp``, ``sum(g)``, the mean's
+        gradient) are double, as ATen accumulates them (``accscalar_t``). After differentiation
+        ``passes.gradient`` folds ``t - no_grad(t)`` to zeros: the forward computes nothing more.
+        (Eval mode keeps the plain form: an inference compile is never differentiated.)"""
+        bb, op = self.block_builder, relax.op
+        ndim, wide = len(x.ty.shape), "float64"
+
+        def channel(v: relax.Expr) -> relax.Expr:
+            return self._channel(bb.emit(op.astype(v, wide)), ndim)
+
+        t = op.multiply(op.subtract(bb.emit(op.astype(x, wide)), channel(mean)), channel(alpha))
+        if bias is not None:
+            t = op.add(t, channel(self.env[bias]))
+        t = bb.emit(t)
+        zero = bb.emit(op.astype(op.subtract(t, no_grad(t)), str(out.ty.dtype)))
+        return bb.emit(op.add(no_grad(out), zero))
 
     def _product(self, c: float, v: relax.Expr) -> relax.Expr:
         """``c * v`` rounded to v's dtype and stored (``kernels.barrier``): fused with the add
@@ -351,18 +479,23 @@ class BridgeImporter(ExportedProgramImporter):
 
     def _batch_norm_train(self, node: torch.fx.Node) -> relax.Expr:
         """``(out, save_mean, save_invstd, new_running_mean, new_running_var)``; the running
-        statistics as ATen's CPU kernel updates them (float and double where it uses each)."""
+        statistics as ATen's CPU kernel updates them (float and double where it uses each; a
+        float64 input all in double)."""
         x_node, weight, bias, rm, rv, _training, momentum, eps = node.args[:8]
         bb = self.block_builder
         x = self.env[x_node]
-        dtype = str(x.ty.dtype)
-        if dtype != "float32":
-            raise UnsupportedOpError("convert", f"batch_norm in train mode on {dtype}", op="batch_norm")
+        dtype = self._train_dtype(x)
         mean, var_sum, invstd, count = self._batch_stats(x, float(eps))
-        out = self._apply_affine(x, mean, invstd, weight, bias)
+        out = self._apply_affine(x, mean, invstd, weight, bias, centered=True)
+        running_mean, running_var = self.env[rm], self.env[rv]
+        if dtype == "float64":
+            m, keep = float(momentum), 1.0 - float(momentum)
+            new_mean = bb.emit(relax.op.add(self._product(m, mean), self._product(keep, running_mean)))
+            unbiased = bb.emit(relax.op.divide(var_sum, self._c(max(count - 1, 1), dtype)))
+            new_var = bb.emit(relax.op.add(self._product(m, unbiased), self._product(keep, running_var)))
+            return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
         m = float(np.float32(momentum))
         keep = float(np.float32(1.0) - np.float32(momentum))
-        running_mean, running_var = self.env[rm], self.env[rv]
         new_mean = bb.emit(relax.op.add(self._product(m, mean), self._product(keep, running_mean)))
         unbiased = relax.op.astype(relax.op.divide(var_sum, self._c(max(count - 1, 1), dtype)), "float64")
         new_var = bb.emit(relax.op.astype(relax.op.add(
@@ -370,13 +503,19 @@ class BridgeImporter(ExportedProgramImporter):
             relax.op.astype(relax.op.multiply(self._c(keep, dtype), running_var), "float64")), dtype))
         return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
 
+    @staticmethod
+    def _train_dtype(x: relax.Expr) -> str:
+        dtype = str(x.ty.dtype)
+        if dtype not in ("float32", "float64"):
+            raise UnsupportedOpError("convert", f"batch_norm in train mode on {dtype}", op="batch_norm")
+        return dtype
+
     def _batch_norm_no_stats(self, node: torch.fx.Node) -> relax.Expr:
         x_node, weight, bias, _training, _momentum, eps = node.args[:6]
         x = self.env[x_node]
-        if str(x.ty.dtype) != "float32":
-            raise UnsupportedOpError("convert", f"batch_norm in train mode on {x.ty.dtype}", op="batch_norm")
+        self._train_dtype(x)
         mean, _var_sum, invstd, _ = self._batch_stats(x, float(eps))
-        out = self._apply_affine(x, mean, invstd, weight, bias)
+        out = self._apply_affine(x, mean, invstd, weight, bias, centered=True)
         return self.block_builder.emit(relax.Tuple([out, mean, invstd]))
 
     def _eval_norm(self, x_node: Any, weight: Any, bias: Any, rm: Any, rv: Any, eps: float) -> relax.Expr:
@@ -765,7 +904,7 @@ class BridgeImporter(ExportedProgramImporter):
         x = self.env[node.args[0]]
         pads = list(node.args[1])
         value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0)
-        shape = [int(d) for d in x.ty.shape]
+        shape = [self.prim(d) for d in node.args[0].meta["val"].shape]  # symbolic sizes too
         ndim = len(shape)
         widths = [0] * (2 * ndim)
         for i in range(len(pads) // 2):  # pairs from the last dim backwards
@@ -827,7 +966,14 @@ def unsupported_ops(ep: ExportedProgram) -> list[str]:
     })
 
 
+# recurrent ops tagged random for their inter-layer dropout: random only when it is on
+_RNN_OPS = {"lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input"}
+
+
 def _is_random(node: torch.fx.Node) -> bool:
+    if getattr(node.target, "__name__", "") in _RNN_OPS:
+        dropout, train = node.args[5], node.args[6]
+        return bool(train) and float(dropout) > 0
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
@@ -837,6 +983,19 @@ def feeds_only_cat(node: torch.fx.Node) -> bool:
     names_ = [getattr(u.target, "__name__", "") for u in node.users]
     return bool(names_) and all(n == "cat.default" or (n in copies and feeds_only_cat(u))
                                 for n, u in zip(names_, node.users))
+
+
+def data_dependent_values(ep: ExportedProgram) -> list[str]:
+    """Values whose shape holds a size no input shape gives (an unbacked symbol): what
+    ``x[bool_mask]`` or ``nonzero`` returns, as ``"name = target (shape)"``."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    found = []
+    for n in ep.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val.shape):
+            found.append(f"{n.name} = {n.target} {tuple(val.shape)}")
+    return found
 
 
 def zero_size_values(ep: ExportedProgram) -> list[str]:
@@ -876,6 +1035,12 @@ def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) 
             "tvmbridge.frontend.importer.BridgeImporter or call with fallback=True to keep PyTorch",
             op=missing[0],
         )
+    dependent = data_dependent_values(ep)
+    if dependent:
+        raise ConversionError(
+            "convert", f"{dependent[0]} has a size that depends on the values of a tensor (boolean-mask indexing "
+            "x[mask], nonzero, masked_select, unique): compiled code needs sizes known from the input shapes; "
+            "write it with torch.where (e.g. a loss over masked positions as a masked mean), or use fallback=True")
     empty = zero_size_values(ep)
     if empty:
         raise ConversionError(

@@ -68,6 +68,7 @@ def make_dtype_mixing_explicit(graph: Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
+        inserted += _promote_integer_inputs(graph, node)
         inputs = [a for a in node.all_input_nodes if _float_val(a) is not None]
         dtypes = {_float_val(a).dtype for a in inputs}
         if len(dtypes) < 2:
@@ -89,6 +90,51 @@ def make_dtype_mixing_explicit(graph: Graph) -> int:
                 inserted += 1
         if node.target in MIXED_TYPE_NORMS:
             inserted += _cast_norm_results(graph, node, compute)
+    return inserted
+
+
+def _promote_integer_inputs(graph: Graph, node: Node) -> int:
+    """A pointwise op with a floating result computes in that dtype whatever its integer or bool
+    inputs are (``log(int)``, ``int / int``, ``x * bool_mask``): PyTorch promotes them, Relax
+    needs the cast. Selector arguments (``where``'s condition, ``masked_fill``'s mask) stay."""
+    if torch.Tag.pointwise not in getattr(node.target, "tags", ()):
+        return 0
+    out = _float_val(node)
+    if out is None or node.target in (aten._to_copy.default, aten.clone.default):
+        return _typed_int_scalars(graph, node)
+    schema_args = getattr(getattr(node.target, "_schema", None), "arguments", [])
+    names = [a.name for a in schema_args]
+    inserted = _typed_int_scalars(graph, node)
+    for i, a in enumerate(node.args):
+        val = a.meta.get("val") if isinstance(a, Node) else None
+        if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.is_complex():
+            continue
+        if i < len(names) and names[i] in ("condition", "mask"):
+            continue
+        node.replace_input_with(a, _cast(graph, a, out.dtype, node))
+        inserted += 1
+    return inserted
+
+
+def _typed_int_scalars(graph: Graph, node: Node) -> int:
+    """A Python int beside an integer tensor (``pos // 2`` on int64) as a 0-d tensor of that
+    tensor's dtype: TVM's frontend makes every int scalar an int32 constant, which Relax's
+    binary ops refuse beside int64 (PyTorch computes in the tensor's dtype)."""
+    ints = [a.meta["val"].dtype for a in node.args if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)
+            and not (a.meta["val"].is_floating_point() or a.meta["val"].is_complex() or a.meta["val"].dtype == torch.bool)]
+    if not ints or ints[0] == torch.int32:
+        return 0
+    schema = getattr(getattr(node.target, "_schema", None), "arguments", [])
+    inserted = 0
+    for i, a in enumerate(node.args):
+        if type(a) is int and i < len(schema) and str(schema[i].type) == "Tensor":  # a Scalar stays one
+            with graph.inserting_before(node):
+                const = graph.call_function(aten.scalar_tensor.default, (a,), {"dtype": ints[0]})
+            like = next(x.meta["val"] for x in node.all_input_nodes if isinstance(x.meta.get("val"), torch.Tensor))
+            with like.fake_mode:
+                const.meta["val"] = torch.scalar_tensor(a, dtype=ints[0], device=like.device)
+            node.update_arg(i, const)
+            inserted += 1
     return inserted
 
 

@@ -30,6 +30,7 @@ class SplitResult:
     backward_param_indices: list[int]  # primal params the backward reads, by primal position
     num_outputs: int
     joint: JointGraph = field(repr=False)
+    size_symbols: tuple[str, ...] = ()  # the backward's last parameter: these sizes of the call, as a shape
 
 
 def _closure(needed: set[relax.Var], value_of: dict[relax.Var, relax.Expr], stop: set[relax.Var]) -> set[relax.Var]:
@@ -88,6 +89,7 @@ def split(grad: GradientResult, joint: JointGraph, captures: list[str]) -> Split
         recomputed=[joint.keys[b.var] for b in bindings if b.var in part.recompute],
         backward_param_indices=bwd_param_idx,
         num_outputs=len(joint.output_vars),
+        size_symbols=tuple(v.name for v in size_symbols(primal_params)),
         joint=joint,
     )
 
@@ -125,4 +127,16 @@ def _backward_function(
     result = relax.Var("backward_result", relax.TupleType([g.ty for g in grad_vars]))
     bindings.append(relax.VarBinding(result, relax.Tuple(grad_vars)))
     params = cap_params + [primal_params[i] for i in param_idx] + list(grad.grad_out_params)
+    symbols = size_symbols(primal_params)
+    if symbols:  # the call's sizes: a backward whose captures carry only products (s0*s1) can compute them
+        params.append(relax.Var(names.SIZES, relax.ShapeType(symbols)))
     return rebuild(adj, params, bindings, result, attrs={"global_symbol": names.BACKWARD}), param_idx
+
+
+def size_symbols(params: list[relax.Var]) -> list:
+    """Every shape symbol the primal parameters define, in order of first appearance."""
+    seen: dict[str, object] = {}
+    for p in params:
+        for v in relax.analysis.definable_tir_vars_in_type(p.ty):
+            seen.setdefault(v.name, v)
+    return list(seen.values())

@@ -22,7 +22,10 @@ from ..errors import ConversionError, UnsupportedOpError
 from . import gradients  # noqa: F401 - registers the bridge's gradients with TVM
 from . import gradients_nn  # noqa: F401 - and those of nn and layout ops (issue 14)
 from .low_precision import LOW_PRECISION
-from ..ir import binding_map, lift_symbolic_shapes, only_dataflow_block, rebuild, restore_symbolic_shapes
+from ..ir import (binding_map, lift_symbolic_shapes, only_dataflow_block, rebuild, restore_symbolic_shapes,
+                  same_tensor_type)
+
+NO_GRAD, SUBTRACT, ASTYPE, ADD = (tvm.ir.Op.get(f"relax.{n}") for n in ("grad.no_grad", "subtract", "astype", "add"))
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,49 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
     adjoint = restore_symbolic_shapes(mod[names.ADJOINT], lifted)
     if widened:
         adjoint = _narrow_params(adjoint, widened, grad_param_indices)
+    adjoint = _without_no_grad(adjoint)
     return GradientResult(
         adjoint=adjoint, num_primal_params=len(func.params),
         grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),
     )
+
+
+def _without_no_grad(adjoint: relax.Function) -> relax.Function:
+    """Once differentiated, ``no_grad(x)`` is ``x``: each such binding becomes an alias, and the
+    idiom ``t - no_grad(t)`` (a gradient path whose value is 0: BatchNorm's, see
+    ``frontend.importer``) becomes zeros, cast zeros stay zeros and ``x + zeros`` is ``x``; so the
+    forward computes nothing for such a path, and the capture policy sees plain arithmetic it may
+    recompute. The VJP target's ``vjp_prod`` bindings keep their ``no_grad``: the split reads the
+    outputs from them."""
+    block = only_dataflow_block(adjoint, "gradient")
+    stripped: dict[relax.Var, relax.Expr] = {}  # var bound to no_grad(x) -> x
+    zeros: set[relax.Var] = set()
+    bindings = []
+    for b in block.bindings:
+        var, value = b.var, b.value
+        if _is_call(value, NO_GRAD) and names.vjp_prod_index(var.name) is None:
+            value = stripped[var] = value.args[0]
+        elif _is_zero_path(value, stripped) or (_is_call(value, ASTYPE) and value.args[0] in zeros):
+            zeros.add(var)
+            value = relax.op.zeros(var.ty.shape, str(var.ty.dtype))
+        elif _is_call(value, ADD) and value.args[1] in zeros and same_tensor_type(value.args[0], var):
+            value = value.args[0]
+        bindings.append(b if value.same_as(b.value) else relax.VarBinding(var, value))
+    if not stripped:
+        return adjoint
+    return rebuild(adjoint, list(adjoint.params), bindings, adjoint.body.body)
+
+
+def _is_call(value: relax.Expr, op: tvm.ir.Op) -> bool:
+    return isinstance(value, relax.Call) and value.op.same_as(op)
+
+
+def _is_zero_path(value: relax.Expr, stripped: dict[relax.Var, relax.Expr]) -> bool:
+    """``t - no_grad(t)``."""
+    if not _is_call(value, SUBTRACT):
+        return False
+    t, other = value.args
+    return other in stripped and stripped[other].same_as(t)
 
 
 def _widen_params(func: relax.Function, indices: list[int]) -> tuple[relax.Function, dict[int, relax.Var]]:

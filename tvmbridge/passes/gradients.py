@@ -111,39 +111,55 @@ def _ints(expr: Expr) -> list[int]:
 def strided_slice_grad(
     orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder
 ) -> list[Expr]:
-    """Pad the gradient with zeros back to the input's shape, one sliced axis at a time (a concat
-    of zeros before and after the slice). Strided (step != 1) slices are rejected rather than approximated; the bounds follow
-    Python slicing (negative begins wrap, ends clip)."""
+    """Pad the gradient with zeros back to the input's extent, one sliced axis at a time (a
+    stepped slice's gradient spread ``step`` apart first); the bounds follow Python slicing
+    (negative begins wrap, ends clip). Only the sliced axes need static sizes: ``nn.pad`` takes
+    int widths, so the other axes may be symbolic (rotary embeddings' halves of every length)
+    without writing their sizes where Gradient mis-visits them (see ``ir.lift_symbolic_shapes``)."""
     op = relax.op
     x = orig_call.args[0]
-    shape = [int(s) for s in x.ty.shape]
+    ndim = len(x.ty.shape)
     axes = _ints(orig_call.args[1])
     begins = _ints(orig_call.args[2])
     strides = _ints(orig_call.args[4]) if len(orig_call.args) > 4 else [1] * len(axes)
     grad: Expr = output_grad
-    cur = [int(s) for s in orig_var.ty.shape]
+    cur = list(orig_var.ty.shape)
     for axis, b, s in zip(axes, begins, strides):
-        if s != 1:
-            raise NotImplementedError("gradient of strided_slice with a step other than 1")
-        axis = axis % len(shape)
-        n = shape[axis]
+        axis = axis % ndim
+        n, length = _static(x.ty.shape[axis]), _static(cur[axis])
+        if n is None or length is None or s < 1:
+            raise NotImplementedError("gradient of a slice along a symbolic axis or with a negative step")
         b = b + n if b < 0 else b
         b = min(max(b, 0), n)
-        length = cur[axis]
-        parts = []
-        if b > 0:
-            pre = list(cur); pre[axis] = b
-            parts.append(op.zeros(pre, _dtype(x)))
-        parts.append(grad)
-        after = n - b - length
-        if after > 0:
-            post = list(cur); post[axis] = after
-            parts.append(op.zeros(post, _dtype(x)))
-        if len(parts) > 1:
-            grad = op.concat(parts, axis=axis)
+        if s > 1 and length > 0:  # every s-th element read: the gradient spread s apart
+            grad, length = _spread(grad, cur, axis, s, n - b), min(length * s, n - b)
+        widths = [0] * (2 * ndim)
+        widths[2 * axis], widths[2 * axis + 1] = b, n - b - length
+        if any(widths):
+            grad = op.nn.pad(grad, widths)
         cur[axis] = n
     return [grad] + [no_grad(a) for a in orig_call.args[1:]]
 
+
+def _static(d: Any) -> int | None:
+    return int(d) if isinstance(d, (int, tvm.tirx.IntImm)) else None
+
+
+def _spread(grad: Expr, shape: list[int], axis: int, step: int, room: int) -> Expr:
+    """``grad`` with ``step - 1`` zeros after each element along ``axis`` (a size-1 axis padded to
+    ``step`` and folded in), cut to at most ``room`` elements."""
+    op = relax.op
+    shape = [_static(d) for d in shape]
+    if any(d is None for d in shape):
+        raise NotImplementedError("gradient of a stepped slice with symbolic sizes")
+    expanded = shape[:axis + 1] + [1] + shape[axis + 1:]
+    pads = [0] * (2 * len(expanded))
+    pads[2 * (axis + 1) + 1] = step - 1
+    wide = shape[:axis] + [shape[axis] * step] + shape[axis + 1:]
+    spread = op.reshape(op.nn.pad(op.reshape(grad, expanded), pads), wide)
+    if wide[axis] > room:
+        spread = op.strided_slice(spread, [axis], [0], [room])
+    return spread
 
 
 @gradient("relax.gather_elements")
@@ -187,6 +203,9 @@ def take_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
     count = 1
     for d in index.ty.shape:
         count = count * d
+    others = [*shape[:axis], *shape[axis + 1:]]
+    if not isinstance(count, (int, tvm.tirx.IntImm)) and all(isinstance(d, (int, tvm.tirx.IntImm)) for d in others):
+        count = -1  # a symbolic count written out would be a shape argument Gradient mis-visits (see ir.py)
     grad_shape = [*shape[:axis], count, *shape[axis + 1:]]
     order = [axis, *[i for i in range(ndim) if i != axis]]
     back = [order.index(i) for i in range(ndim)]

@@ -47,11 +47,20 @@ def static_dims(expr: Expr, what: str) -> list[int]:
 
 
 def fit_shape(grad: Expr, like: Expr) -> Expr:
-    """``grad`` summed down to ``like``'s shape where a broadcast widened it."""
-    if len(grad.ty.shape) == len(like.ty.shape) and all(
-            str(a) == str(b) for a, b in zip(grad.ty.shape, like.ty.shape)):
+    """``grad`` summed down to ``like``'s shape where a broadcast widened it. A shape known only
+    through a shape variable (a lifted symbolic shape, see ``ir.lift_symbolic_shapes``) is read
+    from ``like`` itself: writing it out would put TIR variables where Gradient mis-visits them."""
+    gs, ls = _dims(grad), _dims(like)
+    if gs is None or ls is None:
+        return op.collapse_sum_like(grad, like)
+    if len(gs) == len(ls) and all(str(a) == str(b) for a, b in zip(gs, ls)):
         return grad
     return op.collapse_sum_to(grad, like.ty.shape)
+
+
+def _dims(expr: Expr) -> list | None:
+    shape = getattr(expr.ty, "shape", None)
+    return list(shape) if isinstance(shape, (relax.ShapeExpr, list, tuple)) else None
 
 
 def emit(ctx: BlockBuilder, expr: Expr) -> Expr:

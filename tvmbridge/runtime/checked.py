@@ -54,13 +54,14 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     after = rng_states(compiled.device)
     set_rng_states(before, compiled.device)
     paths = pytree.tree_flatten_with_path(eager_out)[0]
+    precision = traced.autocast.dtype if traced.autocast is not None else None  # autocast rounds to it
     n_user = traced.num_user_outputs
     check = None
     if needs_grad:
         differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
         leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
         check = GradientCheck(leaves, variant.tensor_names(), lambda found: _gradients_checked(
-            dispatcher, variant, args, kwargs, found))
+            dispatcher, variant, args, kwargs, found), precision)
     try:
         outs = dispatcher._execute(variant, fitted, needs_grad, before, args, kwargs, check)
     except CompiledCallError as exc:  # PyTorch's result stands
@@ -69,7 +70,7 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
         pairs = [("output" + pytree.keystr(path), outs[i], want) for i, (path, want) in enumerate(paths)]
         pairs += [(f"buffer {name}", outs[n_user + j], eager_state[name])
                   for j, name in enumerate(traced.updated_buffers)]
-        discrepancy = worst(pairs)
+        discrepancy = worst(pairs, precision)
         found = None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
     if found is None:
         variant.trust.outputs = True

@@ -307,7 +307,7 @@ class Dispatcher:
             return list(infer(compiled, tensors + randoms))
         eager = functools.partial(self._eager_outputs, compiled)
         discard = functools.partial(self.discard, variant, args, kwargs)
-        return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, check, discard), *tensors))
+        return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, sizes, check, discard), *tensors))
 
     def _finish(self, compiled: CompiledModule, tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
         """Index flags checked, updated buffers written back, the module's own output rebuilt."""

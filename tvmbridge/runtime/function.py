@@ -15,7 +15,7 @@ does): higher-order gradients are PyTorch's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -49,6 +49,7 @@ class Call:
     randoms: list[torch.Tensor]
     eager: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     rng_states: dict[str, torch.Tensor] | None = None
+    sizes: dict[str, int] = field(default_factory=dict)  # the call's shape symbols (a symbolic variant)
     check: GradientCheck | None = None  # a variant's first calls: PyTorch's graph to compare gradients with
     discard: Callable[[str], Any] | None = None  # drops the variant (its backward failed or disagreed)
 
@@ -140,6 +141,8 @@ class TVMFunction(torch.autograd.Function):
         saved = ctx.saved_tensors[: ctx.num_saved]  # unpacking all of them checks their versions
         args = [to_tvm(t) for t in saved] + [to_tvm(g) for g in grads_in]
         call: Call = ctx.call
+        if compiled.split.size_symbols:
+            args.append(tvm_ffi.Shape([call.sizes[name] for name in compiled.split.size_symbols]))
         try:
             grads = run_vm(compiled, names.BACKWARD, args)
         except CompiledCallError as exc:  # the step goes on: PyTorch's forward, differentiated

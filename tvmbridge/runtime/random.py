@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ..frontend.importer import RandomSite, TensorMeta
+from ..frontend.importer import RandomSite, SizeList, TensorMeta
 from ..kernels import mt19937
 
 
@@ -63,6 +63,8 @@ def draws_like_float32(dtype: torch.dtype) -> bool:
 
 def _replay(site: RandomSite, device: torch.device) -> torch.Tensor:
     def arg(v: object) -> object:
+        if isinstance(v, SizeList):
+            return v.value()
         return _empty_like_meta(v, device) if isinstance(v, TensorMeta) else v
 
     return site.op(*[arg(a) for a in site.args], **{k: arg(v) for k, v in site.kwargs.items()})

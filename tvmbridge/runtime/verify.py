@@ -50,8 +50,9 @@ def _magnitude(t: torch.Tensor | None) -> float:
 
 
 def compare(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
-            floor: float = 0.0) -> Discrepancy | None:
-    """Why ``got`` is not ``want`` to float noise (None: it is); ``floor``: the least scale."""
+            floor: float = 0.0, precision: torch.dtype | None = None) -> Discrepancy | None:
+    """Why ``got`` is not ``want`` to float noise (None: it is); ``floor``: the least scale;
+    ``precision``: the dtype the call computed in where coarser than the tensor's (autocast)."""
     if got is None or want is None:
         if got is None and want is None:
             return None
@@ -76,17 +77,19 @@ def compare(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
         return None
     scale = max(float(w.abs().max()), floor)
     err = float((g - w).abs().max())
-    tol = ATOL.get(want.dtype, 1e-6) + RTOL.get(want.dtype, 1e-3) * scale
+    dtypes = [want.dtype] if precision is None else [want.dtype, precision]
+    tol = max(ATOL.get(d, 1e-6) for d in dtypes) + max(RTOL.get(d, 1e-3) for d in dtypes) * scale
     if err <= tol:
         return None
     return Discrepancy(name, f"max abs error {err:.3g} where the largest value is {float(w.abs().max()):.3g} "
                        f"(tolerance {tol:.2g})", err / tol)
 
 
-def worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> Discrepancy | None:
+def worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]],
+          precision: torch.dtype | None = None) -> Discrepancy | None:
     """The worst discrepancy over ``(name, got, want)`` pairs, or None when all agree."""
     floor = GROUP_FLOOR * max((_magnitude(want) for _, _, want in pairs), default=0.0)
-    found = [d for name, got, want in pairs if (d := compare(name, got, want, floor)) is not None]
+    found = [d for name, got, want in pairs if (d := compare(name, got, want, floor, precision)) is not None]
     return max(found, key=lambda d: d.excess) if found else None
 
 
@@ -111,6 +114,7 @@ class GradientCheck:
     eager_outputs: list[torch.Tensor | None]  # per compiled output; None where not differentiable
     names: list[str]  # per call tensor (the call's, then the module's state)
     on_result: Callable[[Discrepancy | None], None]
+    precision: torch.dtype | None = None  # autocast's dtype: the gradients carry its rounding
     done: bool = False
 
     def eager_gradients(self, inputs: list[torch.Tensor], needs: tuple[bool, ...],
@@ -132,4 +136,4 @@ class GradientCheck:
     def check(self, got: list[torch.Tensor | None], want: list[torch.Tensor | None],
               needs: tuple[bool, ...]) -> Discrepancy | None:
         pairs = [(f"gradient of {name}", g, w) for name, g, w, need in zip(self.names, got, want, needs) if need]
-        return worst(pairs)
+        return worst(pairs, self.precision)

@@ -1,0 +1,91 @@
+"""Hugging Face training code as users write it: ``Trainer`` with its default arguments, and
+dynamic padding (a new sequence length every batch) served by one symbolic variant."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tvmbridge import VerificationWarning, add_tvm_dispatch  # noqa: E402
+
+
+def _bert(num_labels: int = 3) -> torch.nn.Module:
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, num_labels=num_labels, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _rows(n: int = 24) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(5, 12, (1,), generator=g))
+        rows.append({"input_ids": torch.randint(1, 100, (length,), generator=g), "label": i % 3,
+                     "text": "a column the model does not take"})
+    return rows
+
+
+def _collate(rows: list[dict]) -> dict:
+    """Dynamic padding: each batch as long as its longest row."""
+    length = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])] = r["input_ids"]
+        mask[i, :len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids),
+            "labels": torch.tensor([r["label"] for r in rows])}
+
+
+def _train(model: torch.nn.Module, out_dir: str) -> list[float]:
+    args = transformers.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=5,
+                                          logging_steps=1, report_to=[], seed=0, use_cpu=True, save_strategy="no",
+                                          disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_rows(), data_collator=_collate)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trainer_with_default_arguments_matches_the_eager_trainer(tmp_path) -> None:
+    """remove_unused_columns (the default) reads the forward's signature; the model is called
+    with keywords and Trainer's num_items_in_batch; every batch has another length."""
+    eager = _train(_bert(), str(tmp_path / "eager"))
+    model = add_tvm_dispatch(_bert())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VerificationWarning)
+        tvm = _train(model, str(tmp_path / "tvm"))
+    assert len(tvm) == len(eager) == 5
+    for a, b in zip(tvm, eager):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (tvm, eager)
+    dispatch = model._tvm_dispatch
+    assert dispatch.calls_fallback == 0
+    assert len(dispatch.variants) <= 2 and any(v.symbolic for v in dispatch.variants), dispatch.explain()
+
+
+def test_dynamic_padding_loop_one_symbolic_variant_exact() -> None:
+    """Without the safety net: the symbolic variant itself is right (outputs and every gradient)."""
+    eager = _bert()
+    model = add_tvm_dispatch(copy.deepcopy(eager), verify=False)
+    rows = _rows(16)
+    for step in range(4):
+        batch = _collate(rows[4 * step: 4 * step + 4])
+        grads = []
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            out = m(**batch)
+            out.loss.backward()
+            grads.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+        torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-5)
+        for name, g in grads[1][1].items():
+            got = grads[0][1][name]
+            assert (got is None) == (g is None), name
+            if g is not None:
+                torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(v.symbolic for v in model._tvm_dispatch.variants), model._tvm_dispatch.explain()
