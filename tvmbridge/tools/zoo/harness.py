@@ -1,0 +1,434 @@
+"""One zoo case: train a model a few steps through the bridge beside PyTorch and judge the result.
+
+Three copies of the same model run every step under the same seed (so that dropout draws the
+same masks): ``eager`` (PyTorch, float32), ``tvm`` (the bridge, dispatched at the top without a
+sample, as users commonly do: the first call compiles) and ``ref`` (PyTorch in float64). The
+distance eager-ref is the float noise of the step; the bridge passes a tensor when its distance
+to eager is within ten times that noise (plus 1e-6 of the tensor's scale), so that a tolerance
+never hides a real error and float reassociation never fails a model.
+
+Verdicts: EXACT (every tensor within noise, every call compiled), FALLBACK (numbers right, some
+call ran PyTorch), REFUSED (a ``ConversionError``: the bridge said clearly what it cannot do),
+WRONG (a tensor outside noise), CRASH (any other exception), SKIP (PyTorch itself failed: a bug
+of the zoo entry, to be fixed there).
+
+    python -m tvmbridge.tools.zoo.harness bert-mlm          # one case in this process, JSON out
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .models import Batch, ZooEntry, get
+
+BUILD_SEED = 0
+CALL_SEED = 123
+FIRST = (2, 16)  # (batch, length) of steps 1 and 2
+SECOND = (3, 11)  # of step 3: another batch size and length (images: another batch size)
+NOISE_FACTOR = 10.0
+SCALE_TOL = 1e-6
+ROLES = ("eager", "tvm", "ref")
+AFTER_STEP = " after AdamW"  # the suffix of a step's parameter comparison
+LR = 1e-3  # AdamW's learning rate
+
+
+@dataclass
+class Mismatch:
+    """A tensor outside noise: ``err`` = max|tvm - eager|, ``noise`` = max|eager - ref|."""
+
+    step: str
+    tensor: str
+    err: float
+    noise: float
+    ref_max: float
+    why: str = ""
+    tvm_ref: float = 0.0  # max|tvm - ref|: TVM's own distance to float64 (vs noise: eager's)
+    allowance: float = 0.0  # added to the tolerance (parameters after AdamW: see Case.train_step)
+
+    @property
+    def passed(self) -> bool:
+        """err <= 10 * noise + 1e-6 * max(1, max|ref|), and nothing structural differs."""
+        return not self.why and self.excess <= 1.0
+
+    @property
+    def excess(self) -> float:
+        """How far beyond its tolerance (inf for a None/shape/NaN-pattern mismatch)."""
+        tol = NOISE_FACTOR * self.noise + SCALE_TOL * max(1.0, self.ref_max) + self.allowance
+        return math.inf if self.why or not math.isfinite(self.err) else self.err / tol if self.err else 0.0
+
+    def text(self) -> str:
+        what = self.why or (f"err={self.err:.2e} noise={self.noise:.2e} tvm-ref={self.tvm_ref:.2e} "
+                            f"|ref|={self.ref_max:.2e}")
+        return f"{self.step}: {self.tensor} {what}"
+
+
+@dataclass
+class CaseResult:
+    """Everything one case found; JSON-able (``asdict``) for the subprocess that runs it."""
+
+    name: str
+    family: str
+    verdict: str = "CRASH"
+    reason: str = ""
+    worst: dict | None = None  # the first failing step's worst tensor (a Mismatch as a dict)
+    failures: list[dict] = field(default_factory=list)  # worst tensor and count of each failing step
+    fallbacks: list[str] = field(default_factory=list)
+    compile_s: float = 0.0
+    variants: int = 0
+    variant_why: list[str] = field(default_factory=list)
+    symbolic: bool | None = None  # whether the step-3 call (another batch and length) ran a symbolic variant
+    tvm_ms: float | None = None
+    eager_ms: float | None = None
+    ratio: float | None = None
+    wall_s: float = 0.0
+    closest: str = ""  # the passing tensor nearest its tolerance: "err/tol at step: tensor"
+    note: str = ""
+
+
+class _Failed(Exception):
+    """An exception of one role's call, with where it happened."""
+
+    def __init__(self, role: str, where: str, exc: BaseException) -> None:
+        super().__init__(f"{role} {where}")
+        self.role, self.where, self.exc = role, where, exc
+
+
+# --- tensors ----------------------------------------------------------------------------------
+def named_leaves(obj: Any, prefix: str = "out", depth: int = 0, seen: set | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a model output by a readable path (``out.logits``,
+    ``out.past_key_values.layers.0.keys``): ModelOutputs, tuples, dicts and cache objects."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.nn.Module)) \
+            or id(obj) in seen:
+        return {}
+    seen.add(id(obj))
+    if isinstance(obj, Mapping):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__"):
+        items = [(k, v) for k, v in vars(obj).items() if not k.startswith("_")]
+    else:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(named_leaves(value, f"{prefix}.{key}", depth + 1, seen))
+    return out
+
+
+def to_reference(batch: Batch) -> Batch:
+    """The batch for the float64 reference: float tensors in float64."""
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def measure(step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor | None,
+            ref: torch.Tensor | None) -> Mismatch:
+    """TVM's distance to PyTorch and PyTorch's to the float64 reference (``.passed`` says whether
+    it is within noise). None-ness, shapes, integers and NaN/inf places must match exactly."""
+    if tvm is None or eager is None:
+        if tvm is None and eager is None:
+            return Mismatch(step, name, 0.0, 0.0, 0.0)
+        which = "None in PyTorch, a tensor in TVM" if eager is None else "a tensor in PyTorch, None in TVM"
+        return Mismatch(step, name, math.inf, 0.0, 0.0, which)
+    if tvm.shape != eager.shape:
+        return Mismatch(step, name, math.inf, 0.0, 0.0, f"shape {tuple(tvm.shape)} != PyTorch's {tuple(eager.shape)}")
+    a, e = tvm.detach().to(torch.float64), eager.detach().to(torch.float64)
+    if not eager.is_floating_point():
+        err = (a - e).abs().max().item() if a.numel() else 0.0
+        return Mismatch(step, name, err, 0.0, 0.0, f"integers differ by {err:g}" if err else "")
+    fin_a, fin_e = torch.isfinite(a), torch.isfinite(e)
+    if not torch.equal(fin_a, fin_e) or not torch.equal(a[~fin_a].nan_to_num(), e[~fin_e].nan_to_num()):
+        return Mismatch(step, name, math.nan, 0.0, 0.0, "NaN/inf at other places than PyTorch's")
+    if not fin_e.any():
+        return Mismatch(step, name, 0.0, 0.0, 0.0)
+    r64 = ref.detach().to(torch.float64) if ref is not None else e
+    r32 = ref.detach().to(eager.dtype).to(torch.float64) if ref is not None else e
+    both = fin_e & torch.isfinite(r32)
+    err = (a - e)[fin_e].abs().max().item()
+    noise = (e - r32)[both].abs().max().item() if both.any() else 0.0
+    tvm_ref = (a - r32)[both].abs().max().item() if both.any() else 0.0
+    finite_ref = r64[torch.isfinite(r64)]
+    ref_max = finite_ref.abs().max().item() if finite_ref.numel() else 0.0
+    return Mismatch(step, name, err, noise, ref_max, tvm_ref=tvm_ref)
+
+
+def compare(step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor | None,
+            ref: torch.Tensor | None) -> Mismatch | None:
+    """None when TVM's tensor is within float noise of PyTorch's, else the mismatch."""
+    m = measure(step, name, tvm, eager, ref)
+    return None if m.passed else m
+
+
+# --- the case ---------------------------------------------------------------------------------
+class Case:
+    """The three models, their optimizers, and the steps of the protocol."""
+
+    def __init__(self, entry: ZooEntry, options: dict[str, Any]) -> None:
+        from tvmbridge import add_tvm_dispatch
+
+        self.entry = entry
+        self.mismatches: list[list[Mismatch]] = []
+        self.step3_variant: Any = None
+        self.closest: tuple[float, str] = (0.0, "")  # the passing tensor nearest its tolerance
+        torch.manual_seed(BUILD_SEED)
+        with self.guard("eager", "build"):
+            eager = entry.build().train()
+        with self.guard("eager", "deepcopy"):
+            tvm = copy.deepcopy(eager)
+            ref = copy.deepcopy(eager).double()
+            if entry.prepare_reference is not None:
+                entry.prepare_reference(ref)
+        self.models = {"eager": eager, "tvm": tvm, "ref": ref}
+        with self.guard("tvm", "add_tvm_dispatch"):
+            add_tvm_dispatch(tvm, **options)
+        self.optimizers = {role: torch.optim.AdamW(m.parameters(), lr=LR) for role, m in self.models.items()}
+
+    @contextmanager
+    def guard(self, role: str, where: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes
+            raise _Failed(role, where, exc) from exc
+
+    @property
+    def dispatcher(self) -> Any:
+        return getattr(self.models["tvm"], "_tvm_dispatch", None)
+
+    def call(self, role: str, batch: Batch, where: str, backward: bool) -> dict[str, torch.Tensor | None]:
+        """One seeded call (and backward); the tensors to compare: loss, outputs, grads, buffers."""
+        model = self.models[role]
+        with self.guard(role, where):
+            torch.manual_seed(CALL_SEED)
+            out, loss = self.entry.forward(model, to_reference(batch) if role == "ref" else batch)
+            if backward:
+                loss.backward()
+        got: dict[str, torch.Tensor | None] = {"loss": loss.detach() if isinstance(loss, torch.Tensor) else None}
+        got.update({k: v.detach().clone() for k, v in named_leaves(out).items()})
+        if backward:
+            got.update({f"grad:{n}": None if p.grad is None else p.grad.detach().clone()
+                        for n, p in model.named_parameters()})
+        got.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
+        return got
+
+    def check(self, step: str, got: dict[str, dict[str, torch.Tensor | None]], allowance: float = 0.0) -> None:
+        names = list(dict.fromkeys([*got["eager"], *got["tvm"]]))
+        found = []
+        for name in names:
+            if name in got["eager"] and name not in got["tvm"]:
+                found.append(Mismatch(step, name, math.inf, 0, 0, "missing from TVM's output"))
+            elif name not in got["eager"]:
+                found.append(Mismatch(step, name, math.inf, 0, 0, "in TVM's output only"))
+            else:
+                m = measure(step, name, got["tvm"][name], got["eager"][name], got["ref"].get(name))
+                m = dataclasses.replace(m, allowance=allowance)
+                if not m.passed:
+                    found.append(m)
+                elif m.excess > self.closest[0]:
+                    self.closest = (m.excess, f"{step}: {name}")
+        if found:
+            self.mismatches.append(found)
+
+    def train_step(self, step: str, batch: Batch) -> None:
+        """Call, backward, compare; clip, AdamW, compare parameters; then sync to eager's."""
+        got = {}
+        for role in ROLES:
+            got[role] = self.call(role, batch, f"{step} forward/backward", backward=True)
+            if role == "tvm" and step == "step 3":
+                self.step3_variant = getattr(self.dispatcher, "last_decision", None)
+        self.check(step, got)
+        params, clipped = {}, {}
+        for role, model in self.models.items():
+            with self.guard(role, f"{step} AdamW"):
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+                clipped[role] = {f"clipped grad:{n}": _clone(p.grad) for n, p in model.named_parameters()}
+                self.optimizers[role].step()
+                self.optimizers[role].zero_grad(set_to_none=True)
+            params[role] = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
+        self.check(f"{step} clipped", clipped)  # gradients sharing memory would be scaled twice
+        # AdamW's first update is about lr * sign(grad) per element: a gradient element at noise
+        # level may take the other sign, moving the parameter by up to 2 lr where PyTorch's did not
+        self.check(f"{step}{AFTER_STEP}", params, allowance=2 * LR)
+        self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """eager's parameters and buffers into tvm and ref, so noise does not accumulate."""
+        eager = self.models["eager"]
+        state = {**dict(eager.named_parameters()), **dict(eager.named_buffers())}
+        for role in ("tvm", "ref"):
+            model = self.models[role]
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                t.copy_(state[name])
+
+    def eval_step(self, batch: Batch) -> None:
+        got = {}
+        for role, model in self.models.items():
+            model.eval()
+            with torch.no_grad():
+                got[role] = self.call(role, batch, "eval forward", backward=False)
+        self.check("eval", got)
+
+    def time_steps(self, batch: Batch, runs: int = 3) -> tuple[float, float]:
+        """Median ms of a train step (forward, loss, backward, AdamW), TVM and eager interleaved."""
+        from tvmbridge.tools.timing import interleaved
+
+        def step(role: str):
+            model, opt = self.models[role], self.optimizers[role]
+
+            def run(i: int) -> None:
+                torch.manual_seed(CALL_SEED)
+                _, loss = self.entry.forward(model, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return run
+
+        for model in self.models.values():
+            model.train()
+        times = interleaved({"tvm": step("tvm"), "eager": step("eager")}, runs=runs, warmup=1)
+        return 1e3 * statistics.median(times["tvm"]), 1e3 * statistics.median(times["eager"])
+
+
+def _judge_mismatches(result: CaseResult, case: Case) -> None:
+    """A case with mismatches is WRONG (whatever happened after them): the worst tensor per step."""
+    per_step = [max(found, key=lambda m: m.excess) for found in case.mismatches]
+    result.failures = [dict(asdict(m), count=len(found)) for m, found in zip(per_step, case.mismatches)]
+    result.worst = asdict(per_step[0])
+    wrong = f"{per_step[0].text()} ({len(case.mismatches[0])} tensors)"
+    result.reason = wrong + (f"; then {result.verdict}: {result.reason}" if result.verdict != "EXACT" else "")
+    result.verdict = "WRONG" if result.verdict in ("EXACT", "CRASH", "REFUSED") else result.verdict
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame inside tvmbridge (else the innermost) as ``file:line in fn``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "/tvmbridge/" in f.filename and "/tools/zoo/" not in f.filename]
+    frame = (ours or frames or [None])[-1]
+    if frame is None:
+        return "?"
+    path = frame.filename.split("/tvmbridge/", 1)[-1] if ours else frame.filename.rsplit("/", 1)[-1]
+    return f"{path}:{frame.lineno} in {frame.name}"
+
+
+def _first_line(exc: BaseException) -> str:
+    from tvmbridge.errors import describe
+
+    return describe(exc)[:400]
+
+
+def compile_options(verify: bool | None) -> tuple[dict[str, Any], str]:
+    """The options for ``add_tvm_dispatch``: ``verify`` where CompileOptions has the field."""
+    from tvmbridge import CompileOptions
+
+    if verify is None:
+        return {}, ""
+    if "verify" in CompileOptions.__dataclass_fields__:
+        return {"verify": verify}, ""
+    return {}, "" if verify is False else "CompileOptions has no field verify: not passed"
+
+
+def run_case(entry: ZooEntry | str, *, verify: bool | None = None, timing: bool = True) -> CaseResult:
+    """Run the protocol on one entry (module docstring); never raises for the model's failures.
+
+    ``verify``: passed as ``CompileOptions.verify`` when not None and the field exists (the
+    zoo's own runs pass False: the raw state of the bridge)."""
+    from tvmbridge.errors import ConversionError, FallbackWarning
+
+    entry = get(entry) if isinstance(entry, str) else entry
+    result = CaseResult(entry.name, entry.family, note=entry.note)
+    options, note = compile_options(verify)
+    result.note = "; ".join(x for x in (entry.note, note) if x)
+    start = time.perf_counter()
+    case = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            case = Case(entry, options)
+            first = entry.make_batch(*FIRST, 1)
+            case.train_step("step 1", first)
+            case.train_step("step 2", first)
+            case.train_step("step 3", entry.make_batch(*SECOND, 2))
+            case.eval_step(first)
+            result.verdict = "EXACT"
+        except _Failed as failed:
+            exc, role = failed.exc, failed.role
+            if role != "tvm":
+                result.verdict = "SKIP"
+                result.reason = f"{role} failed at {failed.where}: {_first_line(exc)}"
+            elif isinstance(exc, ConversionError):
+                result.verdict, result.reason = "REFUSED", f"{failed.where}: {_first_line(exc)}"
+            else:
+                result.verdict = "CRASH"
+                result.reason = f"{failed.where}: {_first_line(exc)} (at {_where(exc)})"
+        except Exception as exc:  # noqa: BLE001 - the harness's own bug: named so it is fixed
+            result.verdict, result.reason = "SKIP", f"harness failed: {_first_line(exc)} (at {_where(exc)})"
+        fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    dispatcher = case.dispatcher if case is not None else None
+    if dispatcher is not None:
+        variants = dispatcher.variants
+        result.variants = len(variants)
+        result.compile_s = round(sum(v.compiled.compile_seconds.get("total", 0.0) for v in variants), 2)
+        result.variant_why = [f"{v.label}: {v.why}" for v in variants]
+        step3 = case.step3_variant  # a Variant, or a string when that call ran PyTorch
+        result.symbolic = bool(step3.symbolic) if hasattr(step3, "symbolic") else None
+        fallbacks += [f"{n} x PyTorch: {why}" for why, n in dispatcher.fallback_reasons.items()]
+    result.fallbacks = list(dict.fromkeys(fallbacks))
+    if case is not None and case.closest[1]:
+        result.closest = f"{case.closest[0]:.2f} at {case.closest[1]}"
+    if case is not None and case.mismatches:
+        _judge_mismatches(result, case)
+    elif result.verdict == "EXACT" and result.fallbacks:
+        result.verdict, result.reason = "FALLBACK", result.fallbacks[0]
+    if timing and case is not None and result.verdict in ("EXACT", "FALLBACK"):
+        try:
+            result.tvm_ms, result.eager_ms = (round(t, 2) for t in case.time_steps(first))
+            result.ratio = round(result.tvm_ms / result.eager_ms, 2) if result.eager_ms else None
+        except Exception as exc:  # noqa: BLE001 - the verdict stands; say why there is no timing
+            result.note = "; ".join(x for x in (result.note, f"timing failed: {_first_line(exc)}") if x)
+    result.wall_s = round(time.perf_counter() - start, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one case in this process; print (or write) its result as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name")
+    parser.add_argument("--json-out", help="write the result here (default: print it)")
+    parser.add_argument("--verify", choices=("off", "on", "default"), default="off",
+                        help="CompileOptions.verify where it exists (default off: the raw state)")
+    parser.add_argument("--no-timing", action="store_true")
+    args = parser.parse_args(argv)
+    verify = {"off": False, "on": True, "default": None}[args.verify]
+    result = run_case(args.name, verify=verify, timing=not args.no_timing)
+    text = json.dumps(asdict(result))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""The zoo's registry: tiny random-weight models of many architectures and the batches users pass them.
+
+Nothing is downloaded: every model is built from a ``transformers`` config or by
+``timm.create_model(..., pretrained=False)``, small enough (hidden 32, 2 layers, 32x32 images)
+that a compile takes seconds, with dropout on, so that what is tested is the architecture's
+graph (its ops, masks, losses, RNG), not its size. Each batch is what a training loop passes
+(``model(**batch)``): every input a tokenizer or feature extractor gives (padding in the last
+row), and the labels, so that the model computes its own loss. timm models take pixels only:
+their entries are marked ``external_loss`` and the harness takes the cross-entropy of the logits.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+Batch = dict[str, Any]
+BatchMaker = Callable[[int, int, int], Batch]
+FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "timm")
+VOCAB = 256
+NUM_LABELS = 10
+IMAGE = 32
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One architecture: how to build it, and ``make_batch(batch_size, length, seed)``."""
+
+    name: str
+    family: str
+    build: Callable[[], torch.nn.Module]
+    make_batch: BatchMaker
+    external_loss: bool = False  # the model returns logits only: the loss is cross-entropy of them
+    note: str = ""
+    # applied to the float64 reference copy only, where the model's default kernel has no float64
+    prepare_reference: Callable[[torch.nn.Module], None] | None = None
+
+    def forward(self, model: torch.nn.Module, batch: Batch) -> tuple[Any, torch.Tensor]:
+        """The output and the loss of one call, as a training loop gets them."""
+        if self.external_loss:
+            out = model(batch["x"])
+            return out, F.cross_entropy(out, batch["labels"])
+        out = model(**batch)
+        return out, out.loss
+
+
+# --- imports: the torchvision on disk may be a CUDA build next to CPU torch ---------------------
+def ensure_torchvision() -> None:
+    """Import torchvision (timm and transformers' vision models need it). A torchvision whose C
+    extension does not load next to this torch (a CUDA wheel beside CPU torch) fails on import
+    while registering a fake kernel for ``torchvision::nms``; defining the two op schemas first
+    lets the pure-Python part (all that these models use) import."""
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError as exc:
+        if "torchvision::nms" not in str(exc):
+            raise
+        for key in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+            del sys.modules[key]
+        for op in ("nms", "qnms"):
+            torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        import torchvision  # noqa: F401
+
+
+def hf(model_cls: str, config_cls: str, **config: Any) -> Callable[[], torch.nn.Module]:
+    """A builder of ``transformers.<model_cls>(<config_cls>(**config))``."""
+    def build() -> torch.nn.Module:
+        ensure_torchvision()
+        import transformers
+
+        return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+    build.__qualname__ = f"{model_cls}"
+    return build
+
+
+def timm_model(name: str, **kwargs: Any) -> Callable[[], torch.nn.Module]:
+    """A builder of ``timm.create_model(name)`` with random weights and 10 classes."""
+    def build() -> torch.nn.Module:
+        ensure_torchvision()
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=NUM_LABELS, **kwargs)
+    build.__qualname__ = f"timm.{name}"
+    return build
+
+
+# --- batches ----------------------------------------------------------------------------------
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _ids_mask(b: int, n: int, pad: int, g: torch.Generator, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (no special ids) and an attention mask; the last row is padded at its end, as
+    a tokenizer pads the shorter text of a batch."""
+    ids = torch.randint(4, vocab, (b, n), generator=g)
+    mask = torch.ones(b, n, dtype=torch.long)
+    keep = n - max(1, n // 4)
+    mask[-1, keep:] = 0
+    ids[-1, keep:] = pad
+    return ids, mask
+
+
+def _segments(mask: torch.Tensor) -> torch.Tensor:
+    """token_type_ids of a sentence pair: 0 for the first half, 1 for the second, 0 on padding."""
+    types = torch.zeros_like(mask)
+    types[:, mask.shape[1] // 2:] = 1
+    return types * mask
+
+
+def _padded_labels(b: int, n: int, low: int, high: int, g: torch.Generator) -> torch.Tensor:
+    """Target ids with the last row's end ignored (-100)."""
+    labels = torch.randint(low, high, (b, n), generator=g)
+    labels[-1, n - max(1, n // 3):] = -100
+    return labels
+
+
+def mlm_batch(pad: int = 0, token_types: bool = True, mask_id: int = 3) -> BatchMaker:
+    """Masked LM: about 15% of the real tokens (at least one per row) masked and labelled."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        ids, mask = _ids_mask(b, n, pad, g)
+        chosen = (torch.rand(ids.shape, generator=g) < 0.15) & mask.bool()
+        chosen[:, 1] = True
+        labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+        batch = {"input_ids": ids.masked_fill(chosen, mask_id), "attention_mask": mask}
+        if token_types:
+            batch["token_type_ids"] = _segments(mask)
+        return {**batch, "labels": labels}
+    return make
+
+
+def cls_batch(num_labels: int = 3, pad: int = 0, token_types: bool = True) -> BatchMaker:
+    """Sequence classification: one label per row."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        ids, mask = _ids_mask(b, n, pad, g)
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if token_types:
+            batch["token_type_ids"] = _segments(mask)
+        return {**batch, "labels": torch.randint(0, num_labels, (b,), generator=g)}
+    return make
+
+
+def rtd_batch() -> BatchMaker:
+    """ELECTRA's replaced-token detection: a 0/1 label per token."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        ids, mask = _ids_mask(b, n, 0, g)
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": _segments(mask),
+                "labels": torch.randint(0, 2, (b, n), generator=g)}
+    return make
+
+
+def clm_batch(pad: int = 0) -> BatchMaker:
+    """Causal LM: the labels are the ids (the model shifts them), -100 on padding."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        ids, mask = _ids_mask(b, n, pad, _gen(seed))
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return make
+
+
+def seq2seq_batch(pad: int = 0) -> BatchMaker:
+    """Encoder-decoder: source ids and mask, target labels half as long (the model makes the
+    decoder inputs from them)."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        ids, mask = _ids_mask(b, n, pad, g)
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": _padded_labels(b, max(3, n // 2), 4, VOCAB, g)}
+    return make
+
+
+def image_batch(key: str = "pixel_values") -> BatchMaker:
+    """Images (batch, 3, 32, 32) and a class per image; ``length`` is not used."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        return {key: torch.randn(b, 3, IMAGE, IMAGE, generator=g),
+                "labels": torch.randint(0, NUM_LABELS, (b,), generator=g)}
+    return make
+
+
+def ctc_batch(samples_per_step: int = 20, vocab: int = 32) -> BatchMaker:
+    """Raw audio (``length * 20`` samples, the last row padded with zeros and masked) and CTC
+    character targets."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        total = n * samples_per_step
+        values = torch.randn(b, total, generator=g)
+        mask = torch.ones(b, total, dtype=torch.long)
+        keep = total - total // 4
+        mask[-1, keep:] = 0
+        values[-1, keep:] = 0
+        return {"input_values": values, "attention_mask": mask,
+                "labels": _padded_labels(b, 4, 1, vocab, g)}
+    return make
+
+
+def whisper_batch(mels: int = 16, frames: int = 32) -> BatchMaker:
+    """Log-mel features of the fixed length Whisper's encoder takes, and target labels whose
+    length follows ``length``."""
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        return {"input_features": torch.randn(b, mels, frames, generator=g),
+                "labels": _padded_labels(b, max(3, n // 2), 4, 100, g)}
+    return make
+
+
+# --- the registry -----------------------------------------------------------------------------
+ENC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+           max_position_embeddings=128)
+DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.1)
+VIT = dict(image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+           intermediate_size=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_labels=NUM_LABELS)
+ROBERTA = dict(ENC, max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+S2S = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128)
+TIMM_DROP = dict(drop_rate=0.1, drop_path_rate=0.1)
+
+
+def _text_encoders() -> list[ZooEntry]:
+    """Encoders with a masked-LM, classification or detection head."""
+    E = ZooEntry
+    text = [
+        E("bert-mlm", "text-encoder", hf("BertForMaskedLM", "BertConfig", **ENC), mlm_batch()),
+        E("bert-cls", "text-encoder", hf("BertForSequenceClassification", "BertConfig", **ENC, num_labels=3),
+          cls_batch()),
+        E("roberta-mlm", "text-encoder", hf("RobertaForMaskedLM", "RobertaConfig", **ROBERTA),
+          mlm_batch(pad=1, token_types=False)),
+        E("xlm-roberta-mlm", "text-encoder", hf("XLMRobertaForMaskedLM", "XLMRobertaConfig", **ROBERTA),
+          mlm_batch(pad=1, token_types=False)),
+        E("distilbert-mlm", "text-encoder",
+          hf("DistilBertForMaskedLM", "DistilBertConfig", vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4,
+             hidden_dim=64, max_position_embeddings=128), mlm_batch(token_types=False)),
+        E("albert-mlm", "text-encoder",
+          hf("AlbertForMaskedLM", "AlbertConfig", **ENC, embedding_size=16, hidden_dropout_prob=0.1,
+             attention_probs_dropout_prob=0.1), mlm_batch()),
+        E("electra-rtd", "text-encoder", hf("ElectraForPreTraining", "ElectraConfig", **ENC, embedding_size=16),
+          rtd_batch()),
+        E("deberta-v2-mlm", "text-encoder",
+          hf("DebertaV2ForMaskedLM", "DebertaV2Config", **ENC, relative_attention=True, position_buckets=16,
+             pos_att_type=["p2c", "c2p"], max_relative_positions=-1), mlm_batch()),
+        E("mpnet-mlm", "text-encoder", hf("MPNetForMaskedLM", "MPNetConfig", **dict(ROBERTA, type_vocab_size=None)),
+          mlm_batch(pad=1, token_types=False)),
+        E("modernbert-mlm", "text-encoder",
+          hf("ModernBertForMaskedLM", "ModernBertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128, pad_token_id=0,
+             attention_dropout=0.1, mlp_dropout=0.1, embedding_dropout=0.1, local_attention=8,
+             bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+          mlm_batch(token_types=False)),
+    ]
+    return text
+
+
+def _decoders() -> list[ZooEntry]:
+    """Decoder LLMs (causal LM loss from the shifted ids)."""
+    E = ZooEntry
+    clm = clm_batch()
+    decoders = [
+        E("llama", "decoder", hf("LlamaForCausalLM", "LlamaConfig", **DEC), clm),
+        E("mistral", "decoder", hf("MistralForCausalLM", "MistralConfig", **DEC), clm),
+        E("qwen2", "decoder", hf("Qwen2ForCausalLM", "Qwen2Config", **DEC), clm),
+        E("qwen3", "decoder", hf("Qwen3ForCausalLM", "Qwen3Config", **DEC, head_dim=8), clm),
+        E("phi", "decoder", hf("PhiForCausalLM", "PhiConfig", **DEC, resid_pdrop=0.1, embd_pdrop=0.1,
+                               partial_rotary_factor=0.5), clm),
+        E("phi3", "decoder", hf("Phi3ForCausalLM", "Phi3Config", **DEC, resid_pdrop=0.1, embd_pdrop=0.1,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2), clm),
+        E("gemma", "decoder", hf("GemmaForCausalLM", "GemmaConfig", **DEC, head_dim=8), clm),
+        E("gemma2", "decoder", hf("Gemma2ForCausalLM", "Gemma2Config", **DEC, head_dim=8, query_pre_attn_scalar=8,
+                                  sliding_window=8), clm),
+        E("gpt2", "decoder", hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                n_positions=128, bos_token_id=0, eos_token_id=0), clm),
+        E("gpt-neo", "decoder",
+          hf("GPTNeoForCausalLM", "GPTNeoConfig", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+             intermediate_size=64, attention_types=[[["global", "local"], 1]], window_size=8,
+             max_position_embeddings=128, embed_dropout=0.1, attention_dropout=0.1, resid_dropout=0.1,
+             bos_token_id=0, eos_token_id=0), clm),
+        E("gpt-neox", "decoder",
+          hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **DEC, hidden_dropout=0.1, rotary_pct=0.25), clm),
+        E("opt", "decoder",
+          hf("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+             num_attention_heads=4, ffn_dim=64, max_position_embeddings=128, word_embed_proj_dim=32,
+             pad_token_id=1, bos_token_id=2, eos_token_id=2), clm_batch(pad=1)),
+        E("bloom", "decoder",
+          hf("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+             hidden_dropout=0.1, attention_dropout=0.1), clm),
+        E("falcon", "decoder",
+          hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+             num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1), clm),
+        E("stablelm", "decoder",
+          hf("StableLmForCausalLM", "StableLmConfig", **DEC, hidden_dropout=0.1, partial_rotary_factor=0.25), clm),
+        E("mixtral", "decoder",
+          hf("MixtralForCausalLM", "MixtralConfig", **DEC, num_local_experts=4, num_experts_per_tok=2), clm,
+          prepare_reference=lambda m: m.set_experts_implementation("eager"),
+          note="the float64 reference runs the experts eagerly (grouped_mm has no float64)"),
+    ]
+    return decoders
+
+
+def _encoder_decoders() -> list[ZooEntry]:
+    """Encoder-decoders (labels through the decoder)."""
+    E = ZooEntry
+    encdec = [
+        E("t5", "enc-dec", hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_kv=8,
+                              d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                              pad_token_id=0, decoder_start_token_id=0), seq2seq_batch()),
+        E("bart", "enc-dec", hf("BartForConditionalGeneration", "BartConfig", **S2S, pad_token_id=1,
+                                bos_token_id=0, eos_token_id=2, decoder_start_token_id=2), seq2seq_batch(pad=1)),
+        E("pegasus", "enc-dec", hf("PegasusForConditionalGeneration", "PegasusConfig", **S2S, pad_token_id=0,
+                                   eos_token_id=1, decoder_start_token_id=0), seq2seq_batch()),
+        E("marian", "enc-dec", hf("MarianMTModel", "MarianConfig", **S2S, pad_token_id=0, eos_token_id=1,
+                                  decoder_start_token_id=0, decoder_vocab_size=VOCAB), seq2seq_batch()),
+    ]
+    return encdec
+
+
+def _vision() -> list[ZooEntry]:
+    """Vision transformers and CNNs from transformers."""
+    E = ZooEntry
+    img = image_batch()
+    vision = [
+        E("vit", "vision", hf("ViTForImageClassification", "ViTConfig", **VIT), img),
+        E("deit", "vision", hf("DeiTForImageClassification", "DeiTConfig", **VIT), img),
+        E("beit", "vision", hf("BeitForImageClassification", "BeitConfig", **VIT, use_relative_position_bias=True),
+          img),
+        E("dinov2", "vision", hf("Dinov2ForImageClassification", "Dinov2Config",
+                                 **{k: v for k, v in VIT.items() if k != "intermediate_size"}, mlp_ratio=2), img),
+        E("swin", "vision", hf("SwinForImageClassification", "SwinConfig", image_size=IMAGE, patch_size=2,
+                               embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
+                               hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                               num_labels=NUM_LABELS), img),
+    ]
+    cnn = [
+        E("resnet", "cnn", hf("ResNetForImageClassification", "ResNetConfig", embedding_size=16,
+                              hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=NUM_LABELS), img),
+        E("convnext", "cnn", hf("ConvNextForImageClassification", "ConvNextConfig", hidden_sizes=[16, 32],
+                                depths=[1, 1], num_stages=2, drop_path_rate=0.1, num_labels=NUM_LABELS), img),
+        E("regnet", "cnn", hf("RegNetForImageClassification", "RegNetConfig", embedding_size=16,
+                              hidden_sizes=[16, 32], depths=[1, 1], groups_width=8, num_labels=NUM_LABELS), img),
+        E("mobilenet-v2", "cnn", hf("MobileNetV2ForImageClassification", "MobileNetV2Config", depth_multiplier=0.35,
+                                    image_size=IMAGE, num_labels=NUM_LABELS), img),
+    ]
+    return vision + cnn
+
+
+def _audio() -> list[ZooEntry]:
+    """Audio models (raw audio and log-mel inputs)."""
+    E = ZooEntry
+    audio = [
+        E("wav2vec2-ctc", "audio",
+          hf("Wav2Vec2ForCTC", "Wav2Vec2Config", vocab_size=32, hidden_size=32, num_hidden_layers=2,
+             num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+             num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, feat_extract_norm="layer",
+             do_stable_layer_norm=True, mask_time_prob=0.0, hidden_dropout=0.1, pad_token_id=0,
+             ctc_loss_reduction="mean"), ctc_batch(),
+          note="mask_time_prob=0: SpecAugment draws its masks with numpy, no torch seed governs them"),
+        E("whisper", "audio",
+          hf("WhisperForConditionalGeneration", "WhisperConfig", vocab_size=100, num_mel_bins=16, d_model=32,
+             encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+             encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16, max_target_positions=64,
+             dropout=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+             suppress_tokens=None, begin_suppress_tokens=None), whisper_batch(),
+          note="the encoder takes 32 frames only: another length changes the labels' length"),
+    ]
+    return audio
+
+
+def _timm() -> list[ZooEntry]:
+    """timm models (logits only: the loss is cross-entropy of them)."""
+    E = ZooEntry
+    timm_img = image_batch("x")
+    timm_specs: list[tuple[str, dict[str, Any]]] = [
+        ("resnet10t", TIMM_DROP), ("resnet18", TIMM_DROP), ("efficientnet_b0", TIMM_DROP),
+        ("mobilenetv3_small_050", TIMM_DROP), ("regnetx_002", TIMM_DROP), ("convnext_atto", TIMM_DROP),
+        ("vit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
+        ("deit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
+        ("mixer_s16_224", dict(TIMM_DROP, img_size=IMAGE)),
+        ("ghostnet_050", dict(drop_rate=0.1)), ("densenet121", dict(drop_rate=0.1, block_config=(2, 2, 2, 2))),
+        ("repvgg_a0", TIMM_DROP), ("efficientvit_b0", dict(drop_rate=0.1)),
+        ("levit_128s", dict(TIMM_DROP, img_size=IMAGE)), ("mobilevit_xxs", TIMM_DROP), ("lcnet_050", TIMM_DROP),
+    ]
+    timms = [E(f"timm-{name}", "timm", timm_model(name, **kw), timm_img, external_loss=True)
+             for name, kw in timm_specs]
+    return timms
+
+
+def _entries() -> list[ZooEntry]:
+    return _text_encoders() + _decoders() + _encoder_decoders() + _vision() + _audio() + _timm()
+
+
+
+MODELS: dict[str, ZooEntry] = {e.name: e for e in _entries()}
+# A quick model of each of four families: what the default (CI) test run covers.
+SAMPLE: tuple[str, ...] = ("bert-cls", "gpt2", "resnet", "timm-deit_tiny_patch16_224")
+
+
+def get(name: str) -> ZooEntry:
+    """The entry of that name (a KeyError lists the names)."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise KeyError(f"no zoo model {name!r}; the models are {sorted(MODELS)}") from None
