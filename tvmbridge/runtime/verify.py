@@ -18,8 +18,7 @@ input, a wrong gradient formula, an aliased buffer), not a proof of bitwise equa
 """
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -100,7 +99,6 @@ class Trust:
 
     outputs: bool = False
     gradients: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def needed(self, needs_grad: bool) -> bool:
         return not self.outputs or (needs_grad and not self.gradients)
@@ -115,7 +113,6 @@ class GradientCheck:
     names: list[str]  # per call tensor (the call's, then the module's state)
     on_result: Callable[[Discrepancy | None], None]
     precision: torch.dtype | None = None  # autocast's dtype: the gradients carry its rounding
-    done: bool = False
 
     def eager_gradients(self, inputs: list[torch.Tensor], needs: tuple[bool, ...],
                         grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
