@@ -82,3 +82,35 @@ def test_symbolic_slices_and_ranges_serve_every_length() -> None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     variants = tvm._tvm_dispatch.variants
     assert len(variants) == 2 and variants[1].symbolic, tvm._tvm_dispatch.explain()
+
+
+class PartialRotary(torch.nn.Module):
+    """Phi-3's pattern: ``x[..., :rot]`` rotated, ``x[..., rot:]`` passed through and concatenated
+    back; with ``rot`` the whole head the pass-through part is empty along the axis."""
+
+    def __init__(self, rot: int) -> None:
+        super().__init__()
+        self.rot = rot
+        self.lin = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        rotated, passed = h[..., :self.rot], h[..., self.rot:]
+        half = self.rot // 2
+        rotated = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1) * 0.5 + rotated
+        return torch.cat((rotated, passed), dim=-1).pow(2).sum()
+
+
+@pytest.mark.parametrize("rot", [8, 4])
+def test_empty_cat_parts_are_dropped_not_refused(rot: int) -> None:
+    torch.manual_seed(rot)
+    eager = PartialRotary(rot)
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    got, want = tvm(x), eager(x2)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tvm.lin.weight.grad, eager.lin.weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)

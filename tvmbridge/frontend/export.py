@@ -10,7 +10,6 @@ learned is kept in :class:`TracedModule` for the guard and the runtime.
 """
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import ConversionError, describe
 from .decompositions import decomposition_table
 from .mixed_dtypes import make_dtype_mixing_explicit
+from .outputs import OutputLayout, flatten_output
 from .signature import canonical_call
 
 
@@ -98,7 +98,7 @@ class TracedModule:
 
     exported: ExportedProgram
     in_spec: pytree.TreeSpec  # of the canonical (args, kwargs)
-    out_spec: pytree.TreeSpec  # of the module's own output
+    out_spec: OutputLayout  # of the module's own output
     constant_leaves: dict[int, Any]  # leaf index -> the non-tensor value the export specialised on
     num_user_inputs: int
     state: ModuleState
@@ -118,7 +118,7 @@ class _Seen:
     """What tracing saw: the output's structure (shared, not copied, if the tracer copies the
     module)."""
 
-    out_spec: pytree.TreeSpec | None = None
+    out_spec: OutputLayout | None = None
 
     def __deepcopy__(self, memo: dict) -> _Seen:
         return self
@@ -149,22 +149,8 @@ class FlatCall(torch.nn.Module):
         for name in self.updated:
             values[name] = values[name].clone()
         out = torch.func.functional_call(self.inner, values, args, kwargs, tie_weights=True, strict=False)
-        out_leaves, self.seen.out_spec = pytree.tree_flatten(out)
+        out_leaves, self.seen.out_spec = flatten_output(out)
         return (*out_leaves, *(values[n] for n in self.updated))
-
-
-def register_library_pytrees(module: torch.nn.Module) -> None:
-    """transformers' decoders return a ``DynamicCache`` (the past keys and values) that torch's
-    pytree does not know, so their ordinary call cannot be traced; transformers ships the
-    registration torch.export needs (idempotent)."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
-        return
-    try:
-        from transformers.integrations.executorch import register_dynamic_cache_export_support
-    except ImportError:  # an older transformers: the trace error says what is missing
-        return
-    register_dynamic_cache_export_support()
 
 
 def _dynamic_shapes(num_inputs: int, dynamic: dict[int, frozenset[int]]) -> tuple | None:
@@ -187,9 +173,8 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
                                        dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {}))
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
             hint = ""
-            if "pytree" in str(exc) and "Cache" in str(exc):  # transformers' encoder-decoder cache
-                hint = ("; the model returns a key/value cache torch.export cannot flatten: train with "
-                        "use_cache=False (model.config.use_cache = False, or pass use_cache=False)")
+            if "Cache" in str(exc):  # transformers' key/value caches
+                hint = "; the model builds a key/value cache: train with use_cache=False"
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"
             ) from exc
@@ -214,7 +199,6 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     state = ModuleState.of(module)
-    register_library_pytrees(module)
     inputs = tensors + tuple(t.detach() for t in state.lookup(module))
     flat = FlatCall(module, in_spec, leaves, state)
     autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")

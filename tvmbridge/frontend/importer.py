@@ -439,12 +439,14 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
         return bb.emit(relax.op.gather_elements(x, clipped, axis=axis))
 
     def _cat_legacy_empty(self, node: torch.fx.Node) -> relax.Expr:
-        """``cat`` skips 1-D empty tensors whatever the others' rank (PyTorch's legacy rule, which
-        transformers' key/value cache relies on: it starts from ``torch.tensor([])``)."""
+        """``cat`` skips empty parts: 1-D empty tensors whatever the others' rank (PyTorch's legacy
+        rule, which transformers' key/value cache relies on: it starts from ``torch.tensor([])``),
+        and parts of size 0 along the axis (a partial-rotary model's ``x[..., rot:]`` when the
+        rotation covers the whole head). TVM has no empty tensors; these add nothing."""
         parts = [self.env[n] for n in node.args[0]]
         vals = [n.meta["val"] for n in node.args[0]]
-        kept = [p for p, v in zip(parts, vals) if not (v.dim() == 1 and v.shape[0] == 0)] or parts[:1]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        kept = [p for p, v in zip(parts, vals) if not _empty_cat_part(v, dim)] or parts[:1]
         if len(kept) == 1:
             return kept[0]
         return self.block_builder.emit(relax.op.concat(kept, axis=dim))
@@ -836,12 +838,33 @@ def _is_random(node: torch.fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
+def _empty_cat_part(val: torch.Tensor, dim: int) -> bool:
+    """A ``cat`` part that adds nothing: 1-D empty, or of size 0 along the axis."""
+    if val.dim() == 1 and isinstance(val.shape[0], int) and val.shape[0] == 0:
+        return True
+    size = val.shape[dim] if -val.dim() <= dim < val.dim() else None
+    return isinstance(size, int) and size == 0
+
+
 def feeds_only_cat(node: torch.fx.Node) -> bool:
     """Every use of ``node`` is a ``cat``, directly or through copies and casts."""
     copies = ("_to_copy.default", "lift_fresh_copy.default", "clone.default", "alias.default", "detach.default")
     names_ = [getattr(u.target, "__name__", "") for u in node.users]
     return bool(names_) and all(n == "cat.default" or (n in copies and feeds_only_cat(u))
                                 for n, u in zip(names_, node.users))
+
+
+def _cat_drops(node: torch.fx.Node, val: torch.Tensor) -> bool:
+    """Every ``cat`` that reads ``node`` (through copies) drops it as an empty part."""
+    users = [u for u in node.users]
+    for u in users:
+        if getattr(u.target, "__name__", "") == "cat.default":
+            dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
+            if not _empty_cat_part(val, dim):
+                return False
+        elif not _cat_drops(u, val):
+            return False
+    return True
 
 
 def data_dependent_values(ep: ExportedProgram) -> list[str]:
@@ -860,9 +883,8 @@ def data_dependent_values(ep: ExportedProgram) -> list[str]:
 def zero_size_values(ep: ExportedProgram) -> list[str]:
     """Values the graph uses that have a zero-size dimension (a parameter, a slice ``x[:, :0]``, a
     split part of size 0), as ``"name (shape)"``. Left out: outputs nothing reads (eval-mode
-    batch norm's empty statistics), except a split's (Relax splits at every boundary), and a 1-D
-    empty tensor only ``cat`` reads (``cat`` drops it, PyTorch's legacy rule,
-    ``BridgeImporter._cat_legacy_empty``)."""
+    batch norm's empty statistics), except a split's (Relax splits at every boundary), and an
+    empty part only ``cat`` reads (``cat`` drops it, ``BridgeImporter._cat_legacy_empty``)."""
     found = []
     for node in ep.graph.nodes:
         val = node.meta.get("val")
@@ -874,7 +896,7 @@ def zero_size_values(ep: ExportedProgram) -> list[str]:
                 continue
             if (not many and not node.users) or (many and not split and i not in used):
                 continue
-            if v.dim() == 1 and feeds_only_cat(node):
+            if not many and feeds_only_cat(node) and _cat_drops(node, v):
                 continue
             found.append(f"{node.name} ({', '.join(map(str, v.shape))})")
     return found

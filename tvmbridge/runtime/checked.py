@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from ..frontend.outputs import labelled_output_tensors
 from .function import CompiledCallError
 from .verify import Discrepancy, GradientCheck, worst
 
@@ -53,7 +53,7 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
         raise
     after = rng_states(compiled.device)
     set_rng_states(before, compiled.device)
-    paths = pytree.tree_flatten_with_path(eager_out)[0]
+    paths = labelled_output_tensors(eager_out)[0]
     precision = traced.autocast.dtype if traced.autocast is not None else None  # autocast rounds to it
     n_user = traced.num_user_outputs
     check = None
@@ -67,7 +67,7 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     except CompiledCallError as exc:  # PyTorch's result stands
         found = f"the compiled code failed on its first call ({exc})"
     else:
-        pairs = [("output" + pytree.keystr(path), outs[i], want) for i, (path, want) in enumerate(paths)]
+        pairs = [(where, outs[i], want) for i, (where, want) in enumerate(paths)]
         pairs += [(f"buffer {name}", outs[n_user + j], eager_state[name])
                   for j, name in enumerate(traced.updated_buffers)]
         discrepancy = worst(pairs, precision)

@@ -34,6 +34,7 @@ from ..backend.build import release_cached_memory
 from ..backend.gemm_choice import summary as gemm_summary
 from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning
 from ..frontend.export import AutocastState
+from ..frontend.outputs import flatten_output, unflatten_output
 from ..options import CompileOptions, with_overrides
 from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
 from .function import Call, CompiledCallError, TVMFunction, infer
@@ -321,7 +322,7 @@ class Dispatcher:
             with torch.no_grad():
                 for name, new in zip(traced.updated_buffers, outs[n_user:n_user + n_state]):
                     by_name[name].copy_(new)
-        return pytree.tree_unflatten(list(outs[:n_user]), traced.out_spec)
+        return unflatten_output(list(outs[:n_user]), traced.out_spec)
 
     def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
         """Drop a variant that failed or disagreed with PyTorch: calls of its signature run PyTorch
@@ -350,7 +351,7 @@ class Dispatcher:
     def _eager_outputs(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """PyTorch's forward on the given call and state tensors: the flat outputs, as the
         compiled code returns them (for a double backward)."""
-        return pytree.tree_leaves(self.eager_call(compiled, tensors)[0])
+        return flatten_output(self.eager_call(compiled, tensors)[0])[0]
 
     def eager_call(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
         """PyTorch's forward on the given call and state tensors: its output, and the new values

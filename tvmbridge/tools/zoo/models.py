@@ -23,6 +23,10 @@ FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "tim
 VOCAB = 256
 NUM_LABELS = 10
 IMAGE = 32
+# timm's CNNs downsample 32x: at 32x32 their last stages see 1x1 maps, where train-mode BatchNorm
+# over a batch of 2 normalizes 2 values to +-1 and its float32 gradient is noise times 1/|x1-x2|
+# (eager's own gradient is then further from float64 than the gradient's size). 64x64 keeps 2x2.
+CNN_IMAGE = 64
 
 
 @dataclass(frozen=True)
@@ -173,11 +177,13 @@ def seq2seq_batch(pad: int = 0) -> BatchMaker:
     return make
 
 
-def image_batch(key: str = "pixel_values") -> BatchMaker:
-    """Images (batch, 3, 32, 32) and a class per image; ``length`` is not used."""
+def image_batch(key: str = "pixel_values", size: int | None = None) -> BatchMaker:
+    """Images (batch, 3, size, size), ``IMAGE`` by default, and a class per image; ``length`` is
+    not used."""
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
-        return {key: torch.randn(b, 3, IMAGE, IMAGE, generator=g),
+        side = size or IMAGE
+        return {key: torch.randn(b, 3, side, side, generator=g),
                 "labels": torch.randint(0, NUM_LABELS, (b,), generator=g)}
     return make
 
@@ -371,20 +377,22 @@ def _audio() -> list[ZooEntry]:
 def _timm() -> list[ZooEntry]:
     """timm models (logits only: the loss is cross-entropy of them)."""
     E = ZooEntry
-    timm_img = image_batch("x")
-    timm_specs: list[tuple[str, dict[str, Any]]] = [
-        ("resnet10t", TIMM_DROP), ("resnet18", TIMM_DROP), ("efficientnet_b0", TIMM_DROP),
-        ("mobilenetv3_small_050", TIMM_DROP), ("regnetx_002", TIMM_DROP), ("convnext_atto", TIMM_DROP),
+    transformers_ = [
         ("vit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
         ("deit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
         ("mixer_s16_224", dict(TIMM_DROP, img_size=IMAGE)),
+    ]
+    cnns = [  # CNN_IMAGE: see there
+        ("resnet10t", TIMM_DROP), ("resnet18", TIMM_DROP), ("efficientnet_b0", TIMM_DROP),
+        ("mobilenetv3_small_050", TIMM_DROP), ("regnetx_002", TIMM_DROP), ("convnext_atto", TIMM_DROP),
         ("ghostnet_050", dict(drop_rate=0.1)), ("densenet121", dict(drop_rate=0.1, block_config=(2, 2, 2, 2))),
         ("repvgg_a0", TIMM_DROP), ("efficientvit_b0", dict(drop_rate=0.1)),
-        ("levit_128s", dict(TIMM_DROP, img_size=IMAGE)), ("mobilevit_xxs", TIMM_DROP), ("lcnet_050", TIMM_DROP),
+        ("levit_128s", dict(TIMM_DROP, img_size=CNN_IMAGE)), ("mobilevit_xxs", TIMM_DROP), ("lcnet_050", TIMM_DROP),
     ]
-    timms = [E(f"timm-{name}", "timm", timm_model(name, **kw), timm_img, external_loss=True)
-             for name, kw in timm_specs]
-    return timms
+    specs = [(n, kw, IMAGE) for n, kw in transformers_] + [(n, kw, CNN_IMAGE) for n, kw in cnns]
+    return [E(f"timm-{name}", "timm", timm_model(name, **kw), image_batch("x", side), external_loss=True,
+              note="" if side == IMAGE else f"{side}x{side} images")
+            for name, kw, side in specs]
 
 
 def _entries() -> list[ZooEntry]:
