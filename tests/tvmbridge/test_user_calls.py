@@ -276,3 +276,35 @@ def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: s
     with pytest.warns(UserWarning, match=message):
         out = m(*inputs)
     assert out.requires_grad
+
+
+class SharedTable(torch.nn.Module):
+    """DeBERTa's pattern: one embedding table read in every layer with the same indices (one
+    index-range flag, returned once per read), and an integer output returned twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel = torch.nn.Embedding(8, 4, dtype=torch.float64)
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = x
+        for _ in range(3):
+            h = self.lin(h) + self.rel(pos)
+        top = h.argmax(-1)
+        return h.tanh().sum(), top, top
+
+
+def test_repeated_non_differentiable_outputs_train() -> None:
+    torch.manual_seed(0)
+    eager = SharedTable()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), fallback=False)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    pos = torch.randint(0, 8, (2, 5))
+    got, want = tvm(x, pos), eager(x, pos)
+    got[0].backward()
+    want[0].backward()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    for (name, p), q in zip(eager.named_parameters(), tvm.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=name)

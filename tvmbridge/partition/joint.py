@@ -134,7 +134,7 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str,
             k, op_name(b.value), [keys[v] for v in free_vars(b.value)], shape, dtype, nbytes,
             is_forward=i < num_primal_bindings,
         )
-    outputs = output_vars(adj, len(grad.differentiable))
+    outputs = output_vars(adj, len(grad.differentiable), grad.repeats)
     return JointGraph(
         nodes=nodes,
         forward_outputs=[keys[v] for v in outputs],
@@ -146,14 +146,18 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str,
     )
 
 
-def output_vars(adj: relax.Function, n: int) -> list[relax.Var]:
+def output_vars(adj: relax.Function, n: int, repeats: dict[int, int] | None = None) -> list[relax.Var]:
     """The primal outputs, found where the VJP target reads them (``vjp_prod{i} = o_i * g_i``):
-    robust to the renaming and aliasing that simplification does."""
+    robust to the renaming and aliasing that simplification does. ``repeats``: outputs that
+    return an earlier output's value (not in the target)."""
     found: dict[int, relax.Var] = {}
     for b in adj.body.blocks[0].bindings:
         i = names.vjp_prod_index(b.var.name)
         if i is not None and isinstance(b.value, relax.Call):
             found[i] = b.value.args[0]
+    for i, j in (repeats or {}).items():
+        if j in found:
+            found[i] = found[j]
     if sorted(found) != list(range(n)) or not all(isinstance(v, relax.Var) for v in found.values()):
         raise ConversionError("split", "could not locate the module outputs in the adjoint")
     return [found[i] for i in range(n)]

@@ -11,7 +11,7 @@ gradients Relax lacks are registered by importing ``gradients``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tvm
 from tvm import relax
@@ -40,6 +40,21 @@ class GradientResult:
     num_primal_params: int
     grad_out_params: list[relax.Var]  # one per differentiable output, in output order
     differentiable: tuple[bool, ...]  # per output
+    repeats: dict[int, int] = field(default_factory=dict)  # output i is the value of output j < i
+
+
+def repeated_outputs(outputs: list[relax.Expr], differentiable: list[bool]) -> dict[int, int]:
+    """Non-differentiable outputs that return an earlier output's value (one index flag for an
+    embedding table read in every layer): ``{i: j}``. They are left out of the VJP target, where
+    common-subexpression elimination would merge their ``vjp_prod`` bindings anyway."""
+    repeats: dict[int, int] = {}
+    for i, o in enumerate(outputs):
+        if differentiable[i]:
+            continue
+        j = next((j for j in range(i) if outputs[j].same_as(o)), None)
+        if j is not None:
+            repeats[i] = repeats.get(j, j)
+    return repeats
 
 
 def function_outputs(func: relax.Function) -> list[relax.Expr]:
@@ -68,7 +83,10 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.F
     g = iter(grad_outs)
     bindings = list(block.bindings)
     total: relax.Expr | None = None
+    repeats = repeated_outputs(outputs, differentiable)
     for i, o in enumerate(outputs):
+        if i in repeats:
+            continue
         prod = relax.DataflowVar(names.vjp_prod(i), o.ty)
         if differentiable[i]:
             bindings.append(relax.VarBinding(prod, relax.op.multiply(o, next(g))))
@@ -112,6 +130,7 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
     return GradientResult(
         adjoint=adjoint, num_primal_params=len(func.params),
         grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),
+        repeats=repeated_outputs(function_outputs(func), differentiable),
     )
 
 
