@@ -308,3 +308,28 @@ def test_repeated_non_differentiable_outputs_train() -> None:
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     for (name, p), q in zip(eager.named_parameters(), tvm.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class ConstantOutput(torch.nn.Module):
+    """A tensor made from nothing in the output (Mistral's cache holds ``torch.tensor(window)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x).tanh().sum(), torch.tensor(4096)
+
+
+def test_an_output_made_from_nothing_trains() -> None:
+    torch.manual_seed(0)
+    eager = ConstantOutput()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), fallback=False)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    got, want = tvm(x), eager(x)
+    got[0].backward()
+    want[0].backward()
+    assert torch.equal(got[1], want[1]) and got[1].dtype == want[1].dtype
+    got[1].add_(1)  # the user's tensor: the next call's is its own
+    assert tvm(x)[1].item() == 4096
+    torch.testing.assert_close(tvm.lin.weight.grad, eager.lin.weight.grad, rtol=1e-12, atol=1e-12)

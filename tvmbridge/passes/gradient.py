@@ -73,15 +73,21 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.F
     output ``i`` is ``names.vjp_prod(i)``, which is how the split finds the outputs again."""
     block = only_dataflow_block(func, "gradient")
     outputs = function_outputs(func)
-    for o in outputs:
-        if not isinstance(o, relax.Var) or not isinstance(o.ty, relax.TensorType):
+    bindings = list(block.bindings)
+    for i, o in enumerate(outputs):
+        if isinstance(o, tvm.ir.expr.Constant) and not differentiable[i]:
+            # a tensor the forward creates from nothing (a cache's ``torch.tensor(window)``):
+            # computed (``max(c, c)``, which no simplification folds back into the constant) so
+            # that the split finds it like any output, and each call gets its own tensor
+            outputs[i] = relax.DataflowVar(f"constant_output{i}", o.ty)
+            bindings.append(relax.VarBinding(outputs[i], relax.op.maximum(o, o)))
+        if not isinstance(outputs[i], relax.Var) or not isinstance(outputs[i].ty, relax.TensorType):
             raise ConversionError("gradient", f"output {o} is not a tensor variable")
     # a float32 (float64 when an output is) target: Relax differentiates float32/float64 scalars
     # only, and bfloat16/float16 outputs (autocast) are summed in float32
     target_dtype = "float64" if any(str(o.ty.dtype) == "float64" for o in outputs) else "float32"
     grad_outs = [relax.Var(f"{names.GRAD_OUT}{i}", o.ty) for i, o in enumerate(outputs) if differentiable[i]]
     g = iter(grad_outs)
-    bindings = list(block.bindings)
     total: relax.Expr | None = None
     repeats = repeated_outputs(outputs, differentiable)
     for i, o in enumerate(outputs):
