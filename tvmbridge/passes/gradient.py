@@ -43,15 +43,23 @@ class GradientResult:
     repeats: dict[int, int] = field(default_factory=dict)  # output i is the value of output j < i
 
 
+def _same_constant(a: relax.Expr, b: relax.Expr) -> bool:
+    if not (isinstance(a, tvm.ir.expr.Constant) and isinstance(b, tvm.ir.expr.Constant)):
+        return False
+    x, y = a.value.numpy(), b.value.numpy()
+    return x.dtype == y.dtype and x.shape == y.shape and bool((x == y).all())
+
+
 def repeated_outputs(outputs: list[relax.Expr], differentiable: list[bool]) -> dict[int, int]:
     """Non-differentiable outputs that return an earlier output's value (one index flag for an
-    embedding table read in every layer): ``{i: j}``. They are left out of the VJP target, where
+    embedding table read in every layer, one constant in every layer's cache): ``{i: j}``. They are left out of the VJP target, where
     common-subexpression elimination would merge their ``vjp_prod`` bindings anyway."""
     repeats: dict[int, int] = {}
     for i, o in enumerate(outputs):
         if differentiable[i]:
             continue
-        j = next((j for j in range(i) if outputs[j].same_as(o)), None)
+        j = next((j for j in range(i) if outputs[j].same_as(o) or (
+            _same_constant(outputs[j], o))), None)
         if j is not None:
             repeats[i] = repeats.get(j, j)
     return repeats
@@ -74,11 +82,14 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.F
     block = only_dataflow_block(func, "gradient")
     outputs = function_outputs(func)
     bindings = list(block.bindings)
+    repeats = repeated_outputs(outputs, differentiable)  # before constants get their variables
     for i, o in enumerate(outputs):
+        if i in repeats:
+            continue
         if isinstance(o, tvm.ir.expr.Constant) and not differentiable[i]:
             # a tensor the forward creates from nothing (a cache's ``torch.tensor(window)``):
-            # computed (``max(c, c)``, which no simplification folds back into the constant) so
-            # that the split finds it like any output, and each call gets its own tensor
+            # computed (``max(c, c)``, which no simplification before the split folds back into
+            # the constant) so that the split finds it like any output
             outputs[i] = relax.DataflowVar(f"constant_output{i}", o.ty)
             bindings.append(relax.VarBinding(outputs[i], relax.op.maximum(o, o)))
         if not isinstance(outputs[i], relax.Var) or not isinstance(outputs[i].ty, relax.TensorType):
@@ -89,7 +100,6 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.F
     grad_outs = [relax.Var(f"{names.GRAD_OUT}{i}", o.ty) for i, o in enumerate(outputs) if differentiable[i]]
     g = iter(grad_outs)
     total: relax.Expr | None = None
-    repeats = repeated_outputs(outputs, differentiable)
     for i, o in enumerate(outputs):
         if i in repeats:
             continue
