@@ -846,25 +846,19 @@ def _empty_cat_part(val: torch.Tensor, dim: int) -> bool:
     return isinstance(size, int) and size == 0
 
 
-def feeds_only_cat(node: torch.fx.Node) -> bool:
-    """Every use of ``node`` is a ``cat``, directly or through copies and casts."""
+def dropped_by_cat(node: torch.fx.Node, val: torch.Tensor) -> bool:
+    """Every use of ``node`` is a ``cat`` (directly or through copies and casts) that drops it as
+    an empty part (``BridgeImporter._cat_legacy_empty``)."""
     copies = ("_to_copy.default", "lift_fresh_copy.default", "clone.default", "alias.default", "detach.default")
-    names_ = [getattr(u.target, "__name__", "") for u in node.users]
-    return bool(names_) and all(n == "cat.default" or (n in copies and feeds_only_cat(u))
-                                for n, u in zip(names_, node.users))
-
-
-def _cat_drops(node: torch.fx.Node, val: torch.Tensor) -> bool:
-    """Every ``cat`` that reads ``node`` (through copies) drops it as an empty part."""
-    users = [u for u in node.users]
-    for u in users:
-        if getattr(u.target, "__name__", "") == "cat.default":
-            dim = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)
+    for user in node.users:
+        name = getattr(user.target, "__name__", "")
+        if name == "cat.default":
+            dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
             if not _empty_cat_part(val, dim):
                 return False
-        elif not _cat_drops(u, val):
+        elif name not in copies or not dropped_by_cat(user, val):
             return False
-    return True
+    return bool(node.users)
 
 
 def data_dependent_values(ep: ExportedProgram) -> list[str]:
@@ -896,7 +890,7 @@ def zero_size_values(ep: ExportedProgram) -> list[str]:
                 continue
             if (not many and not node.users) or (many and not split and i not in used):
                 continue
-            if not many and feeds_only_cat(node) and _cat_drops(node, v):
+            if not many and dropped_by_cat(node, v):
                 continue
             found.append(f"{node.name} ({', '.join(map(str, v.shape))})")
     return found

@@ -52,14 +52,14 @@ def _same_constant(a: relax.Expr, b: relax.Expr) -> bool:
 
 def repeated_outputs(outputs: list[relax.Expr], differentiable: list[bool]) -> dict[int, int]:
     """Non-differentiable outputs that return an earlier output's value (one index flag for an
-    embedding table read in every layer, one constant in every layer's cache): ``{i: j}``. They are left out of the VJP target, where
-    common-subexpression elimination would merge their ``vjp_prod`` bindings anyway."""
+    embedding table read in every layer, one constant in every layer's cache): ``{i: j}``. They
+    are left out of the VJP target, where common-subexpression elimination would merge their
+    ``vjp_prod`` bindings anyway."""
     repeats: dict[int, int] = {}
     for i, o in enumerate(outputs):
         if differentiable[i]:
             continue
-        j = next((j for j in range(i) if outputs[j].same_as(o) or (
-            _same_constant(outputs[j], o))), None)
+        j = next((j for j in range(i) if outputs[j].same_as(o) or _same_constant(outputs[j], o)), None)
         if j is not None:
             repeats[i] = repeats.get(j, j)
     return repeats
@@ -75,14 +75,14 @@ def function_outputs(func: relax.Function) -> list[relax.Expr]:
     return [result]
 
 
-def with_vjp_target(func: relax.Function, differentiable: list[bool]) -> relax.Function:
+def with_vjp_target(func: relax.Function, differentiable: list[bool], repeats: dict[int, int]) -> relax.Function:
     """``func`` returning ``target = sum_i sum(o_i * g_i)`` over the differentiable outputs (the
     ``g_i`` trailing params) plus ``sum(no_grad(o_j))`` over the others; the binding that reads
-    output ``i`` is ``names.vjp_prod(i)``, which is how the split finds the outputs again."""
+    output ``i`` is ``names.vjp_prod(i)``, which is how the split finds the outputs again;
+    ``repeats`` (``repeated_outputs``) stay out."""
     block = only_dataflow_block(func, "gradient")
     outputs = function_outputs(func)
     bindings = list(block.bindings)
-    repeats = repeated_outputs(outputs, differentiable)  # before constants get their variables
     for i, o in enumerate(outputs):
         if i in repeats:
             continue
@@ -128,7 +128,9 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
     says which outputs receive a gradient."""
     lifted_func, lifted = lift_symbolic_shapes(func)
     lifted_func, widened = _widen_params(lifted_func, grad_param_indices)
-    mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: with_vjp_target(lifted_func, differentiable)}))
+    repeats = repeated_outputs(function_outputs(func), differentiable)
+    target = with_vjp_target(lifted_func, differentiable, repeats)
+    mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: target}))
     require = [mod[names.MAIN].params[i] for i in grad_param_indices]
     try:
         mod = relax.transform.Gradient(names.MAIN, require_grads=require, target_index=0)(mod)
@@ -146,7 +148,7 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
     return GradientResult(
         adjoint=adjoint, num_primal_params=len(func.params),
         grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),
-        repeats=repeated_outputs(function_outputs(func), differentiable),
+        repeats=repeats,
     )
 
 
