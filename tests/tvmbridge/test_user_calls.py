@@ -330,4 +330,6 @@ def test_an_output_made_from_nothing_trains() -> None:
     got[0].backward()
     want[0].backward()
     assert torch.equal(got[1], want[1]) and got[1].dtype == want[1].dtype and torch.equal(got[2], want[2])
+    got[1].add_(1)  # the user's tensor: the next call's is its own
+    assert tvm(x)[1].item() == 4096
     torch.testing.assert_close(tvm.lin.weight.grad, eager.lin.weight.grad, rtol=1e-12, atol=1e-12)

@@ -22,7 +22,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import ConversionError, describe
 from .decompositions import decomposition_table
 from .mixed_dtypes import make_dtype_mixing_explicit
-from .outputs import OutputLayout, flatten_output
+from .outputs import OutputLayout, flatten_output, unflatten_output
 from .signature import canonical_call
 
 
@@ -108,6 +108,14 @@ class TracedModule:
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
     autocast: AutocastState | None = None  # the autocast the graph was traced under (its casts are ops)
     no_grad_path: frozenset[int] = frozenset()  # inputs no float user output depends on: no gradient
+    constant_outputs: frozenset[int] = frozenset()  # user outputs that are copies of a constant
+
+    def output_of(self, outs: list[torch.Tensor]) -> Any:
+        """The module's output from the compiled code's user outputs. An output copied from a
+        constant (a cache's ``torch.tensor(window)``) is one buffer of the compiled code on every
+        call: each call hands out its own copy, so that a user's in-place edit stays theirs."""
+        values = [o.clone() if i in self.constant_outputs else o for i, o in enumerate(outs[:self.num_user_outputs])]
+        return unflatten_output(values, self.out_spec)
 
     @property
     def symbolic(self) -> bool:
@@ -224,7 +232,21 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
         num_user_inputs=len(tensors), state=state, num_user_outputs=num_outputs - len(updated),
         updated_buffers=updated, input_dims=_input_dims(ep, len(tensors)), ranges=_ranges(ep),
         autocast=autocast, no_grad_path=_inputs_without_grad_path(ep, num_outputs - len(updated)),
+        constant_outputs=_constant_outputs(ep, num_outputs - len(updated)),
     )
+
+
+def _constant_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
+    """User outputs whose value is a lifted constant, directly or through copies."""
+    constants = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
+    copies = ("clone.default", "_to_copy.default", "alias.default", "lift_fresh_copy.default", "detach.default")
+    found = set()
+    for i, node in enumerate(list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]):
+        while isinstance(node, torch.fx.Node) and getattr(node.target, "__name__", "") in copies:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in constants:
+            found.add(i)
+    return frozenset(found)
 
 
 def _inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:

@@ -34,7 +34,7 @@ from ..backend.build import release_cached_memory
 from ..backend.gemm_choice import summary as gemm_summary
 from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning
 from ..frontend.export import AutocastState
-from ..frontend.outputs import flatten_output, unflatten_output
+from ..frontend.outputs import flatten_output
 from ..options import CompileOptions, with_overrides
 from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
 from .function import Call, CompiledCallError, TVMFunction, infer
@@ -322,7 +322,7 @@ class Dispatcher:
             with torch.no_grad():
                 for name, new in zip(traced.updated_buffers, outs[n_user:n_user + n_state]):
                     by_name[name].copy_(new)
-        return unflatten_output(list(outs[:n_user]), traced.out_spec)
+        return traced.output_of(list(outs))
 
     def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
         """Drop a variant that failed or disagreed with PyTorch: calls of its signature run PyTorch

@@ -24,7 +24,6 @@ from ..backend.build import materialize_non_finite_fills
 from ..errors import ConversionError
 from ..frontend.signature import canonical_call
 from ..frontend.export import AutocastState
-from ..frontend.outputs import unflatten_output
 from ..options import CompileOptions, with_overrides
 from ..pipeline import STAGE_NAMES, STAGES, Artifacts, Stage, run_stages
 from .function import to_torch, to_tvm
@@ -102,7 +101,7 @@ class InferenceModule:
         n_user = self.traced.num_user_outputs
         if any(int(flag) != 1 for flag in outs[n_user:n_user + self.num_index_checks]):
             raise IndexError("index out of range in self")
-        return unflatten_output(outs[:n_user], self.traced.out_spec)
+        return self.traced.output_of(outs)
 
 
 def _meta(x: Any) -> Any:
