@@ -49,91 +49,54 @@ def rebuild(
     return relax.transform.Normalize()(tvm.IRModule({"f": new}))["f"]
 
 
-def _symbolic_shape(expr: relax.Expr) -> bool:
-    return isinstance(expr, relax.ShapeExpr) and any(not isinstance(v, tvm.tirx.IntImm) for v in expr.values)
-
-
-def lift_symbolic_shapes(func: relax.Function) -> tuple[relax.Function, dict[relax.Var, relax.ShapeExpr]]:
-    """Every symbolic shape argument of a call (``reshape(x, (n*m, 64))``) as an extra parameter.
-
-    Relax 0.27 has mutators that, since TIR and Relax variables share one class, visit the TIR
-    variables inside such a shape as if they were Relax ones: ``Gradient`` fails (``KeyError: key
-    is not in Map``) and ``copy_with_new_vars`` leaves them unrenamed while it renames those in
-    the types. A parameter passes both unharmed (its type is renamed consistently); the shapes
-    are put back, from the parameters' types, by :func:`restore_symbolic_shapes`."""
-    block = only_dataflow_block(func, "symbolic shapes")
-    lifted: dict[relax.Var, relax.ShapeExpr] = {}
-    bindings = []
-    for b in block.bindings:
-        value = _without_symbolic_shape(b.value)
-        if isinstance(value, relax.Call) and any(_symbolic_shape(a) for a in value.args):
-            args = [_shape_param(a, lifted) if _symbolic_shape(a) else a for a in value.args]
-            value = relax.Call(value.op, args, value.attrs, value.ty_args)
-        bindings.append(relax.VarBinding(b.var, value))
-    if not lifted:
-        return func, lifted
-    return rebuild(func, list(func.params) + list(lifted), bindings, func.body.body), lifted
-
-
-def _same_shape(a: Any, b: Any) -> bool:
-    return len(a) == len(b) and all(str(x) == str(y) for x, y in zip(a, b))
-
-
-def _without_symbolic_shape(value: relax.Expr) -> relax.Expr:
-    """``value`` without its symbolic shape argument where it needs none: a broadcast or reshape
-    to the shape its input already has is the input (a reshape to ``-1`` is no way out: in the
-    copy Gradient makes, the input's shape may be known only through a lifted one).
-    A lifted shape costs the shapes downstream (a copy infers ``R.Tensor(shape_arg)`` for the
-    result, and broadcasting ops then know only its rank), so the fewer, the better."""
-    if not (is_op(value, "relax.broadcast_to") or is_op(value, "relax.reshape")) or not _symbolic_shape(value.args[1]):
-        return value
-    x, shape = value.args
-    known = getattr(x.ty, "shape", None)
-    target = list(shape.values)
-    if isinstance(known, relax.ShapeExpr) and _same_shape(list(known.values), target):
-        return x
-    return value
-
-
-def _shape_param(shape: relax.ShapeExpr, lifted: dict[relax.Var, relax.ShapeExpr]) -> relax.Var:
-    for var, known in lifted.items():
-        if tvm_ffi.structural_equal(known, shape):
-            return var
-    var = relax.Var(f"shape_arg{len(lifted)}", shape.ty)
-    lifted[var] = shape
-    return var
-
-
-def restore_symbolic_shapes(func: relax.Function, lifted: dict[relax.Var, relax.ShapeExpr]) -> relax.Function:
-    """``func`` with the lifted shape parameters (found by name: a pass may rebuild them) replaced
-    by the shapes their types hold, and removed."""
-    if not lifted:
-        return func
-    names_ = {var.name for var in lifted}
-    params = [p for p in func.params if p.name in names_]
-    if len(params) != len(lifted):
-        raise ConversionError("symbolic shapes", "the lifted shape parameters are missing from the function")
-
-    def shape_of(arg: relax.Expr) -> relax.Expr | None:
-        return next((relax.ShapeExpr(list(p.ty.values)) for p in params if arg.same_as(p)), None)
-
-    bindings = []
-    for b in only_dataflow_block(func, "symbolic shapes").bindings:
-        value = b.value
-        if isinstance(value, relax.Call) and any(shape_of(a) is not None for a in value.args):
-            value = relax.Call(value.op, [shape_of(a) or a for a in value.args], value.attrs, value.ty_args)
-        elif any(shape_of(v) is not None for v in relax.analysis.free_vars(value)):
-            raise ConversionError("symbolic shapes", f"a symbolic shape is used outside a call argument: {b.var.name}")
-        bindings.append(relax.VarBinding(b.var, value))
-    kept = [p for p in func.params if not any(p.same_as(q) for q in params)]
-    return rebuild(func, kept, bindings, func.body.body)
-
-
 def copy_with_fresh_vars(func: relax.Function) -> relax.Function:
-    """``relax.utils.copy_with_new_vars`` that also renames the TIR variables inside shape
-    arguments (see :func:`lift_symbolic_shapes`)."""
-    lifted_func, lifted = lift_symbolic_shapes(func)
-    return restore_symbolic_shapes(relax.utils.copy_with_new_vars(lifted_func), lifted)
+    """``func`` with new Relax variables and new TIR size variables (a module may define each
+    once; the forward, backward and inference functions come from one adjoint), every type kept
+    as it is. ``relax.utils.copy_with_new_vars`` re-infers the types of the copied bindings
+    (weaker ones: a tensor sized by a shape variable loses its dimensions) and, in TVM 0.27,
+    leaves the size variables inside shape arguments unrenamed."""
+    renamed: dict[relax.Var, relax.Var] = {}
+
+    def fresh(var: relax.Var) -> relax.Var:
+        kind = relax.DataflowVar if isinstance(var, relax.DataflowVar) else relax.Var
+        renamed[var] = kind(var.name, var.ty)
+        return renamed[var]
+
+    params = [fresh(p) for p in func.params]
+    bindings = []
+    for b in only_dataflow_block(func, "copy").bindings:
+        value = _with_vars(b.value, renamed)
+        bindings.append(relax.VarBinding(fresh(b.var), value))
+    copy = rebuild(func, params, bindings, _with_vars(func.body.body, renamed))
+    sizes = {v: tvm.tirx.Var(v.name, "int64") for v in _size_vars(copy.params)}
+    return copy.bind_symbolic_vars(sizes) if sizes else copy
+
+
+def _with_vars(expr: relax.Expr, renamed: dict[relax.Var, relax.Var]) -> relax.Expr:
+    """``expr`` (a binding's value in a dataflow block) reading the renamed variables."""
+    if isinstance(expr, relax.Var):
+        return renamed.get(expr, expr)
+    if isinstance(expr, relax.Tuple):
+        return relax.Tuple([_with_vars(f, renamed) for f in expr.fields])
+    if isinstance(expr, relax.TupleGetItem):
+        return relax.TupleGetItem(_with_vars(expr.tuple_value, renamed), expr.index)
+    if isinstance(expr, relax.Call):
+        return relax.Call(expr.op, [_with_vars(a, renamed) for a in expr.args], expr.attrs, expr.ty_args)
+    return expr  # constants, shapes, sizes
+
+
+def _size_vars(params: list[relax.Var]) -> list:
+    """The TIR size variables the parameters' types define, in order of appearance."""
+    found: dict[str, Any] = {}
+    for p in params:
+        shape = getattr(p.ty, "shape", None)
+        values = list(shape.values) if isinstance(shape, relax.ShapeExpr) else []
+        if isinstance(p.ty, relax.ShapeType) and p.ty.values is not None:
+            values = list(p.ty.values)
+        for v in values:
+            if tvm.ir.is_prim_var(v):
+                found.setdefault(v.name, v)
+    return list(found.values())
 
 
 def binding_map(block: relax.DataflowBlock) -> dict[relax.Var, relax.Expr]:

@@ -5,7 +5,7 @@ One place for each, so that the stage that writes a name and the stage that read
 from __future__ import annotations
 
 MAIN = "main"  # the frontend's function
-ADJOINT = f"{MAIN}_adjoint"  # the name relax.transform.Gradient gives the differentiated MAIN
+ADJOINT = f"{MAIN}_adjoint"  # the differentiated MAIN (the name Relax's Gradient would give it)
 FORWARD = "forward"  # primal params -> (outputs..., captures...)
 FORWARD_INFER = "forward_infer"  # primal params -> outputs (no_grad calls: nothing captured)
 BACKWARD = "backward"  # (captures..., primal params read..., grad_outs...) -> grads

@@ -114,3 +114,106 @@ def test_empty_cat_parts_are_dropped_not_refused(rot: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(tvm.lin.weight.grad, eager.lin.weight.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
+
+
+class SliceAssign(torch.nn.Module):
+    """``out[:, start:stop] = src`` (``slice_scatter``) on floats: both sides get gradients."""
+
+    def __init__(self, start: int | None, stop: int | None) -> None:
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x).clone()
+        out[:, self.start:self.stop] = src * 3.0
+        return (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sin().sum()
+
+
+@pytest.mark.parametrize("start,stop", [(0, None), (1, None), (2, 5), (None, 3), (-2, None), (1, -1), (0, 7)])
+def test_slice_assignment_and_its_gradients(start: int | None, stop: int | None) -> None:
+    torch.manual_seed(0)
+    eager = SliceAssign(start, stop)
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    x = torch.randn(2, 7, 4, dtype=torch.float64, requires_grad=True)
+    width = len(range(7)[slice(start, stop)])
+    src = torch.randn(2, width, 4, dtype=torch.float64, requires_grad=True)
+    x2, src2 = (t.detach().clone().requires_grad_() for t in (x, src))
+    got, want = tvm(x, src), eager(x2, src2)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in ((x.grad, x2.grad), (src.grad, src2.grad), (tvm.lin.weight.grad, eager.lin.weight.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+class ShiftRightDecoder(torch.nn.Module):
+    """BART's decoder inputs: labels shifted right by slice assignment on integer ids at the
+    call's length, a causal mask from ``full``/``triu``, attention over it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.q, self.k = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1].clone()
+        shifted[:, 0] = 2
+        h = self.emb(shifted)
+        seq = labels.shape[1]
+        mask = torch.full((seq, seq), float("-inf")).triu(1)
+        scores = self.q(h) @ self.k(h).transpose(1, 2) + mask
+        return (scores.softmax(-1) @ h).pow(2).mean()
+
+
+def test_shifted_decoder_inputs_serve_every_length_in_one_symbolic_variant() -> None:
+    torch.manual_seed(0)
+    eager = ShiftRightDecoder()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    for seq in (6, 9, 13, 4):
+        labels = torch.randint(0, 16, (2, seq))
+        for m in (tvm, eager):
+            m.zero_grad(set_to_none=True)
+        got, want = tvm(labels), eager(labels)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(tvm.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    variants = tvm._tvm_dispatch.variants
+    assert len(variants) == 2 and variants[1].symbolic, tvm._tvm_dispatch.explain()
+
+
+class WindowAndRepeat(torch.nn.Module):
+    """Slices along a symbolic axis (the last ``window`` positions, all but the first two) and a
+    ``repeat`` whose count is the batch size (DeBERTa's relative positions per batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        tail, rest = h[:, -3:], h[:, 2:]
+        repeated = h[:1, :1].repeat(x.shape[0], 2, 1)
+        return tail.pow(2).sum() + rest.sin().sum() + (repeated * x[:, :2]).cos().sum()
+
+
+def test_symbolic_axis_slices_and_repeats_have_gradients() -> None:
+    torch.manual_seed(0)
+    eager = WindowAndRepeat()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    for batch, seq in ((2, 6), (3, 9), (2, 13), (4, 5)):
+        x = torch.randn(batch, seq, 8, dtype=torch.float64, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        for m in (tvm, eager):
+            m.zero_grad(set_to_none=True)
+        got, want = tvm(x), eager(x2)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(tvm.lin.weight.grad, eager.lin.weight.grad, rtol=1e-12, atol=1e-12)
+    variants = tvm._tvm_dispatch.variants
+    assert len(variants) == 2 and variants[1].symbolic, tvm._tvm_dispatch.explain()

@@ -240,6 +240,8 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
             "batch_norm.default": self._batch_norm_aten,
             "embedding.default": self._embedding,
             "slice.Tensor": self._slice_traced(table["slice.Tensor"]),
+            "slice_scatter.default": self._slice_scatter_traced(table["slice_scatter.default"]),
+            "repeat.default": self._repeat_traced(table["repeat.default"]),
             **{name: self._arange_traced(table[name]) for name in ("arange.default", "arange.start", "arange.start_step")},
             "gather.default": self._gather_checked,
             "select.int": self._select_wrapped,
@@ -274,24 +276,56 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
             x = self.env[node.args[0]]
             if start == 0 and step == 1 and str(length) == str(x_val.shape[dim]):
                 return x  # the whole axis (a mask cut to a length it already has)
-            if isinstance(end, int) or x_val.is_floating_point():
-                return self.block_builder.emit(relax.op.strided_slice(
-                    x, [dim], [self.prim(start)], [self.prim(end)], [step], assume_inbound=True))
-            # an index buffer cut to the input's length (position_ids[:, :seq]): a symbolic bound as a
-            # shape (Relax's Gradient mis-visits TIR variables inside strided_slice's bound tuple,
-            # see ir.lift_symbolic_shapes); no gradient flows through integers
-            const = functools.partial(relax.const, dtype="int64")
-            end_tensor = relax.op.shape_to_tensor(relax.ShapeExpr([self.prim(end)]))
-            cut = relax.op.dynamic_strided_slice(x, const([start if d == dim else 0 for d in range(x_val.dim())]),
-                                                 self._ends(x_val, dim, end_tensor),
-                                                 const([step if d == dim else 1 for d in range(x_val.dim())]))
-            return self.block_builder.emit(relax.op.reshape(cut, [self.prim(d) for d in out_val.shape]))
+            return self.block_builder.emit(relax.op.strided_slice(
+                x, [dim], [self.prim(start)], [self.prim(end)], [step], assume_inbound=True))
+        return convert
+
+    def _slice_scatter_traced(self, default: Callable) -> Callable:
+        """``x[..., start:end] = src`` (step 1) as ``cat(x[..., :start], src, x[..., end:])``:
+        Relax has no gradient for ``slice_scatter``, and the default writes a symbolic end
+        (``shift_tokens_right``'s ``x[:, 1:] = ids[:, :-1]`` at any length) as a scalar argument;
+        here every bound is static or the axis's end."""
+        def convert(node: torch.fx.Node) -> relax.Expr:
+            names_ = ("input", "src", "dim", "start", "end", "step")
+            args = dict(zip(names_, node.args)) | dict(node.kwargs)
+            x_val, src_val = node.args[0].meta["val"], args["src"].meta["val"]
+            dim = (args.get("dim") or 0) % x_val.dim()
+            size, length = x_val.shape[dim], src_val.shape[dim]
+            start = args.get("start") or 0
+            if (args.get("step") or 1) != 1 or not isinstance(start, int) or (start < 0 and not isinstance(size, int)):
+                return default(node)
+            start = max(start + size, 0) if start < 0 else start
+            end = start + length
+            x, src = self.env[node.args[0]], self.env[args["src"]]
+            parts = [relax.op.strided_slice(x, [dim], [0], [start], assume_inbound=True)] if start > 0 else []
+            parts.append(src)
+            if str(end) != str(size):
+                if not (isinstance(end, int) and isinstance(size, int)):
+                    return default(node)
+                parts.append(relax.op.strided_slice(x, [dim], [end], [size], assume_inbound=True))
+            return self.block_builder.emit(relax.op.concat(parts, axis=dim)) if len(parts) > 1 else src
+        return convert
+
+    def _repeat_traced(self, default: Callable) -> Callable:
+        """``x.repeat(r0, r1, ...)`` with a symbolic count (DeBERTa repeats its relative positions
+        per batch and head) as ``x`` viewed as ``(1, s0, 1, s1, ...)``, broadcast to
+        ``(r0, s0, r1, s1, ...)`` and merged pairwise: ``tile`` takes integer counts only."""
+        def convert(node: torch.fx.Node) -> relax.Expr:
+            reps = [r.meta["val"] if isinstance(r, torch.fx.Node) else r for r in node.args[1]]
+            val = node.args[0].meta["val"]
+            if all(isinstance(r, int) for r in reps):
+                return default(node)
+            sizes = [1] * (len(reps) - val.dim()) + list(val.shape)
+            reps, sizes = [self.prim(r) for r in reps], [self.prim(d) for d in sizes]
+            x = relax.op.reshape(self.env[node.args[0]], [d for size in sizes for d in (1, size)])
+            wide = relax.op.broadcast_to(x, [d for r, size in zip(reps, sizes) for d in (r, size)])
+            return self.block_builder.emit(relax.op.reshape(wide, [r * size for r, size in zip(reps, sizes)]))
         return convert
 
     def _arange_traced(self, default: Callable) -> Callable:
         """``arange`` of a symbolic length (``arange(seq)`` for positions and masks) as
-        ``start + step * (cumsum(ones(n)) - 1)``: the length in a shape, not in the scalar
-        arguments whose TIR variables Relax's Gradient mis-visits (see :meth:`_slice_traced`)."""
+        ``start + step * (cumsum(ones(n)) - 1)``: the length in a shape, which every pass and
+        schedule downstream reads, not in scalar arguments."""
         def convert(node: torch.fx.Node) -> relax.Expr:
             val = node.meta["val"]
             args = list(node.args)
@@ -304,13 +338,6 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
             dtype = str(val.dtype).removeprefix("torch.")
             return self.block_builder.emit(value if dtype == "int64" else relax.op.astype(value, dtype))
         return convert
-
-    def _ends(self, val: torch.Tensor, dim: int, end: relax.Expr) -> relax.Expr:
-        """``dynamic_strided_slice``'s end tensor: the full size on every axis but ``dim``."""
-        parts = [end if d == dim else relax.op.shape_to_tensor(relax.ShapeExpr([self.prim(val.shape[d])]))
-                 for d in range(val.dim())]
-        return parts[0] if len(parts) == 1 else relax.op.concat(parts, axis=0)
-
 
     @staticmethod
     def _named(name: str, fn: Callable) -> Callable:

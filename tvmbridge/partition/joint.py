@@ -1,7 +1,7 @@
 """The joint graph: the adjoint function as named values with sizes, for the capture policy.
 
 The adjoint (``passes.gradient``) computes outputs and gradients in one function. Its bindings
-fall into two parts: the *primal* bindings (the module's own computation, which ``Gradient`` emits
+fall into two parts: the *primal* bindings (the module's own computation, which the reverse sweep emits
 first) and the *adjoint* bindings it added. :class:`JointGraph` describes every value by a unique
 key, its op, its inputs, its bytes and its part; the policy decides over it what to capture and
 ``split`` carries the decision out.
@@ -107,7 +107,7 @@ def value_keys(func: relax.Function) -> dict[relax.Var, str]:
 
 
 def count_primal_bindings(primal: relax.Function, adjoint: relax.Function) -> int:
-    """How many leading adjoint bindings are the primal ones (``Gradient`` emits them first;
+    """How many leading adjoint bindings are the primal ones (the reverse sweep emits them first;
     simplification may have dropped dead ones, never reordered them)."""
     primal_names = [b.var.name for b in primal.body.blocks[0].bindings]
     adjoint_names = [b.var.name for b in adjoint.body.blocks[0].bindings]

@@ -1,6 +1,6 @@
 """Dedup: remove duplicated layout work and duplicated values.
 
-The frontend emits a reshape/permute around every linear and attention op, and ``Gradient`` adds
+The frontend emits a reshape/permute around every linear and attention op, and the reverse sweep adds
 their transposes; chains of them are common. This pass folds permute-of-permute (dropping identity
 permutations), reshape-of-reshape and reshape-to-the-same-shape, then TVM's CSE (duplicate shape
 constants and duplicate calls) and dead-code elimination.

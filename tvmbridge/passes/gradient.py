@@ -1,13 +1,13 @@
-"""Reverse-mode gradient of a module with Relax's ``Gradient`` pass.
+"""Reverse-mode gradient of a module: the VJP target, the sweep (``reverse_mode``), clean-up.
 
-``Gradient`` differentiates a scalar. For a module with outputs ``o_i`` we differentiate
+The sweep differentiates a scalar. For a module with outputs ``o_i`` we differentiate
 ``sum_i sum(o_i * g_i)`` with the output gradients ``g_i`` as extra inputs: its gradient with
 respect to any input is exactly the vector-Jacobian product autograd asks for. Gradients are asked
 only for the inputs that can have one (float user inputs and parameters), so random inputs and
 ``g_i`` get none. Outputs that have no gradient (integer results, updated running statistics,
 index-range flags) get no ``g_i``: they enter the target through ``no_grad``, which keeps them
 alive in the adjoint (the split finds every output there) and lets nothing flow back. The
-gradients Relax lacks are registered by importing ``gradients``.
+gradients Relax lacks are the bridge's own (``gradients``, ``gradients_nn``).
 """
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ from tvm import relax
 from tvm.relax.op.grad import no_grad
 
 from .. import names
-from ..errors import ConversionError, UnsupportedOpError
-from . import gradients  # noqa: F401 - registers the bridge's gradients with TVM
-from . import gradients_nn  # noqa: F401 - and those of nn and layout ops (issue 14)
+from ..errors import ConversionError
+from . import gradients_nn  # noqa: F401 - fills gradients.GRADIENTS with those of nn and layout ops
 from .low_precision import LOW_PRECISION
-from ..ir import (binding_map, lift_symbolic_shapes, only_dataflow_block, rebuild, restore_symbolic_shapes,
-                  same_tensor_type)
+from .reverse_mode import vjp_function
+from ..ir import binding_map, only_dataflow_block, rebuild, same_tensor_type
 
 NO_GRAD, SUBTRACT, ASTYPE, ADD = (tvm.ir.Op.get(f"relax.{n}") for n in ("grad.no_grad", "subtract", "astype", "add"))
 
@@ -126,22 +125,10 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool], repeats: d
 def build_adjoint(func: relax.Function, grad_param_indices: list[int], differentiable: list[bool]) -> GradientResult:
     """Differentiate ``func`` w.r.t. the params at ``grad_param_indices``; ``differentiable``
     says which outputs receive a gradient."""
-    lifted_func, lifted = lift_symbolic_shapes(func)
-    lifted_func, widened = _widen_params(lifted_func, grad_param_indices)
+    widened_func, widened = _widen_params(func, grad_param_indices)
     repeats = repeated_outputs(function_outputs(func), differentiable)
-    target = with_vjp_target(lifted_func, differentiable, repeats)
-    mod = relax.transform.Normalize()(tvm.IRModule({names.MAIN: target}))
-    require = [mod[names.MAIN].params[i] for i in grad_param_indices]
-    try:
-        mod = relax.transform.Gradient(names.MAIN, require_grads=require, target_index=0)(mod)
-    except Exception as exc:  # noqa: BLE001
-        msg = str(exc)
-        raise UnsupportedOpError(
-            "gradient", f"Relax could not differentiate the module: {msg.splitlines()[-1] if msg else exc}; "
-            "register a gradient with tvm.relax.op.register_gradient or use fallback=True",
-            op=_op_named_in(msg),
-        ) from exc
-    adjoint = restore_symbolic_shapes(mod[names.ADJOINT], lifted)
+    target = with_vjp_target(widened_func, differentiable, repeats)
+    adjoint = vjp_function(target, [target.params[i] for i in grad_param_indices], names.ADJOINT)
     if widened:
         adjoint = _narrow_params(adjoint, widened, grad_param_indices)
     adjoint = _without_no_grad(adjoint)
@@ -229,11 +216,3 @@ def _narrow_params(adjoint: relax.Function, widened: dict[int, relax.Var], indic
             fields[k] = narrow
     out = relax.Tuple([target, relax.Tuple(fields)])
     return rebuild(adjoint, params, entry + list(block.bindings) + exits, out)
-
-
-def _op_named_in(message: str) -> str | None:
-    """The Relax op a ``Gradient`` failure names (``... gradient ... relax.xyz ...``)."""
-    for line in message.splitlines():
-        if "gradient" in line.lower() and "relax." in line:
-            return line[line.index("relax."):].split()[0].strip("`'\".,")
-    return None

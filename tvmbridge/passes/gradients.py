@@ -1,8 +1,9 @@
 """Gradients that Relax 0.27 does not register and that BERT, GPT-2 and ViT blocks need.
 
-Each is registered with TVM when this module is imported (``passes.gradient`` imports it), by the
-:func:`gradient` decorator, at a level above Relax's own (10) so that an upstream gradient, if TVM
-adds one later, does not silently replace ours in the middle of a release and vice versa. Every
+Each goes into the bridge's own table (``GRADIENTS``) by the :func:`gradient` decorator; the
+bridge's reverse sweep (``passes.reverse_mode``) looks there first, then at TVM's registry. Nothing
+is registered with TVM: another user of ``relax.transform.Gradient`` in the process keeps TVM's
+gradients. Every
 formula is exact: no op is swapped for an approximation (exact GELU stays erf-based).
 """
 from __future__ import annotations
@@ -14,20 +15,20 @@ import tvm
 from tvm import relax
 from tvm.ir import Call
 from tvm.relax import BlockBuilder, Expr, Var
-from tvm.relax.op import register_gradient
+from tvm.sym.analyzer import Analyzer
 from tvm.relax.op.grad import no_grad
 
-LEVEL = 11
 Gradient = Callable[[Var, Call, Var, BlockBuilder], list[Expr]]
-REGISTERED: dict[str, Gradient] = {}  # Relax op name -> the bridge's gradient
+GRADIENTS: dict[str, Gradient] = {}  # Relax op name -> the bridge's gradient
 
 
 def gradient(op_name: str) -> Callable[[Gradient], Gradient]:
-    """Register the decorated function as the gradient of Relax op ``op_name``."""
+    """Make the decorated function the bridge's gradient of Relax op ``op_name`` (once per op)."""
 
     def register(fn: Gradient) -> Gradient:
-        register_gradient(op_name, fn, level=LEVEL)
-        REGISTERED[op_name] = fn
+        if op_name in GRADIENTS:
+            raise ValueError(f"a second gradient for {op_name}: {fn.__qualname__} and {GRADIENTS[op_name].__qualname__}")
+        GRADIENTS[op_name] = fn
         return fn
 
     return register
@@ -95,6 +96,26 @@ def rsqrt_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuild
     return [op.multiply(output_grad, op.multiply(_c(-0.5, y), op.multiply(y, op.multiply(y, y))))]
 
 
+@gradient("relax.mean")
+def mean_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """The output gradient spread over the reduced axes, divided by their element count; a count
+    over symbolic axes (a loss averaged over a sequence of any length) is read from the shape at
+    run time, where Relax's own gradient needs it static."""
+    op = relax.op
+    x = orig_call.args[0]
+    shape = list(x.ty.shape)
+    axes = range(len(shape)) if orig_call.attrs.axis is None else [int(a) % len(shape) for a in orig_call.attrs.axis]
+    count = math.prod([shape[a] for a in axes]) if axes else 1
+    if isinstance(count, int) or isinstance(count, tvm.tirx.IntImm):
+        divisor = relax.const(int(count), _dtype(output_grad))
+    else:
+        divisor = op.astype(op.reshape(op.shape_to_tensor(relax.ShapeExpr([count])), ()), _dtype(output_grad))
+    grad = op.divide(output_grad, divisor)
+    if not orig_call.attrs.keepdims and axes:
+        grad = op.reshape(grad, [1 if i in axes else d for i, d in enumerate(shape)])
+    return [op.broadcast_to(grad, x.ty.shape)]
+
+
 @gradient("relax.squeeze")
 def squeeze_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """squeeze only drops size-1 axes: the gradient is a reshape back."""
@@ -113,22 +134,28 @@ def strided_slice_grad(
 ) -> list[Expr]:
     """Pad the gradient with zeros back to the input's extent, one sliced axis at a time (a
     stepped slice's gradient spread ``step`` apart first); the bounds follow Python slicing
-    (negative begins wrap, ends clip). Only the sliced axes need static sizes: ``nn.pad`` takes
-    int widths, so the other axes may be symbolic (rotary embeddings' halves of every length)
-    without writing their sizes where Gradient mis-visits them (see ``ir.lift_symbolic_shapes``)."""
+    (negative begins wrap, ends clip). A unit-step slice along a symbolic axis (the last
+    ``window`` positions of a sequence of any length) is padded by concatenating zeros whose
+    extent is symbolic; the frontend emits such slices in bounds (``assume_inbound``)."""
     op = relax.op
     x = orig_call.args[0]
     ndim = len(x.ty.shape)
     axes = _ints(orig_call.args[1])
-    begins = _ints(orig_call.args[2])
+    begins = _prims(orig_call.args[2])
     strides = _ints(orig_call.args[4]) if len(orig_call.args) > 4 else [1] * len(axes)
     grad: Expr = output_grad
     cur = list(orig_var.ty.shape)
     for axis, b, s in zip(axes, begins, strides):
         axis = axis % ndim
         n, length = _static(x.ty.shape[axis]), _static(cur[axis])
-        if n is None or length is None or s < 1:
-            raise NotImplementedError("gradient of a slice along a symbolic axis or with a negative step")
+        if n is None or length is None or not isinstance(b, int):
+            if s != 1 or not orig_call.attrs.assume_inbound:
+                raise NotImplementedError("gradient of a stepped or unchecked slice along a symbolic axis")
+            grad = _pad_symbolic(grad, cur, axis, b, x.ty.shape[axis])
+            cur[axis] = x.ty.shape[axis]
+            continue
+        if s < 1:
+            raise NotImplementedError("gradient of a slice with a negative step")
         b = b + n if b < 0 else b
         b = min(max(b, 0), n)
         if s > 1 and length > 0:  # every s-th element read: the gradient spread s apart
@@ -139,6 +166,28 @@ def strided_slice_grad(
             grad = op.nn.pad(grad, widths)
         cur[axis] = n
     return [grad] + [no_grad(a) for a in orig_call.args[1:]]
+
+
+def _prims(expr: Expr) -> list:
+    """A Relax tuple of sizes as ints where static, TIR expressions where symbolic."""
+    fields = expr.fields if hasattr(expr, "fields") else expr
+    return [_static(f) if _static(f) is not None else f for f in fields]
+
+
+def _pad_symbolic(grad: Expr, shape: list, axis: int, begin: Any, size: Any) -> Expr:
+    """``grad`` (``shape``) between zeros to ``size`` along ``axis``: ``begin`` zeros before (a
+    negative begin counts from the end) and the rest after, either of them symbolic."""
+    op = relax.op
+    simplify = Analyzer().simplify
+    begin = simplify(begin + size if isinstance(begin, int) and begin < 0 else begin)
+    after = simplify(size - begin - shape[axis])
+    parts = []
+    for extent, part in ((begin, None), (None, grad), (after, None)):
+        if part is not None:
+            parts.append(part)
+        elif _static(extent) != 0:
+            parts.append(op.zeros(relax.ShapeExpr([*shape[:axis], extent, *shape[axis + 1:]]), _dtype(grad)))
+    return parts[0] if len(parts) == 1 else op.concat(parts, axis=axis)
 
 
 def _static(d: Any) -> int | None:
@@ -205,7 +254,7 @@ def take_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
         count = count * d
     others = [*shape[:axis], *shape[axis + 1:]]
     if not isinstance(count, (int, tvm.tirx.IntImm)) and all(isinstance(d, (int, tvm.tirx.IntImm)) for d in others):
-        count = -1  # a symbolic count written out would be a shape argument Gradient mis-visits (see ir.py)
+        count = -1  # one symbolic axis: let reshape infer it
     grad_shape = [*shape[:axis], count, *shape[axis + 1:]]
     order = [axis, *[i for i in range(ndim) if i != axis]]
     back = [order.index(i) for i in range(ndim)]

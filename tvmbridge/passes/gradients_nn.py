@@ -47,9 +47,8 @@ def static_dims(expr: Expr, what: str) -> list[int]:
 
 
 def fit_shape(grad: Expr, like: Expr) -> Expr:
-    """``grad`` summed down to ``like``'s shape where a broadcast widened it. A shape known only
-    through a shape variable (a lifted symbolic shape, see ``ir.lift_symbolic_shapes``) is read
-    from ``like`` itself: writing it out would put TIR variables where Gradient mis-visits them."""
+    """``grad`` summed down to ``like``'s shape where a broadcast widened it (to ``like`` itself
+    where either shape is known only by rank)."""
     gs, ls = _dims(grad), _dims(like)
     if gs is None or ls is None:
         return op.collapse_sum_like(grad, like)

@@ -1,6 +1,6 @@
 """Algebraic simplification of gradient code.
 
-``Gradient`` seeds the target with ``ones(())``, broadcasts it, multiplies by the output grad,
+The reverse sweep seeds the target with ``ones(())``, broadcasts it, multiplies by the output grad,
 adds zero adjoints and uses ``*_like`` ops. Those are cheap but they keep values alive (``zeros_like(x)``
 reads ``x``, so ``x`` would be captured for nothing) and cost kernels. Rules:
 ``x*1 -> x``, ``x+0 -> x``, ``x-0 -> x``, ``zeros_like/ones_like(x) -> zeros/ones(shape)``,
