@@ -217,3 +217,34 @@ def test_symbolic_axis_slices_and_repeats_have_gradients() -> None:
         torch.testing.assert_close(tvm.lin.weight.grad, eager.lin.weight.grad, rtol=1e-12, atol=1e-12)
     variants = tvm._tvm_dispatch.variants
     assert len(variants) == 2 and variants[1].symbolic, tvm._tvm_dispatch.explain()
+
+
+class LastTokenFirst(torch.nn.Module):
+    """mBART's ``shift_tokens_right``: each row's last real token moved to the front, found by a
+    ``gather`` whose (batch, 1) result is squeezed with both axes listed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 4)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = ids.clone()
+        last = (out.ne(1).sum(dim=1) - 1).unsqueeze(-1)
+        start = out.gather(1, last).squeeze()
+        out[:, 1:] = out[:, :-1].clone()
+        out[:, 0] = start
+        return self.emb(out), out
+
+
+def test_squeeze_keeps_a_symbolic_batch_axis() -> None:
+    torch.manual_seed(0)
+    eager = LastTokenFirst()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    for batch, seq in ((2, 5), (3, 4), (4, 7)):
+        ids = torch.randint(2, 64, (batch, seq))
+        ids[-1, -1] = 1  # padding: that row's last real token is one earlier
+        with torch.no_grad():
+            (got, got_ids), (want, want_ids) = tvm(ids), eager(ids)
+        assert torch.equal(got_ids, want_ids), (got_ids, want_ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert tvm._tvm_dispatch.variants[-1].symbolic, tvm._tvm_dispatch.explain()

@@ -242,6 +242,7 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
             "slice.Tensor": self._slice_traced(table["slice.Tensor"]),
             "slice_scatter.default": self._slice_scatter_traced(table["slice_scatter.default"]),
             "repeat.default": self._repeat_traced(table["repeat.default"]),
+            **{name: self._squeeze_traced for name in ("squeeze.default", "squeeze.dim", "squeeze.dims")},
             **{name: self._arange_traced(table[name]) for name in ("arange.default", "arange.start", "arange.start_step")},
             "gather.default": self._gather_checked,
             "select.int": self._select_wrapped,
@@ -321,6 +322,14 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
             wide = relax.op.broadcast_to(x, [d for r, size in zip(reps, sizes) for d in (r, size)])
             return self.block_builder.emit(relax.op.reshape(wide, [r * size for r, size in zip(reps, sizes)]))
         return convert
+
+    def _squeeze_traced(self, node: torch.fx.Node) -> relax.Expr:
+        """``squeeze`` as a reshape to the shape the trace gave it: ATen drops only the listed axes
+        of size 1, and with a symbolic axis listed (``squeeze(x, [0, 1])`` on a (batch, 1) gather
+        in mBART's ``shift_tokens_right``) TVM's converter dropped the batch axis too: every row
+        then read row 0's value."""
+        shape = [self.prim(d) for d in node.meta["val"].shape]
+        return self.block_builder.emit(relax.op.reshape(self.env[node.args[0]], shape))
 
     def _arange_traced(self, default: Callable) -> Callable:
         """``arange`` of a symbolic length (``arange(seq)`` for positions and masks) as
