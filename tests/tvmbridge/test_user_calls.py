@@ -333,3 +333,32 @@ def test_an_output_made_from_nothing_trains() -> None:
     got[1].add_(1)  # the user's tensor: the next call's is its own
     assert tvm(x)[1].item() == 4096
     torch.testing.assert_close(tvm.lin.weight.grad, eager.lin.weight.grad, rtol=1e-12, atol=1e-12)
+
+
+class DropoutOnExpanded(torch.nn.Module):
+    """XLNet's pattern: dropout applied to a tensor expanded along the batch (stride 0): eager
+    draws its noise as ``empty_like(input)``, a contiguous tensor, and so must the bridge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(5, 1, 8))
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.drop(self.pos.expand(-1, x.shape[1], -1))).pow(2).sum()
+
+
+def test_dropout_on_an_expanded_tensor_draws_eagers_mask() -> None:
+    torch.manual_seed(0)
+    eager = DropoutOnExpanded()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    x = torch.randn(5, 3, 8)
+    torch.manual_seed(7)
+    got = tvm(x)
+    torch.manual_seed(7)
+    want = eager(x)
+    got.backward()
+    want.backward()
+    assert tvm._tvm_dispatch.calls_fallback == 0 and tvm._tvm_dispatch.variants, tvm._tvm_dispatch.explain()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(tvm.pos.grad, eager.pos.grad)

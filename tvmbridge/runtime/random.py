@@ -26,7 +26,9 @@ def _empty_like_meta(m: TensorMeta, device: torch.device) -> torch.Tensor:
 
 def _dropout_mask(site: RandomSite, device: torch.device, fast: bool) -> torch.Tensor:
     keep = 1 - site.p
-    noise = torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=device)
+    # eager's noise is ``empty_like(input)``: the input's strides where they are dense, else
+    # contiguous (an expanded input, stride 0: XLNet's position embeddings)
+    noise = torch.empty_like(torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=device))
     if device.type != "cpu":
         noise.fill_(1)
         return torch.native_dropout(noise, site.p, True)[0]
