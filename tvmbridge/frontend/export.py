@@ -236,13 +236,16 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     )
 
 
+# ops that return their input's value (what a traced ``.clone()``, ``.to()`` or ``.detach()`` leaves)
+COPY_OPS = ("clone.default", "_to_copy.default", "alias.default", "lift_fresh_copy.default", "detach.default")
+
+
 def _constant_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
     """User outputs whose value is a lifted constant, directly or through copies."""
     constants = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
-    copies = ("clone.default", "_to_copy.default", "alias.default", "lift_fresh_copy.default", "detach.default")
     found = set()
     for i, node in enumerate(list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]):
-        while isinstance(node, torch.fx.Node) and getattr(node.target, "__name__", "") in copies:
+        while isinstance(node, torch.fx.Node) and getattr(node.target, "__name__", "") in COPY_OPS:
             node = node.args[0]
         if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in constants:
             found.add(i)

@@ -38,7 +38,7 @@ from .. import names
 from ..errors import ConversionError, UnsupportedOpError, stage_errors
 from ..ir import only_dataflow_block, rebuild, static_shape
 from .batch_norm import BatchNormConverters
-from .export import TracedModule
+from .export import COPY_OPS, TracedModule
 from . import resample
 
 aten = torch.ops.aten
@@ -885,14 +885,13 @@ def _empty_cat_part(val: torch.Tensor, dim: int) -> bool:
 def dropped_by_cat(node: torch.fx.Node, val: torch.Tensor) -> bool:
     """Every use of ``node`` is a ``cat`` (directly or through copies and casts) that drops it as
     an empty part (``BridgeImporter._cat_legacy_empty``)."""
-    copies = ("_to_copy.default", "lift_fresh_copy.default", "clone.default", "alias.default", "detach.default")
     for user in node.users:
         name = getattr(user.target, "__name__", "")
         if name == "cat.default":
             dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
             if not _empty_cat_part(val, dim):
                 return False
-        elif name not in copies or not dropped_by_cat(user, val):
+        elif name not in COPY_OPS or not dropped_by_cat(user, val):
             return False
     return bool(node.users)
 

@@ -106,8 +106,8 @@ def mean_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
     shape = list(x.ty.shape)
     axes = range(len(shape)) if orig_call.attrs.axis is None else [int(a) % len(shape) for a in orig_call.attrs.axis]
     count = math.prod([shape[a] for a in axes]) if axes else 1
-    if isinstance(count, int) or isinstance(count, tvm.tirx.IntImm):
-        divisor = relax.const(int(count), _dtype(output_grad))
+    if _static(count) is not None:
+        divisor = relax.const(_static(count), _dtype(output_grad))
     else:
         divisor = op.astype(op.reshape(op.shape_to_tensor(relax.ShapeExpr([count])), ()), _dtype(output_grad))
     grad = op.divide(output_grad, divisor)

@@ -49,7 +49,7 @@ def vjp_function(func: relax.Function, require: list[relax.Var], name: str) -> r
             grads = [bb.emit_output(sweep.materialize(p), name_hint=f"{p.name}_adjoint_out") for p in require]
         bb.emit_func_output(relax.Tuple([target, relax.Tuple(grads)]))
     adjoint = bb.get()[name]
-    return _without_transposed_products(_without_unused(adjoint))
+    return _without_transposed_products(relax.analysis.remove_all_unused(adjoint))
 
 
 def _is_float_tensor(ty: relax.Type) -> bool:
@@ -167,10 +167,6 @@ def _as_expr(adjoint: Adjoint, ty: relax.Type, bb: relax.BlockBuilder) -> relax.
     return adjoint
 
 
-def _without_unused(func: relax.Function) -> relax.Function:
-    return relax.analysis.remove_all_unused(func)
-
-
 def _without_transposed_products(func: relax.Function) -> relax.Function:
     """``Gradient``'s own clean-up (``SimplifyGradient``): ``permute_dims(permute_dims(a))`` is
     ``a`` and ``permute_dims(matmul(a, b))`` is ``matmul(b^T, a^T)``, transposes of transposes
@@ -189,7 +185,7 @@ def _without_transposed_products(func: relax.Function) -> relax.Function:
             value, changed = relax.Call(MATMUL, [b_, a], inner.attrs), True
         bound[b.var] = value
         bindings.append(relax.VarBinding(b.var, value))
-    return _without_unused(rebuild(func, list(func.params), bindings, func.body.body)) if changed else func
+    return relax.analysis.remove_all_unused(rebuild(func, list(func.params), bindings, func.body.body)) if changed else func
 
 
 def _is_last_two_transpose(value: relax.Expr) -> bool:
