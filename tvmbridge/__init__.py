@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "add_tvm_dispatch": "tvmbridge.runtime.dispatch",
     "remove_tvm_dispatch": "tvmbridge.runtime.dispatch",
     "compile_training": "tvmbridge.pipeline",
+    "compile_backend": "tvmbridge.dynamo",
     "compile_inference": "tvmbridge.runtime.inference",
     "check_double": "tvmbridge.tools.check",
     "DoubleCheckReport": "tvmbridge.tools.check",

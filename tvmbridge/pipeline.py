@@ -139,11 +139,11 @@ def _is_float(dtype: Any) -> bool:
 
 
 def _grad_indices(a: Artifacts) -> tuple[int, ...]:
-    """Float user inputs, then parameters that require grad, by primal parameter position; those no
-    output depends on are left out (their gradient is None, not zeros)."""
+    """Float user inputs (but those written in place), then parameters that require grad, by primal
+    parameter position; those no output depends on are left out (their gradient is None, not zeros)."""
     func = a.primal[names.MAIN]
     n_user = a.traced.num_user_inputs
-    idx = [i for i in range(n_user) if _is_float(func.params[i].ty.dtype)]
+    idx = [i for i in range(n_user) if _is_float(func.params[i].ty.dtype) and i not in a.traced.updated_inputs]
     state = a.traced.state
     tensors = state.lookup(a.module)
     idx += [n_user + j for j, t in enumerate(tensors) if state.is_parameter[j] and t.requires_grad]
@@ -308,6 +308,15 @@ class CompiledModule:
             for vm in self._pool:
                 vm.set_instrument(instrument if instrument is not None else (lambda *a: 0))
 
+    @property
+    def written_read_later(self) -> frozenset[int]:
+        """Positions among the call's tensors (user inputs, then state) that the call writes in place
+        and its backward reads: the backward needs their values from before the write."""
+        traced = self.traced
+        n_user = traced.num_user_inputs
+        written = {*traced.updated_inputs, *(n_user + traced.state.names.index(n) for n in traced.updated_buffers)}
+        return frozenset(written & set(self.split.backward_param_indices))
+
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""
         return self.split.joint.bytes_of(self.split.captures)
@@ -396,7 +405,8 @@ def graph_fingerprint(a: Artifacts) -> str:
     state = a.traced.state
     grads = tuple(t.requires_grad for t in state.lookup(a.module))
     h.update(repr((sorted(map(str, ep.range_constraints.items())), state.names, state.is_parameter,
-                   sorted(state.aliases.items()), grads, a.traced.updated_buffers, a.traced.num_user_outputs,
+                   sorted(state.aliases.items()), grads, a.traced.updated_buffers, a.traced.updated_inputs,
+                   a.traced.num_user_outputs,
                    a.traced.input_dims, str(a.traced.out_spec), repr(a.options), str(a.device),
                    str(a.traced.autocast))).encode())
     return h.hexdigest()

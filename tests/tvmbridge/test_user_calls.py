@@ -362,3 +362,41 @@ def test_dropout_on_an_expanded_tensor_draws_eagers_mask() -> None:
     assert tvm._tvm_dispatch.calls_fallback == 0 and tvm._tvm_dispatch.variants, tvm._tvm_dispatch.explain()
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(tvm.pos.grad, eager.pos.grad)
+
+
+class StopsGradients(torch.nn.Module):
+    """Targets built from the model's own values: a ``detach()``, a ``torch.no_grad()`` block, and a
+    buffer the forward writes (a running average that is its input, not a buffer of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        with torch.no_grad():
+            target = torch.tanh(y) * 2
+        average.mul_(0.9).add_(0.1 * y.detach().mean(0))
+        return ((y - target) ** 2).sum() + (y * y.detach()).sum() + (y * average).sum()
+
+
+def test_detach_and_no_grad_blocks_stop_the_gradient_and_written_inputs_are_written() -> None:
+    """Export keeps ``detach`` only as an alias after its decompositions, and a no_grad block only as
+    an op its decompositions inline: both lost, the gradient flowed through the target (twice the
+    gradient of ``y * y.detach()``)."""
+    torch.manual_seed(0)
+    eager = StopsGradients()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    x = torch.randn(4, 6)
+    averages = [torch.zeros(6), torch.zeros(6)]
+    for _ in range(2):
+        got, want = tvm(x, averages[0]), eager(x, averages[1])
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(averages[0], averages[1])
+    assert tvm._tvm_dispatch.calls_fallback == 0, tvm._tvm_dispatch.explain()
+    for p, q in zip(tvm.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):  # as PyTorch refuses it
+        tvm(x, torch.zeros(6, requires_grad=True))

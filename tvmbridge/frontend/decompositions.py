@@ -80,11 +80,13 @@ def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) ->
 
 
 def decomposition_table() -> dict:
-    """torch.export's default table without the random ops, with attention as ATen's math."""
+    """torch.export's default table without the random ops and detach, with attention as ATen's math."""
     table = torch.export.default_decompositions()
     for op in list(table):
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             del table[op]
+    # detach stays itself (the table makes it an alias): it is where the gradient stops
+    table.pop(aten.detach.default, None)
     table[aten.scaled_dot_product_attention.default] = sdpa_math
     table[aten.hardswish.default] = hardswish_kinks
     table[aten._safe_softmax.default] = safe_softmax

@@ -104,6 +104,7 @@ class TracedModule:
     state: ModuleState
     num_user_outputs: int
     updated_buffers: tuple[str, ...]  # state names whose new values follow the user outputs
+    updated_inputs: tuple[int, ...] = ()  # user tensors (by position) written in place: new values follow the buffers'
     input_dims: tuple[tuple[int | str, ...], ...] = ()  # per user tensor: ints, symbols where dynamic
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
     autocast: AutocastState | None = None  # the autocast the graph was traced under (its casts are ops)
@@ -116,6 +117,11 @@ class TracedModule:
         call: each call hands out its own copy, so that a user's in-place edit stays theirs."""
         values = [o.clone() if i in self.constant_outputs else o for i, o in enumerate(outs[:self.num_user_outputs])]
         return unflatten_output(values, self.out_spec)
+
+    @property
+    def num_updates(self) -> int:
+        """Outputs after the user outputs that carry new values of buffers and inputs."""
+        return len(self.updated_buffers) + len(self.updated_inputs)
 
     @property
     def symbolic(self) -> bool:
@@ -135,10 +141,11 @@ class _Seen:
 class FlatCall(torch.nn.Module):
     """``inner`` called from flat tensors: the call's tensor leaves (the non-tensor leaves bound
     as constants), then the state tensors. Returns the output's leaves, then the new values of
-    ``updated`` buffers (updated on clones, so the export sees values, not mutations)."""
+    ``updated`` buffers, then of the ``updated_inputs`` (by position among the call's tensors;
+    both updated on clones, so the export sees values, not mutations)."""
 
     def __init__(self, inner: torch.nn.Module, in_spec: pytree.TreeSpec, leaves: list[Any],
-                 state: ModuleState, updated: tuple[str, ...] = ()) -> None:
+                 state: ModuleState, updated: tuple[str, ...] = (), updated_inputs: tuple[int, ...] = ()) -> None:
         super().__init__()
         object.__setattr__(self, "inner", inner)  # not a submodule: its state comes in as inputs
         self.in_spec = in_spec
@@ -146,11 +153,13 @@ class FlatCall(torch.nn.Module):
         self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.state = state
         self.updated = updated
+        self.updated_inputs = updated_inputs
         object.__setattr__(self, "seen", _Seen())
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self.template)
-        for i, t in zip(self.slots, tensors):
+        user = [t.clone() if j in self.updated_inputs else t for j, t in enumerate(tensors[:len(self.slots)])]
+        for i, t in zip(self.slots, user):
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         values = dict(zip(self.state.names, tensors[len(self.slots):]))
@@ -158,7 +167,7 @@ class FlatCall(torch.nn.Module):
             values[name] = values[name].clone()
         out = torch.func.functional_call(self.inner, values, args, kwargs, tie_weights=True, strict=False)
         out_leaves, self.seen.out_spec = flatten_output(out)
-        return (*out_leaves, *(values[n] for n in self.updated))
+        return (*out_leaves, *(values[n] for n in self.updated), *(user[j] for j in self.updated_inputs))
 
 
 def _dynamic_shapes(num_inputs: int, dynamic: dict[int, frozenset[int]]) -> tuple | None:
@@ -188,7 +197,26 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
             ) from exc
 
 
+def _detach_no_grad_regions(ep: ExportedProgram) -> None:
+    """What a ``with torch.no_grad():`` block inside the forward computes is detached: export
+    records the block as a ``wrap_with_set_grad_enabled(False, ...)`` call whose body the
+    decomposition inlines, and with it the only mark that its results carry no gradient."""
+    graph = ep.graph
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
+                and node.args[0] is False):
+            for user in list(node.users):
+                if not isinstance(user.meta.get("val"), torch.Tensor):
+                    continue
+                with graph.inserting_after(user):
+                    detached = graph.call_function(torch.ops.aten.detach.default, (user,))
+                detached.meta["val"] = user.meta["val"]
+                user.replace_all_uses_with(detached, delete_user_cb=lambda n: n is not detached)
+    ep.graph_module.recompile()
+
+
 def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
+    _detach_no_grad_regions(ep)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
@@ -211,13 +239,13 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     flat = FlatCall(module, in_spec, leaves, state)
     autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")
     ep = _decompose(module, _export(module, flat, inputs, dynamic))
-    updated = _updated_buffers(ep, len(tensors), state)
-    if updated:  # again, updating clones: their new values become ordinary outputs
-        flat = FlatCall(module, in_spec, leaves, state, updated)
+    updated, updated_inputs = _updated_tensors(ep, tensors, state)
+    if updated or updated_inputs:  # again, updating clones: their new values become ordinary outputs
+        flat = FlatCall(module, in_spec, leaves, state, updated, updated_inputs)
         ep = _decompose(module, _export(module, flat, inputs, dynamic))
     if make_dtype_mixing_explicit(ep.graph):  # autocast's mixed-type kernels: one dtype per op
         ep.graph_module.recompile()
-    num_outputs = _check_outputs(ep)
+    num_user_outputs = _check_outputs(ep) - len(updated) - len(updated_inputs)
     user_inputs = _user_input_specs(ep)
     others = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
     if len(user_inputs) != len(inputs) or any(s.kind != InputKind.CONSTANT_TENSOR for s in others):
@@ -229,10 +257,10 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     return TracedModule(
         exported=ep, in_spec=in_spec, out_spec=flat.seen.out_spec,
         constant_leaves={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
-        num_user_inputs=len(tensors), state=state, num_user_outputs=num_outputs - len(updated),
-        updated_buffers=updated, input_dims=_input_dims(ep, len(tensors)), ranges=_ranges(ep),
-        autocast=autocast, no_grad_path=_inputs_without_grad_path(ep, num_outputs - len(updated)),
-        constant_outputs=_constant_outputs(ep, num_outputs - len(updated)),
+        num_user_inputs=len(tensors), state=state, num_user_outputs=num_user_outputs,
+        updated_buffers=updated, updated_inputs=updated_inputs, input_dims=_input_dims(ep, len(tensors)),
+        ranges=_ranges(ep), autocast=autocast, no_grad_path=_inputs_without_grad_path(ep, num_user_outputs),
+        constant_outputs=_constant_outputs(ep, num_user_outputs),
     )
 
 
@@ -304,18 +332,25 @@ def _user_input_specs(ep: ExportedProgram) -> list:
     return [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
-def _updated_buffers(ep: ExportedProgram, num_user: int, state: ModuleState) -> tuple[str, ...]:
-    """State names the call mutates in place: buffers (e.g. running statistics) are supported,
-    parameters are not (a forward that writes its own weights cannot be differentiated)."""
+def _updated_tensors(ep: ExportedProgram, tensors: tuple[torch.Tensor, ...],
+                     state: ModuleState) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """What the call writes in place: buffers (running statistics) by state name, and the call's
+    own tensors by position (a graph from torch.compile takes the buffers as inputs). Parameters
+    and tensors that require grad may not be written (a forward that writes what it is
+    differentiated by cannot be differentiated)."""
+    num_user = len(tensors)
     specs = _user_input_specs(ep)
     mutated = set(ep.graph_signature.user_inputs_to_mutate.values())
-    names = [state.names[i - num_user] for i, s in enumerate(specs) if s.arg.name in mutated]
-    if any(i < num_user for i, s in enumerate(specs) if s.arg.name in mutated):
-        raise ConversionError("trace", "the module writes into one of its inputs in place; only functional calls can be compiled")
+    written = [i for i, s in enumerate(specs) if s.arg.name in mutated]
+    names = tuple(state.names[i - num_user] for i in written if i >= num_user)
+    inputs = tuple(i for i in written if i < num_user)
     params = [n for n in names if state.is_parameter[state.names.index(n)]]
     if params:
         raise ConversionError("trace", f"the module writes its own parameters in forward ({', '.join(params)})")
-    return tuple(names)
+    if any(tensors[i].requires_grad for i in inputs):
+        raise ConversionError("trace", "the module writes in place into an input that requires grad; only inputs "
+                              "without a gradient (buffers, counters) can be written")
+    return names, inputs
 
 
 def _check_outputs(ep: ExportedProgram) -> int:

@@ -244,6 +244,7 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
             "repeat.default": self._repeat_traced(table["repeat.default"]),
             **{name: self._squeeze_traced for name in ("squeeze.default", "squeeze.dim", "squeeze.dims")},
             **{name: self._arange_traced(table[name]) for name in ("arange.default", "arange.start", "arange.start_step")},
+            "detach.default": self._detach_stops_gradient,
             "gather.default": self._gather_checked,
             "select.int": self._select_wrapped,
             "cat.default": self._cat_legacy_empty,
@@ -255,6 +256,13 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
         })
         table.update(self._nn_converters(table))
         return {name: self._named(name, fn) for name, fn in table.items()}
+
+    def _detach_stops_gradient(self, node: torch.fx.Node) -> relax.Expr:
+        """``x.detach()`` (and what a ``no_grad`` region returns, see ``export``): the value, with
+        no gradient through it. TVM's converter passes ``x`` on as it is, so a forward that
+        detaches a tensor (a target built from the model's own output) got its gradient twice."""
+        x = self.env[node.args[0]]
+        return self.block_builder.emit(no_grad(x)) if node.meta["val"].is_floating_point() else x
 
     def _slice_traced(self, default: Callable) -> Callable:
         """``x[..., start:end:step]`` as the trace sized it: in bounds by construction (torch clamped

@@ -68,8 +68,8 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
         found = f"the compiled code failed on its first call ({exc})"
     else:
         pairs = [(where, outs[i], want) for i, (where, want) in enumerate(paths)]
-        pairs += [(f"buffer {name}", outs[n_user + j], eager_state[name])
-                  for j, name in enumerate(traced.updated_buffers)]
+        pairs += [(label, outs[n_user + j], want)
+                  for j, ((label, _), want) in enumerate(zip(dispatcher.update_targets(compiled, fitted.tensors), eager_state))]
         discrepancy = worst(pairs, precision)
         found = None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
     if found is None:
@@ -78,9 +78,8 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     set_rng_states(after, compiled.device)
     dispatcher.discard(variant, args, kwargs, found)
     with torch.no_grad():
-        for name, tensor in zip(traced.state.names, fitted.tensors[traced.num_user_inputs:]):
-            if name in eager_state:
-                tensor.copy_(eager_state[name])
+        for (_, tensor), new in zip(dispatcher.update_targets(compiled, fitted.tensors), eager_state):
+            tensor.copy_(new)
     return eager_out
 
 

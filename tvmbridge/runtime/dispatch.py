@@ -306,22 +306,23 @@ class Dispatcher:
         randoms = draw(sites, compiled.device, compiled.options.mask_kernel)
         if not needs_grad:
             return list(infer(compiled, tensors + randoms))
+        if compiled.written_read_later:  # the call writes them after the forward; the backward reads them as they were
+            tensors = [t.clone() if i in compiled.written_read_later else t for i, t in enumerate(tensors)]
         eager = functools.partial(self._eager_outputs, compiled)
         discard = functools.partial(self.discard, variant, args, kwargs)
         return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, sizes, check, discard), *tensors))
 
     def _finish(self, compiled: CompiledModule, tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
-        """Index flags checked, updated buffers written back, the module's own output rebuilt."""
+        """Index flags checked, updated buffers and inputs written back, the module's own output rebuilt."""
         traced = compiled.traced
-        n_user, n_state = traced.num_user_outputs, len(traced.updated_buffers)
-        for flag in outs[n_user + n_state:]:
+        n_user, n_updates = traced.num_user_outputs, traced.num_updates
+        for flag in outs[n_user + n_updates:]:
             if int(flag) != 1:
                 raise IndexError("index out of range in self")
-        if n_state:
-            by_name = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
+        if n_updates:
             with torch.no_grad():
-                for name, new in zip(traced.updated_buffers, outs[n_user:n_user + n_state]):
-                    by_name[name].copy_(new)
+                for (_, target), new in zip(self.update_targets(compiled, tensors), outs[n_user:n_user + n_updates]):
+                    target.copy_(new)
         return traced.output_of(list(outs))
 
     def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
@@ -353,12 +354,14 @@ class Dispatcher:
         compiled code returns them (for a double backward)."""
         return flatten_output(self.eager_call(compiled, tensors)[0])[0]
 
-    def eager_call(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def eager_call(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
         """PyTorch's forward on the given call and state tensors: its output, and the new values
-        of the buffers it updates (updated on clones, so they are not updated twice)."""
+        of the buffers and inputs it updates, in the compiled outputs' order (updated on clones,
+        so they are not updated twice)."""
         traced = compiled.traced
-        user = iter(tensors[:traced.num_user_inputs])
-        leaves = [traced.constant_leaves[i] if i in traced.constant_leaves else next(user)
+        user = [t.clone() if i in traced.updated_inputs else t for i, t in enumerate(tensors[:traced.num_user_inputs])]
+        pending = iter(user)
+        leaves = [traced.constant_leaves[i] if i in traced.constant_leaves else next(pending)
                   for i in range(traced.in_spec.num_leaves)]
         args, kwargs = pytree.tree_unflatten(leaves, traced.in_spec)
         state = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
@@ -371,7 +374,14 @@ class Dispatcher:
                 out = self.original_forward(*args, **kwargs)
         finally:
             self._eager.active = False
-        return out, {n: state[n] for n in traced.updated_buffers}
+        return out, [state[n] for n in traced.updated_buffers] + [user[i] for i in traced.updated_inputs]
+
+    def update_targets(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors a call writes in place, named, in the compiled outputs' order."""
+        traced = compiled.traced
+        by_name = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
+        return ([(f"buffer {n}", by_name[n]) for n in traced.updated_buffers]
+                + [(f"input {i}", tensors[i]) for i in traced.updated_inputs])
 
     def _fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
         with self._lock:

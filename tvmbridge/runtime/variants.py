@@ -186,6 +186,9 @@ class Variant:
             user, reason = self._bind(signature, args, kwargs, sizes)
         if reason is not None:
             return None, reason, False
+        if any(user[i].requires_grad for i in self.compiled.traced.updated_inputs):
+            return None, Mismatch("written input requires grad", "an input the module writes in place requires grad "
+                                  "(PyTorch's autograd must see that write)", recompile=False), False
         reason = self.state_guard.check(module)
         if reason is not None:
             return None, reason, True

@@ -1,0 +1,256 @@
+"""``torch.compile(model, backend="tvmbridge")``: every graph dynamo captures trains through TVM,
+with PyTorch's loss and every gradient, in the ways users compile (whole models, graph breaks,
+``dynamic=True``, ``fullgraph=True``, checkpointing, no_grad regions, BatchNorm's buffers)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from typing import Iterator
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tvmbridge
+from tvmbridge import FallbackWarning, VerificationWarning
+from tvmbridge.dynamo import Backend
+
+from ..helpers import bert_inputs, bert_layer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def _strict() -> Iterator[None]:
+    """Any discarded variant (the net caught a wrong result) or fallback fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VerificationWarning)
+        warnings.simplefilter("error", FallbackWarning)
+        yield
+
+
+def _step(model: nn.Module, seed: int, *args, **kwargs) -> torch.Tensor:
+    torch.manual_seed(seed)
+    out = model(*args, **kwargs)
+    if hasattr(out, "loss"):
+        loss = out.loss
+    else:  # a fixed random weighting: a normalized output's square would cancel to noise
+        out = out[0] if isinstance(out, tuple) else out
+        loss = (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_same_grads(model: nn.Module, ref: nn.Module, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _all_compiled(backend: Backend) -> None:
+    assert backend.graphs, "dynamo passed no graph"
+    for g in backend.graphs:
+        d = g.dispatcher
+        assert d.calls_tvm > 0 and d.calls_fallback == 0 and not d.discarded, backend.explain()
+
+
+def _train_side_by_side(model: nn.Module, backend: Backend, batches: list[dict], compile_kwargs: dict | None = None,
+                        steps_with_optimizer: bool = True) -> None:
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend, **(compile_kwargs or {}))
+    # SGD: Adam's normalised step turns float noise in a near-zero gradient into a full-size update
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref)]
+    for step, batch in enumerate(batches):
+        got = _step(compiled, step, **batch)
+        want = _step(ref, step, **batch)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        _assert_same_grads(model, ref)
+        if steps_with_optimizer:
+            for m, opt in zip((model, ref), opts):
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    for a, b in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_backend_is_registered_by_name() -> None:
+    assert "tvmbridge" in torch._dynamo.list_backends()
+
+
+def test_bert_layer_fullgraph_trains_as_eager() -> None:
+    layer = bert_layer(small=True)
+    hidden, mask = bert_inputs(batch=2, seq=8, hidden=64)
+    backend = tvmbridge.compile_backend()
+    with _strict():
+        _train_side_by_side(layer, backend, [{"hidden_states": hidden, "attention_mask": mask}] * 2,
+                            {"fullgraph": True})
+    _all_compiled(backend)
+    assert len(backend.graphs) == 1
+
+
+def _mlm() -> nn.Module:
+    cfg = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _mlm_batch(length: int, seed: int) -> dict:
+    ids = torch.randint(0, 120, (2, length), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def test_bert_for_masked_lm_trains_as_eager_one_graph_for_every_length() -> None:
+    """model(**batch) with an optimizer and clipping; dynamo recompiles once for a new length (its automatic
+    dynamic shapes) and the bridge compiles that graph symbolically: later lengths compile nothing."""
+    backend = tvmbridge.compile_backend()
+    with _strict():
+        _train_side_by_side(_mlm(), backend, [_mlm_batch(n, i) for i, n in enumerate((12, 16, 9, 14))])
+    _all_compiled(backend)
+    assert len(backend.graphs) == 2, backend.explain()
+    dynamic = backend.graphs[1].dispatcher
+    assert len(dynamic.variants) == 1 and dynamic.variants[0].symbolic, backend.explain()
+
+
+class Breaks(nn.Module):
+    """A data-dependent branch and a print in the middle: dynamo captures three graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.a(x)))
+        if h.sum() > 0:  # a value decides: a graph break
+            h = h * 2
+        h = self.b(h).relu()
+        torch._dynamo.graph_break()
+        return self.c(self.drop(h))
+
+
+def test_a_model_with_graph_breaks_trains_as_eager() -> None:
+    torch.manual_seed(0)
+    backend = tvmbridge.compile_backend()
+    batches = [{"x": torch.randn(6, 8, generator=torch.Generator().manual_seed(i))} for i in range(3)]
+    with _strict():
+        _train_side_by_side(Breaks(), backend, batches)
+    _all_compiled(backend)
+    assert len(backend.graphs) >= 3, backend.explain()
+
+
+class Mixed(nn.Module):
+    """BatchNorm (buffers written in place), dropout, a no_grad region, a detach and a checkpointed block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(self.bn(self.fc(x))).relu()
+        with torch.no_grad():
+            z = y * 2
+        y = torch.utils.checkpoint.checkpoint(self.fc2, y + z + y.detach(), use_reentrant=False)
+        return y
+
+
+def test_buffers_no_grad_detach_and_checkpoint_as_eager() -> None:
+    """Without the safety net: the compiled code itself gets BatchNorm's running statistics, the
+    gradient through a no_grad region and a detach, and a checkpointed block right."""
+    torch.manual_seed(0)
+    backend = tvmbridge.compile_backend(verify=False)
+    batches = [{"x": torch.randn(8, 16, generator=torch.Generator().manual_seed(i))} for i in range(3)]
+    with _strict():
+        _train_side_by_side(Mixed(), backend, batches)
+    _all_compiled(backend)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16, eps=1e-6)
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.drop(self.fc(x))).view(x.shape[0], -1, 4)
+
+
+def test_dynamic_true_one_symbolic_variant_with_float_attributes() -> None:
+    """dynamic=True: sizes arrive as SymInts and the modules' floats (eps, p) as 0-d tensors read
+    with .item(); one symbolic variant serves every batch size, the floats compiled in and guarded."""
+    torch.manual_seed(0)
+    backend = tvmbridge.compile_backend()
+    batches = [{"x": torch.randn(n, 16, generator=torch.Generator().manual_seed(n))} for n in (4, 7, 5)]
+    model = Scaled()
+    with _strict():
+        _train_side_by_side(model, backend, batches, {"dynamic": True})
+    _all_compiled(backend)
+    assert len(backend.graphs) == 1
+    d = backend.graphs[0].dispatcher
+    assert len(d.variants) == 1 and d.variants[0].symbolic, backend.explain()
+    model.drop.p = 0.5  # dynamo passes the new float; the variant's guard sees it and compiles anew
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(6, 16)
+    with _strict():
+        torch.testing.assert_close(_step(compiled, 7, x), _step(ref, 7, x))
+    _assert_same_grads(model, ref)
+
+
+def test_no_grad_and_eval_calls_as_eager() -> None:
+    model = _mlm()
+    ref = copy.deepcopy(model)
+    backend = tvmbridge.compile_backend()
+    compiled = torch.compile(model, backend=backend)
+    batch = _mlm_batch(10, 0)
+    def seeded(m: nn.Module) -> torch.Tensor:
+        torch.manual_seed(0)  # train mode under no_grad: dropout draws
+        return m(**batch).logits
+
+    with _strict(), torch.no_grad():
+        torch.testing.assert_close(seeded(compiled), seeded(ref), rtol=1e-5, atol=1e-5)
+        model.eval(), ref.eval()
+        torch.testing.assert_close(seeded(compiled), seeded(ref), rtol=1e-5, atol=1e-5)
+    _all_compiled(backend)
+
+
+class Unconvertible(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.i1e(self.fc(x)).sum(-1)  # no Relax converter
+
+
+def test_a_graph_the_bridge_cannot_convert_runs_pytorch_with_a_warning() -> None:
+    model = Unconvertible()
+    ref = copy.deepcopy(model)
+    backend = tvmbridge.compile_backend()
+    x = torch.randn(3, 8)
+    with pytest.warns(FallbackWarning, match="i1e"):
+        got = _step(torch.compile(model, backend=backend), 0, x)
+    torch.testing.assert_close(got, _step(ref, 0, x))
+    _assert_same_grads(model, ref)
+    assert "i1e" in backend.explain()
+
+
+def test_compile_backend_options_reach_the_graphs() -> None:
+    backend = tvmbridge.compile_backend(capture="all", fallback=False)
+    assert backend.options.capture == "all" and backend.options.fallback is False
+    model = Unconvertible()
+    with pytest.raises(Exception, match="i1e"):
+        torch.compile(model, backend=backend)(torch.randn(3, 8))

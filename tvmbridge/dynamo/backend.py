@@ -1,0 +1,103 @@
+"""``torch.compile(model, backend="tvmbridge")``: each graph dynamo captures trains through TVM.
+
+Dynamo brings what ``add_tvm_dispatch`` cannot: graph breaks (a model ``torch.export`` cannot
+take whole still runs, each captured piece compiled), its guards and recompiles, its automatic
+dynamic shapes, and the integrations built on it (DDP's bucketed graphs, compiled models handed
+to a Trainer). The bridge brings the rest: every graph dynamo passes becomes a module
+(:class:`~tvmbridge.dynamo.graph.GraphCall`) dispatched as ``add_tvm_dispatch`` dispatches a
+model, so a graph's forward and backward run on TVM through the same pipeline, with the same
+net: the first call of each compiled variant is checked against PyTorch, and a graph the bridge
+cannot convert runs PyTorch with a warning (``explain()`` says why).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FallbackWarning
+from ..options import CompileOptions, with_overrides
+from ..runtime.dispatch import Dispatcher, add_tvm_dispatch
+from .graph import GraphCall, InputPlan, prepared
+
+# The backend's defaults where they differ from add_tvm_dispatch's: a graph that cannot be
+# converted runs PyTorch (with a warning) instead of failing the user's torch.compile.
+BACKEND_DEFAULTS: dict[str, Any] = {"fallback": True}
+
+
+class CompiledGraph:
+    """What the backend returns for one graph: calls it with the graph's inputs, in TVM."""
+
+    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions) -> None:
+        self.plan = InputPlan.of(gm)
+        self.eager = gm.forward
+        self.module = GraphCall(prepared(gm, self.plan), self.plan)
+        opts = options.replace(dynamic=self.plan.dynamic_option()) if options.dynamic == "auto" else options
+        add_tvm_dispatch(self.module, options=opts)
+        self.dispatcher: Dispatcher = self.module._tvm_dispatch
+
+    def __call__(self, *args: Any) -> Any:
+        return self.dispatcher(*self.plan.call_args(args))
+
+    def explain(self) -> str:
+        return self.dispatcher.explain()
+
+
+class Backend:
+    """A dynamo backend with fixed :class:`CompileOptions`; keeps the graphs it compiled (for
+    ``explain()``)."""
+
+    def __init__(self, options: CompileOptions) -> None:
+        self.options = options
+        self.graphs: list[CompiledGraph] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        try:
+            compiled = CompiledGraph(gm, self.options)
+        except Exception as exc:  # noqa: BLE001 - a graph we cannot even wrap runs as dynamo gave it
+            if not self.options.fallback:
+                raise
+            if self.options.warn_on_fallback:
+                warnings.warn(f"tvmbridge: a torch.compile graph runs PyTorch: {exc}", FallbackWarning, stacklevel=2)
+            return gm.forward
+        with self._lock:
+            self.graphs.append(compiled)
+        return compiled
+
+    def explain(self) -> str:
+        """Per graph dynamo passed: what its calls ran and why."""
+        with self._lock:
+            graphs = list(self.graphs)
+        if not graphs:
+            return "no graph compiled yet"
+        return "\n".join(f"graph {i}: {g.explain()}" for i, g in enumerate(graphs, 1))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.graphs.clear()
+
+
+def compile_backend(options: CompileOptions | None = None, **overrides: Any) -> Backend:
+    """A ``torch.compile`` backend with these options: ``torch.compile(model,
+    backend=tvmbridge.compile_backend(memory_budget=0.3))``. Defaults as ``add_tvm_dispatch``,
+    except ``fallback=True``."""
+    if options is None:
+        overrides = {**BACKEND_DEFAULTS, **overrides}
+    return Backend(with_overrides(options, overrides))
+
+
+def tvmbridge(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The backend registered as ``"tvmbridge"`` (default options)."""
+    return _default()(gm, example_inputs)
+
+
+_DEFAULT: list[Backend] = []
+
+
+def _default() -> Backend:
+    if not _DEFAULT:
+        _DEFAULT.append(compile_backend())
+    return _DEFAULT[0]

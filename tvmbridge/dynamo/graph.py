@@ -1,0 +1,166 @@
+"""A graph dynamo hands a backend, as a module the dispatcher compiles.
+
+Dynamo inlines the model's modules: the graph takes the parameters and buffers as inputs, next
+to the call's tensors, the sizes it keeps symbolic (``s0: SymInt``) and, under
+``dynamic=True``, the modules' float attributes as 0-d tensors read with ``.item()``. The
+bridge compiles calls of tensors, so :class:`InputPlan` sorts the graph's inputs:
+
+* tensors are the compiled call's tensors (a parameter's gradient flows back to it as to any
+  input that requires grad; a buffer the graph writes is written back);
+* a size that is a dim of an input tensor is read from that tensor (one symbolic graph serves
+  every size), and the dims dynamo keeps symbolic are the ones compiled symbolically;
+* any other size, and every scalar read with ``.item()``, becomes a Python number of the call:
+  the compiled code is specialised on its value and guarded by it (a new value compiles anew).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SIZE, TENSOR, SCALAR, DERIVED = "size", "tensor", "scalar", "derived"
+
+
+def _expr(v: Any) -> Any:
+    """A symbolic size's expression; None for a plain or constant size."""
+    if not isinstance(v, torch.SymInt):
+        return None
+    expr = v.node.expr
+    return None if expr.is_number else expr
+
+
+def concrete(v: Any) -> Any:
+    """A dynamo example value as the number it stands for (a SymInt's hint)."""
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return v.node.hint
+    return v
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """How each input of a dynamo graph reaches the compiled call: ``kinds[i]`` is ``tensor``,
+    ``derived`` (a size read from ``sources[i] = (tensor input, dim)``), ``scalar`` (a 0-d tensor
+    read with ``.item()``: passed as its value) or ``size`` (a size no input's dim carries: passed
+    as an int)."""
+
+    kinds: tuple[str, ...]
+    sources: dict[int, tuple[int, int]]
+    dynamic_dims: dict[int, dict[int, str]]  # call-tensor position -> {dim: symbol} dynamo keeps symbolic
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule) -> InputPlan:
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        values = [p.meta.get("example_value", p.meta.get("val")) for p in placeholders]
+        dims_of: dict[Any, tuple[int, int]] = {}
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                for d, size in enumerate(v.shape):
+                    expr = _expr(size)
+                    if expr is not None and expr.is_Symbol:
+                        dims_of.setdefault(expr, (i, d))
+        kinds, sources = [], {}
+        for i, (p, v) in enumerate(zip(placeholders, values)):
+            if isinstance(v, torch.SymInt) and _expr(v) in dims_of:
+                kinds.append(DERIVED)
+                sources[i] = dims_of[_expr(v)]
+            elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+                kinds.append(SIZE)
+            elif isinstance(v, torch.Tensor) and v.dim() == 0 and p.users and all(
+                    u.op == "call_method" and u.target == "item" for u in p.users):
+                kinds.append(SCALAR)
+            else:
+                kinds.append(TENSOR)
+        call_position = {}
+        for i, kind in enumerate(kinds):
+            if kind == TENSOR:
+                call_position[i] = len(call_position)
+        dynamic: dict[int, dict[int, str]] = {}
+        for i, v in enumerate(values):
+            if kinds[i] == TENSOR and isinstance(v, torch.Tensor):
+                marks = {d: str(_expr(s)) for d, s in enumerate(v.shape) if _expr(s) is not None}
+                if marks:
+                    dynamic[call_position[i]] = marks
+        return cls(tuple(kinds), sources, dynamic)
+
+    def call_args(self, args: Any) -> list[Any]:
+        """The compiled call's arguments for one call of the graph (sizes read from tensors dropped,
+        scalars as numbers)."""
+        out = []
+        for kind, a in zip(self.kinds, args):
+            if kind == TENSOR:
+                out.append(a)
+            elif kind == SCALAR:
+                out.append(a.item())
+            elif kind == SIZE:
+                out.append(concrete(a))
+        return out
+
+    def dynamic_option(self) -> dict[str, dict[int, str]] | bool:
+        """The dispatcher's ``dynamic`` marks: the dims dynamo keeps symbolic (none: static)."""
+        return {f"arg {j}": marks for j, marks in self.dynamic_dims.items()} or False
+
+
+# higher-order ops whose body is plain forward code: inlined (the bridge differentiates the body
+# itself, and its capture set already trades memory for recompute as checkpointing asks)
+INLINED = ("tag_activation_checkpoint", "wrap")
+
+
+def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Replace a call of a higher-order op on a body graph by the body's nodes."""
+    body = getattr(gm, node.args[0].target)
+    if body.graph.find_nodes(op="get_attr"):
+        raise ValueError(f"the body of {node.target} reads attributes of its own; it is not inlined")
+    # checkpoint's keywords (use_reentrant, context_fn, ...) choose what is saved: memory, not values
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    val_map = dict(zip(placeholders, node.args[1:]))
+    with gm.graph.inserting_before(node):
+        out = gm.graph.graph_copy(body.graph, val_map)
+    for user in list(node.users):
+        if user.op != "call_function" or user.target is not operator.getitem:
+            raise ValueError(f"a result of {node.target} is used as a whole; it is not inlined")
+        user.replace_all_uses_with(out[user.args[1]])
+        gm.graph.erase_node(user)
+    getter = node.args[0]
+    gm.graph.erase_node(node)
+    if not getter.users:
+        gm.graph.erase_node(getter)
+
+
+def prepared(gm: torch.fx.GraphModule, plan: InputPlan) -> torch.fx.GraphModule:
+    """``gm`` with each scalar input's ``.item()`` replaced by the input itself (it arrives as a
+    number), and checkpointed or wrapped bodies inlined (``torch.export`` cannot retrace
+    dynamo's checkpoint op)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    for kind, p in zip(plan.kinds, placeholders):
+        if kind == SCALAR:
+            for user in list(p.users):
+                user.replace_all_uses_with(p)
+                gm.graph.erase_node(user)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "__name__", None) in INLINED:
+            _inline(gm, node)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm
+
+
+class GraphCall(torch.nn.Module):
+    """``graph(*inputs)`` called with the compiled call's arguments: the sizes it takes are read
+    from the tensors they are dims of. ``graph`` is a submodule, so its own attributes (constants,
+    a checkpointed body's module) are state the compiled code reads as inputs."""
+
+    def __init__(self, graph: torch.fx.GraphModule, plan: InputPlan) -> None:
+        super().__init__()
+        self.graph = graph
+        self.plan = plan
+
+    def forward(self, *args: Any) -> Any:
+        full: list[Any] = []
+        given = iter(args)
+        for kind in self.plan.kinds:
+            full.append(None if kind == DERIVED else next(given))
+        for i, (j, d) in self.plan.sources.items():
+            full[i] = full[j].shape[d]
+        return self.graph(*full)
