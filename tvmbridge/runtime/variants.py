@@ -57,11 +57,16 @@ def describe_call(signature: inspect.Signature, args: tuple, kwargs: dict, modul
     """``train: hidden_states (2, 14, 64) float32, scale=3.0``: the mode and the call's leaves."""
     cargs, ckwargs = canonical_call(signature, args, kwargs)
     parts = []
+    params = 0  # parameters passed as arguments (a torch.compile graph's): counted, not listed
     for label, x in zip(leaf_labels(cargs, ckwargs), pytree.tree_leaves((cargs, ckwargs))):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.nn.Parameter):
+            params += 1
+        elif isinstance(x, torch.Tensor):
             parts.append(f"{label} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}")
         else:
             parts.append(f"{label}={x!r}")
+    if params:
+        parts.append(f"{params} parameters")
     return f"{'train' if module.training else 'eval'}: {', '.join(parts) or 'no inputs'}"
 
 

@@ -13,6 +13,10 @@ WRONG (a tensor outside noise), CRASH (any other exception), SKIP (PyTorch itsel
 of the zoo entry, to be fixed there).
 
     python -m tvmbridge.tools.zoo.harness bert-mlm          # one case in this process, JSON out
+    python -m tvmbridge.tools.zoo.harness bert-mlm --via backend   # through torch.compile instead
+
+``--via backend``: the ``tvm`` copy is ``torch.compile(model, backend=compile_backend(...))``
+(a graph the bridge cannot convert runs PyTorch with a warning: FALLBACK).
 """
 from __future__ import annotations
 
@@ -180,10 +184,11 @@ def compare(step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor 
 class Case:
     """The three models, their optimizers, and the steps of the protocol."""
 
-    def __init__(self, entry: ZooEntry, options: dict[str, Any]) -> None:
-        from tvmbridge import add_tvm_dispatch
+    def __init__(self, entry: ZooEntry, options: dict[str, Any], via: str = "dispatch") -> None:
+        from tvmbridge import add_tvm_dispatch, compile_backend
 
         self.entry = entry
+        self.backend = None
         self.mismatches: list[list[Mismatch]] = []
         self.step3_variant: Any = None
         self.closest: tuple[float, str] = (0.0, "")  # the passing tensor nearest its tolerance
@@ -196,8 +201,14 @@ class Case:
             if entry.prepare_reference is not None:
                 entry.prepare_reference(ref)
         self.models = {"eager": eager, "tvm": tvm, "ref": ref}
-        with self.guard("tvm", "add_tvm_dispatch"):
-            add_tvm_dispatch(tvm, **options)
+        self.callables: dict[str, Any] = dict(self.models)  # what each role calls
+        if via == "backend":
+            torch._dynamo.reset()
+            self.backend = compile_backend(**options)
+            self.callables["tvm"] = torch.compile(tvm, backend=self.backend)
+        else:
+            with self.guard("tvm", "add_tvm_dispatch"):
+                add_tvm_dispatch(tvm, **options)
         self.optimizers = {role: torch.optim.AdamW(m.parameters(), lr=LR) for role, m in self.models.items()}
 
     @contextmanager
@@ -211,12 +222,18 @@ class Case:
     def dispatcher(self) -> Any:
         return getattr(self.models["tvm"], "_tvm_dispatch", None)
 
+    def dispatchers(self) -> list[Any]:
+        """The dispatcher of the model, or of each graph the backend compiled."""
+        if self.backend is not None:
+            return [g.dispatcher for g in self.backend.graphs]
+        return [self.dispatcher] if self.dispatcher is not None else []
+
     def call(self, role: str, batch: Batch, where: str, backward: bool) -> dict[str, torch.Tensor | None]:
         """One seeded call (and backward); the tensors to compare: loss, outputs, grads, buffers."""
         model = self.models[role]
         with self.guard(role, where):
             torch.manual_seed(CALL_SEED)
-            out, loss = self.entry.forward(model, to_reference(batch) if role == "ref" else batch)
+            out, loss = self.entry.forward(self.callables[role], to_reference(batch) if role == "ref" else batch)
             if backward:
                 loss.backward()
         got: dict[str, torch.Tensor | None] = {"loss": loss.detach() if isinstance(loss, torch.Tensor) else None}
@@ -251,7 +268,7 @@ class Case:
         for role in ROLES:
             got[role] = self.call(role, batch, f"{step} forward/backward", backward=True)
             if role == "tvm" and step == "step 3":
-                self.step3_variant = getattr(self.dispatcher, "last_decision", None)
+                self.step3_variant = [getattr(d, "last_decision", None) for d in self.dispatchers()]
         self.check(step, got)
         params, clipped = {}, {}
         for role, model in self.models.items():
@@ -290,7 +307,7 @@ class Case:
         from tvmbridge.tools.timing import interleaved
 
         def step(role: str):
-            model, opt = self.models[role], self.optimizers[role]
+            model, opt = self.callables[role], self.optimizers[role]
 
             def run(i: int) -> None:
                 torch.manual_seed(CALL_SEED)
@@ -348,7 +365,8 @@ def compile_options(verify: bool | None) -> tuple[dict[str, Any], str]:
     return {}, "" if verify is False else "CompileOptions has no field verify: not passed"
 
 
-def run_case(entry: ZooEntry | str, *, verify: bool | None = None, timing: bool = True) -> CaseResult:
+def run_case(entry: ZooEntry | str, *, verify: bool | None = None, timing: bool = True,
+             via: str = "dispatch") -> CaseResult:
     """Run the protocol on one entry (module docstring); never raises for the model's failures.
 
     ``verify``: passed as ``CompileOptions.verify`` when not None and the field exists (the
@@ -364,7 +382,7 @@ def run_case(entry: ZooEntry | str, *, verify: bool | None = None, timing: bool 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            case = Case(entry, options)
+            case = Case(entry, options, via)
             first = entry.make_batch(*FIRST, 1)
             case.train_step("step 1", first)
             case.train_step("step 2", first)
@@ -384,15 +402,15 @@ def run_case(entry: ZooEntry | str, *, verify: bool | None = None, timing: bool 
         except Exception as exc:  # noqa: BLE001 - the harness's own bug: named so it is fixed
             result.verdict, result.reason = "SKIP", f"harness failed: {_first_line(exc)} (at {_where(exc)})"
         fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
-    dispatcher = case.dispatcher if case is not None else None
-    if dispatcher is not None:
-        variants = dispatcher.variants
+    dispatchers = case.dispatchers() if case is not None else []
+    if dispatchers:
+        variants = [v for d in dispatchers for v in d.variants]
         result.variants = len(variants)
         result.compile_s = round(sum(v.compiled.compile_seconds.get("total", 0.0) for v in variants), 2)
         result.variant_why = [f"{v.label}: {v.why}" for v in variants]
-        step3 = case.step3_variant  # a Variant, or a string when that call ran PyTorch
-        result.symbolic = bool(step3.symbolic) if hasattr(step3, "symbolic") else None
-        fallbacks += [f"{n} x PyTorch: {why}" for why, n in dispatcher.fallback_reasons.items()]
+        step3 = [x for x in case.step3_variant or [] if x is not None]  # Variants, or strings where PyTorch ran
+        result.symbolic = any(getattr(x, "symbolic", False) for x in step3) if step3 else None
+        fallbacks += [f"{n} x PyTorch: {why}" for d in dispatchers for why, n in d.fallback_reasons.items()]
     result.fallbacks = list(dict.fromkeys(fallbacks))
     if case is not None and case.closest[1]:
         result.closest = f"{case.closest[0]:.2f} at {case.closest[1]}"
@@ -418,9 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", choices=("off", "on", "default"), default="off",
                         help="CompileOptions.verify where it exists (default off: the raw state)")
     parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--via", choices=("dispatch", "backend"), default="dispatch",
+                        help="add_tvm_dispatch (default) or torch.compile(backend=tvmbridge)")
     args = parser.parse_args(argv)
     verify = {"off": False, "on": True, "default": None}[args.verify]
-    result = run_case(args.name, verify=verify, timing=not args.no_timing)
+    result = run_case(args.name, verify=verify, timing=not args.no_timing, via=args.via)
     text = json.dumps(asdict(result))
     if args.json_out:
         with open(args.json_out, "w") as f:
