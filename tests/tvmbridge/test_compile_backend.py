@@ -254,3 +254,113 @@ def test_compile_backend_options_reach_the_graphs() -> None:
     model = Unconvertible()
     with pytest.raises(Exception, match="i1e"):
         torch.compile(model, backend=backend)(torch.randn(3, 8))
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Dropout(0.1)) for _ in range(3)])
+        self.head = nn.Linear(512, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = Tower()
+        ref = copy.deepcopy(model)
+        # 1 MiB buckets (DDP's first-bucket size, the least the DDP optimizer takes), one layer each: dynamo's DDP optimizer splits the graph at their boundaries
+        ddp, ddp_ref = (DDP(m, bucket_cap_mb=1) for m in (model, ref))
+        backend = tvmbridge.compile_backend()
+        compiled = torch.compile(ddp, backend=backend)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+        worst = 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", VerificationWarning)
+            warnings.simplefilter("error", FallbackWarning)
+            for step in range(3):
+                x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * step + rank))
+                for m, opt in ((compiled, opts[0]), (ddp_ref, opts[1])):
+                    torch.manual_seed(step + rank)
+                    m(x).square().mean().backward()
+                worst = max(worst, *((p.grad - q.grad).abs().max().item()
+                                     for p, q in zip(model.parameters(), ref.parameters())))
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad()
+        compiled_calls = [g.dispatcher.calls_tvm for g in backend.graphs]
+        fallbacks = sum(g.dispatcher.calls_fallback for g in backend.graphs)
+        torch.save({"worst": worst, "graphs": len(backend.graphs), "calls": compiled_calls, "fallbacks": fallbacks,
+                    "params": [p.detach() for p in model.parameters()],
+                    "ref": [p.detach() for p in ref.parameters()]}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_on_gloo_trains_as_eager(tmp_path) -> None:
+    """Two processes, gloo on CPU; dynamo's DDP optimizer hands the backend one graph per bucket;
+    the gradients PyTorch all-reduces are TVM's, and every rank ends with eager DDP's weights."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in results:
+        assert r["graphs"] >= 2 and all(c > 0 for c in r["calls"]) and r["fallbacks"] == 0, r
+        assert r["worst"] < 1e-5, r["worst"]
+        for p, q in zip(r["params"], r["ref"]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for p, q in zip(results[0]["params"], results[1]["params"]):  # all-reduced: the ranks agree
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+class StraightThrough(torch.autograd.Function):
+    """A hand-written backward that is not the forward's gradient (round's is zero)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+class Quantized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (StraightThrough.apply(self.fc(x)) * x).sum()
+
+
+def test_a_custom_autograd_function_keeps_its_own_backward() -> None:
+    """Traced, its forward is all that is left: the bridge must not differentiate it (a zero
+    gradient here), so the graph runs PyTorch, saying why; add_tvm_dispatch refuses it."""
+    model = Quantized()
+    ref = copy.deepcopy(model)
+    backend = tvmbridge.compile_backend(verify=False)
+    x = torch.randn(3, 4)
+    with pytest.warns(FallbackWarning, match="autograd_function_apply"):
+        torch.compile(model, backend=backend)(x).backward()
+    ref(x).backward()
+    _assert_same_grads(model, ref)
+    assert "autograd_function_apply" in backend.explain()
+    with pytest.raises(tvmbridge.ConversionError, match="custom autograd.Function .StraightThrough."):
+        tvmbridge.add_tvm_dispatch(copy.deepcopy(ref), (x,), verify=False)
+    assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # the patch is undone

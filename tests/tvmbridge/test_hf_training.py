@@ -89,3 +89,27 @@ def test_dynamic_padding_loop_one_symbolic_variant_exact() -> None:
             if g is not None:
                 torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-5, msg=name)
     assert any(v.symbolic for v in model._tvm_dispatch.variants), model._tvm_dispatch.explain()
+
+
+def test_trainer_with_a_model_compiled_by_the_backend_matches_the_eager_trainer(tmp_path) -> None:
+    """Accelerate knows only its own dynamo backend names: the model is compiled in place
+    (``model.compile(backend=...)``: it keeps its class and forward signature, which Trainer reads
+    to drop unused columns; a ``torch.compile`` wrapper's is ``(*args, **kwargs)``) before it is
+    handed to Trainer. Every batch has another length (dynamo's automatic dynamic shapes)."""
+    from tvmbridge import FallbackWarning, compile_backend
+
+    torch._dynamo.reset()
+    eager = _train(_bert(), str(tmp_path / "eager"))
+    backend = compile_backend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VerificationWarning)
+        warnings.simplefilter("error", FallbackWarning)
+        model = _bert()
+        model.compile(backend=backend)
+        tvm = _train(model, str(tmp_path / "tvm"))
+    assert len(tvm) == len(eager) == 5
+    for a, b in zip(tvm, eager):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (tvm, eager)
+    assert backend.graphs and all(g.dispatcher.calls_tvm > 0 and g.dispatcher.calls_fallback == 0
+                                  for g in backend.graphs), backend.explain()
+    torch._dynamo.reset()

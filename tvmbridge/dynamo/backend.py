@@ -52,6 +52,7 @@ class Backend:
     def __init__(self, options: CompileOptions) -> None:
         self.options = options
         self.graphs: list[CompiledGraph] = []
+        self.refused: list[str] = []  # why each graph that runs PyTorch as a whole does
         self._lock = threading.Lock()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -60,6 +61,8 @@ class Backend:
         except Exception as exc:  # noqa: BLE001 - a graph we cannot even wrap runs as dynamo gave it
             if not self.options.fallback:
                 raise
+            with self._lock:
+                self.refused.append(f"{len(gm.graph.nodes)}-node graph runs PyTorch: {exc}")
             if self.options.warn_on_fallback:
                 warnings.warn(f"tvmbridge: a torch.compile graph runs PyTorch: {exc}", FallbackWarning, stacklevel=2)
             return gm.forward
@@ -70,14 +73,17 @@ class Backend:
     def explain(self) -> str:
         """Per graph dynamo passed: what its calls ran and why."""
         with self._lock:
-            graphs = list(self.graphs)
-        if not graphs:
+            graphs, refused = list(self.graphs), list(self.refused)
+        if not graphs and not refused:
             return "no graph compiled yet"
-        return "\n".join(f"graph {i}: {g.explain()}" for i, g in enumerate(graphs, 1))
+        lines = [f"graph {i}: {g.explain()}" for i, g in enumerate(graphs, 1)]
+        return "\n".join(lines + [f"not compiled: {why}" for why in refused])
 
     def reset(self) -> None:
+        """Forget the graphs (``torch._dynamo.reset()`` calls this: its compiled code is gone)."""
         with self._lock:
             self.graphs.clear()
+            self.refused.clear()
 
 
 def compile_backend(options: CompileOptions | None = None, **overrides: Any) -> Backend:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 
 SIZE, TENSOR, SCALAR, DERIVED = "size", "tensor", "scalar", "derived"
 
@@ -139,8 +140,12 @@ def prepared(gm: torch.fx.GraphModule, plan: InputPlan) -> torch.fx.GraphModule:
                 user.replace_all_uses_with(p)
                 gm.graph.erase_node(user)
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and getattr(node.target, "__name__", None) in INLINED:
+        name = getattr(node.target, "__name__", None)
+        if node.op == "call_function" and name in INLINED:
             _inline(gm, node)
+        elif node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
+            raise ValueError(f"the graph calls {name} (a custom autograd.Function's own backward, or another "
+                             "higher-order op): TVM cannot run it as PyTorch does")
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm

@@ -20,6 +20,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from ..errors import ConversionError, describe
+from .custom_functions import custom_functions_seen
 from .decompositions import decomposition_table
 from .mixed_dtypes import make_dtype_mixing_explicit
 from .outputs import OutputLayout, flatten_output, unflatten_output
@@ -186,8 +187,9 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
         # torch.export deep-copies tree specs and trips torch's own LeafSpec deprecation
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
-            return torch.export.export(flat, args=inputs, strict=False,
-                                       dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {}))
+            with custom_functions_seen() as custom:
+                ep = torch.export.export(flat, args=inputs, strict=False,
+                                         dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {}))
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
             hint = ""
             if "Cache" in str(exc):  # transformers' key/value caches
@@ -195,6 +197,13 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"
             ) from exc
+    if custom:
+        names = ", ".join(sorted({c.__qualname__ for c in custom}))
+        raise ConversionError(
+            "trace", f"{type(module).__name__}'s forward applies a custom autograd.Function ({names}) whose own "
+            "backward TVM cannot run: its gradient would become the gradient of its forward. Dispatch the "
+            "submodules around it, or keep PyTorch for this module (fallback=True)")
+    return ep
 
 
 def _detach_no_grad_regions(ep: ExportedProgram) -> None:
