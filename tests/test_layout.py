@@ -17,7 +17,7 @@ MAX_FUNCTION_LINES = 60
 BRIDGE_LAYERS = {
     "errors": 0, "names": 0, "options": 0, "devices": 1, "ir": 1,
     "kernels": 2, "frontend": 3, "passes": 4, "partition": 5, "backend": 6,
-    "pipeline": 7, "runtime": 8, "tools": 9, "__init__": 10, "__main__": 10,
+    "pipeline": 7, "runtime": 8, "dynamo": 9, "tools": 9, "__init__": 10, "__main__": 10,
 }
 
 

@@ -20,8 +20,6 @@ TRUE_GRADIENT: tuple[type, ...] = (CheckpointFunction,)
 
 _ORIGINAL_APPLY = Function.__dict__["apply"]
 _local = threading.local()
-_lock = threading.Lock()
-_active = 0
 
 
 def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -31,20 +29,36 @@ def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
 
 
+class _Patch:
+    """``Function.apply`` recording while at least one trace (of any thread) is running."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.active == 0:
+                Function.apply = classmethod(_recording_apply)
+            self.active += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.active -= 1
+            if self.active == 0:
+                Function.apply = _ORIGINAL_APPLY
+
+
+_PATCH = _Patch()
+
+
 @contextlib.contextmanager
 def custom_functions_seen() -> Iterator[list[type]]:
     """A list that fills with the custom Functions (own backward) this thread applies meanwhile."""
-    global _active
-    with _lock:
-        if _active == 0:
-            Function.apply = classmethod(_recording_apply)
-        _active += 1
+    _PATCH.enter()
     _local.seen = seen = []
     try:
         yield seen
     finally:
         _local.seen = None
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                Function.apply = _ORIGINAL_APPLY
+        _PATCH.exit()
