@@ -351,16 +351,39 @@ class Quantized(nn.Module):
 
 def test_a_custom_autograd_function_keeps_its_own_backward() -> None:
     """Traced, its forward is all that is left: the bridge must not differentiate it (a zero
-    gradient here), so the graph runs PyTorch, saying why; add_tvm_dispatch refuses it."""
+    gradient here). The backend splits the graph around it: PyTorch runs the Function, TVM the
+    pieces before and after; add_tvm_dispatch, which has no graph to split, refuses it."""
     model = Quantized()
     ref = copy.deepcopy(model)
     backend = tvmbridge.compile_backend(verify=False)
-    x = torch.randn(3, 4)
-    with pytest.warns(FallbackWarning, match="autograd_function_apply"):
+    x = torch.randn(3, 4, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with _strict():
         torch.compile(model, backend=backend)(x).backward()
-    ref(x).backward()
+    ref(x_ref).backward()
     _assert_same_grads(model, ref)
-    assert "autograd_function_apply" in backend.explain()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    _all_compiled(backend)
+    assert len(backend.graphs) == 2 and "split around autograd_function_apply" in backend.explain()
     with pytest.raises(tvmbridge.ConversionError, match="custom autograd.Function .StraightThrough."):
-        tvmbridge.add_tvm_dispatch(copy.deepcopy(ref), (x,), verify=False)
+        tvmbridge.add_tvm_dispatch(copy.deepcopy(ref), (x_ref.detach(),), verify=False)
     assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"  # the patch is undone
+
+
+def test_the_registered_name_takes_options() -> None:
+    """torch.compile's ``options`` reach CompileOptions; a wrong field says so."""
+    layer = bert_layer(small=True)
+    hidden, mask = bert_inputs(batch=2, seq=8, hidden=64)
+    ref = copy.deepcopy(layer)
+    compiled = torch.compile(layer, backend="tvmbridge", options={"capture": "all", "verify": False})
+    with _strict():
+        got = _step(compiled, 0, hidden, mask)
+    torch.testing.assert_close(got, _step(ref, 0, hidden, mask))
+    _assert_same_grads(layer, ref)
+    from tvmbridge.dynamo.backend import _backend_for
+
+    backend = _backend_for({"capture": "all", "verify": False})
+    assert backend.options.capture == "all" and backend.graphs
+    _all_compiled(backend)
+    with pytest.raises(Exception, match="no_such_option"):
+        torch.compile(copy.deepcopy(ref), backend="tvmbridge", options={"no_such_option": 1})(hidden, mask)

@@ -21,6 +21,7 @@ from ..errors import FallbackWarning
 from ..options import CompileOptions, with_overrides
 from ..runtime.dispatch import Dispatcher, add_tvm_dispatch
 from .graph import GraphCall, InputPlan, prepared
+from .split import needs_split, split
 
 # The backend's defaults where they differ from add_tvm_dispatch's: a graph that cannot be
 # converted runs PyTorch (with a warning) instead of failing the user's torch.compile.
@@ -38,11 +39,24 @@ class CompiledGraph:
         add_tvm_dispatch(self.module, options=opts)
         self.dispatcher: Dispatcher = self.module._tvm_dispatch
 
+    note = ""  # where the graph came from, when not from dynamo directly
+
     def __call__(self, *args: Any) -> Any:
         return self.dispatcher(*self.plan.call_args(args))
 
     def explain(self) -> str:
-        return self.dispatcher.explain()
+        return f"{self.note}\n{self.dispatcher.explain()}" if self.note else self.dispatcher.explain()
+
+
+class _Piece(torch.nn.Module):
+    """A compiled piece where the split graph calls its submodule."""
+
+    def __init__(self, compiled: CompiledGraph) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any) -> Any:
+        return self.compiled(*args)
 
 
 class Backend:
@@ -57,6 +71,8 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         try:
+            if needs_split(gm):
+                return self._split(gm)
             compiled = CompiledGraph(gm, self.options)
         except Exception as exc:  # noqa: BLE001 - a graph we cannot even wrap runs as dynamo gave it
             if not self.options.fallback:
@@ -69,6 +85,18 @@ class Backend:
         with self._lock:
             self.graphs.append(compiled)
         return compiled
+
+    def _split(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        """Each compilable piece compiled as a graph of its own; PyTorch runs the rest."""
+        fused, pieces, kept = split(gm)
+        for name in pieces:
+            compiled = CompiledGraph(getattr(fused, name), self.options)
+            compiled.note = f"a piece of a graph split around {', '.join(kept)} (PyTorch runs those)"
+            setattr(fused, name, _Piece(compiled))
+            with self._lock:
+                self.graphs.append(compiled)
+        fused.recompile()
+        return fused.forward
 
     def explain(self) -> str:
         """Per graph dynamo passed: what its calls ran and why."""
@@ -95,15 +123,20 @@ def compile_backend(options: CompileOptions | None = None, **overrides: Any) -> 
     return Backend(with_overrides(options, overrides))
 
 
-def tvmbridge(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """The backend registered as ``"tvmbridge"`` (default options)."""
-    return _default()(gm, example_inputs)
+def tvmbridge(gm: torch.fx.GraphModule, example_inputs: list[Any],
+              options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The backend registered as ``"tvmbridge"``: ``torch.compile(model, backend="tvmbridge",
+    options={"memory_budget": 0.3})`` passes ``options`` as :class:`CompileOptions` fields."""
+    return _backend_for(options or {})(gm, example_inputs)
 
 
-_DEFAULT: list[Backend] = []
+_BACKENDS: dict[str, Backend] = {}  # one per options, so that graphs compiled alike share it
+_BACKENDS_LOCK = threading.Lock()
 
 
-def _default() -> Backend:
-    if not _DEFAULT:
-        _DEFAULT.append(compile_backend())
-    return _DEFAULT[0]
+def _backend_for(options: dict[str, Any]) -> Backend:
+    key = repr(sorted(options.items()))
+    with _BACKENDS_LOCK:
+        if key not in _BACKENDS:
+            _BACKENDS[key] = compile_backend(**options)
+        return _BACKENDS[key]

@@ -105,7 +105,7 @@ class InputPlan:
 
 # higher-order ops whose body is plain forward code: inlined (the bridge differentiates the body
 # itself, and its capture set already trades memory for recompute as checkpointing asks)
-INLINED = ("tag_activation_checkpoint", "wrap")
+INLINED = ("tag_activation_checkpoint", "wrap_activation_checkpoint", "wrap")
 
 
 def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
