@@ -387,3 +387,27 @@ def test_the_registered_name_takes_options() -> None:
     _all_compiled(backend)
     with pytest.raises(Exception, match="no_such_option"):
         torch.compile(copy.deepcopy(ref), backend="tvmbridge", options={"no_such_option": 1})(hidden, mask)
+
+
+def test_autocast_around_the_compiled_model_is_compiled_in() -> None:
+    """Called under torch.autocast: the graph's casts are traced under it and the net (bfloat16
+    tolerances) accepts the result; a call without autocast is another variant, in float32."""
+    layer = bert_layer(small=True)
+    ref = copy.deepcopy(layer)
+    hidden, mask = bert_inputs(batch=2, seq=8, hidden=64)
+    backend = tvmbridge.compile_backend()
+    compiled = torch.compile(layer, backend=backend)
+    def seeded(m: nn.Module) -> torch.Tensor:
+        torch.manual_seed(0)  # dropout draws
+        out = m(hidden, mask)
+        return out[0] if isinstance(out, tuple) else out
+
+    with _strict():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = seeded(compiled), seeded(ref)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+        got.float().sum().backward()
+        torch.testing.assert_close(seeded(compiled), seeded(ref), rtol=1e-5, atol=1e-5)
+    _all_compiled(backend)
+    assert "autocast(cpu, bfloat16)" in backend.explain()
