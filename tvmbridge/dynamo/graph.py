@@ -48,7 +48,7 @@ class InputPlan:
 
     kinds: tuple[str, ...]
     sources: dict[int, tuple[int, int]]
-    dynamic_dims: dict[int, dict[int, str]]  # call-tensor position -> {dim: symbol} dynamo keeps symbolic
+    dynamic_dims: dict[int, dict[int, str]]  # call-argument position -> {dim: symbol} dynamo keeps symbolic
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule) -> InputPlan:
@@ -73,9 +73,9 @@ class InputPlan:
                 kinds.append(SCALAR)
             else:
                 kinds.append(TENSOR)
-        call_position = {}
+        call_position = {}  # graph input -> position among the compiled call's arguments
         for i, kind in enumerate(kinds):
-            if kind == TENSOR:
+            if kind != DERIVED:
                 call_position[i] = len(call_position)
         dynamic: dict[int, dict[int, str]] = {}
         for i, v in enumerate(values):

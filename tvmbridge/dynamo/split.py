@@ -27,13 +27,19 @@ def runs_in_pytorch(node: torch.fx.Node) -> bool:
             and getattr(node.target, "__name__", "") not in INLINED)
 
 
+def _tensors(value: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, torch.Tensor)
+
+
 def _stays(node: torch.fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
     if runs_in_pytorch(node) or getattr(node.target, "__name__", "") in _STATEFUL:
         return True
+    if not _tensors(node.meta.get("example_value")):
+        return True  # sizes and Python values: a piece hands out tensors only
     # the results of an op PyTorch runs are taken apart where it runs
-    return node.target is operator.getitem and runs_in_pytorch(node.args[0])
+    return node.op == "call_function" and node.target is operator.getitem and runs_in_pytorch(node.args[0])
 
 
 class _Support(OperatorSupportBase):

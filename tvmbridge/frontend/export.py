@@ -201,8 +201,9 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
         names = ", ".join(sorted({c.__qualname__ for c in custom}))
         raise ConversionError(
             "trace", f"{type(module).__name__}'s forward applies a custom autograd.Function ({names}) whose own "
-            "backward TVM cannot run: its gradient would become the gradient of its forward. Dispatch the "
-            "submodules around it, or keep PyTorch for this module (fallback=True)")
+            "backward TVM cannot run: its gradient would become the gradient of its forward. Use "
+            "torch.compile(model, backend='tvmbridge'), which runs it in PyTorch and the rest on TVM; or dispatch "
+            "the submodules around it; or keep PyTorch for this module (fallback=True)")
     return ep
 
 
