@@ -3,11 +3,13 @@
 ``add_tvm_dispatch(module, sample_inputs)`` compiles the module's forward and backward with TVM
 (Relax) for that call signature; calls then run on TVM (a call of another signature compiles one
 more variant), gradients flow into autograd, and a call no compiled code can fit runs PyTorch
-with a warning.
+with a warning. ``torch.compile(model, backend="tvmbridge")`` (``tvmbridge.dynamo``) runs each
+graph dynamo captures through the same pipeline; ``compile_backend(**options)`` makes one with
+other options.
 
 The package is laid out as the compile runs: ``frontend`` (trace, convert) -> ``passes`` ->
 ``partition`` (joint graph, capture set, split) -> ``backend`` (offload, fast math, build) ->
-``runtime`` (guard, autograd Function, masks); ``kernels`` holds what the compiled code calls at
+``runtime`` (guard, autograd Function, masks) -> ``dynamo`` (the torch.compile backend); ``kernels`` holds what the compiled code calls at
 run time, ``tools`` the report, pictures, demo and command line. ``pipeline`` runs the stages.
 Public names are resolved lazily: importing the package does not import TVM.
 """

@@ -411,3 +411,27 @@ def test_autocast_around_the_compiled_model_is_compiled_in() -> None:
         torch.testing.assert_close(seeded(compiled), seeded(ref), rtol=1e-5, atol=1e-5)
     _all_compiled(backend)
     assert "autocast(cpu, bfloat16)" in backend.explain()
+
+
+class SizeAcrossBreak(nn.Module):
+    """A graph that hands a size on to the Python after it (dynamo outputs it as a SymInt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        n = h.shape[0] * 2 + 1
+        torch._dynamo.graph_break()
+        return h.sum(0) * n
+
+
+def test_sizes_a_graph_hands_on_are_worked_out_from_the_call() -> None:
+    torch.manual_seed(0)
+    backend = tvmbridge.compile_backend()
+    batches = [{"x": torch.randn(n, 8, generator=torch.Generator().manual_seed(n))} for n in (3, 5, 4)]
+    with _strict():
+        _train_side_by_side(SizeAcrossBreak(), backend, batches, {"dynamic": True})
+    _all_compiled(backend)
+    assert any(g.outputs.others for g in backend.graphs), "no graph handed a size on"

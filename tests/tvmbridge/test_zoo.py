@@ -32,6 +32,18 @@ def test_model_trains_within_noise_or_says_why(name):
         assert result.reason, f"{name}: {result.verdict} without a reason"
 
 
+@pytest.mark.parametrize("name", _zoo_params())
+def test_model_trains_through_the_torch_compile_backend(name):
+    """The same protocol with the model compiled by ``torch.compile(backend=compile_backend())``:
+    graph breaks and pieces PyTorch runs may make it FALLBACK, never WRONG or CRASH."""
+    torch._dynamo.reset()
+    result = run_case(name, verify=False, timing=False, via="backend")
+    torch._dynamo.reset()
+    assert result.verdict in ACCEPTED, f"{name}: {result.verdict}: {result.reason}"
+    if result.verdict != "EXACT":
+        assert result.reason, f"{name}: {result.verdict} without a reason"
+
+
 # --- the registry ------------------------------------------------------------------------------
 def test_registry_covers_the_families():
     assert len(MODELS) >= 40

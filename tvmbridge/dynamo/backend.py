@@ -20,7 +20,7 @@ import torch
 from ..errors import FallbackWarning
 from ..options import CompileOptions, with_overrides
 from ..runtime.dispatch import Dispatcher, add_tvm_dispatch
-from .graph import GraphCall, InputPlan, prepared
+from .graph import GraphCall, InputPlan, OutputPlan, prepared
 from .split import needs_split, split
 
 # The backend's defaults where they differ from add_tvm_dispatch's: a graph that cannot be
@@ -33,8 +33,8 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions) -> None:
         self.plan = InputPlan.of(gm)
-        self.eager = gm.forward
-        self.module = GraphCall(prepared(gm, self.plan), self.plan)
+        self.outputs = OutputPlan.of(gm, self.plan)
+        self.module = GraphCall(prepared(gm, self.plan, self.outputs), self.plan)
         opts = options.replace(dynamic=self.plan.dynamic_option()) if options.dynamic == "auto" else options
         add_tvm_dispatch(self.module, options=opts)
         self.dispatcher: Dispatcher = self.module._tvm_dispatch
@@ -42,7 +42,8 @@ class CompiledGraph:
     note = ""  # where the graph came from, when not from dynamo directly
 
     def __call__(self, *args: Any) -> Any:
-        return self.dispatcher(*self.plan.call_args(args))
+        out = self.dispatcher(*self.plan.call_args(args))
+        return self.outputs.full(out, args, self.plan) if self.outputs.others else out
 
     def explain(self) -> str:
         return f"{self.note}\n{self.dispatcher.explain()}" if self.note else self.dispatcher.explain()

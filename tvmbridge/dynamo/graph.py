@@ -15,7 +15,7 @@ bridge compiles calls of tensors, so :class:`InputPlan` sorts the graph's inputs
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ class InputPlan:
     kinds: tuple[str, ...]
     sources: dict[int, tuple[int, int]]
     dynamic_dims: dict[int, dict[int, str]]  # call-argument position -> {dim: symbol} dynamo keeps symbolic
+    symbols: dict[Any, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (input, dim or None: the input itself)
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule) -> InputPlan:
@@ -83,7 +84,15 @@ class InputPlan:
                 marks = {d: str(_expr(s)) for d, s in enumerate(v.shape) if _expr(s) is not None}
                 if marks:
                     dynamic[call_position[i]] = marks
-        return cls(tuple(kinds), sources, dynamic)
+        symbols: dict[Any, tuple[int, int | None]] = dict(dims_of)
+        symbols.update({_expr(v): (i, None) for i, v in enumerate(values)
+                        if isinstance(v, torch.SymInt) and _expr(v) is not None and _expr(v).is_Symbol})
+        return cls(tuple(kinds), sources, dynamic, symbols)
+
+    def size_of(self, symbol: Any, args: Any) -> int:
+        """A shape symbol's value in a call of the graph."""
+        i, d = self.symbols[symbol]
+        return int(args[i]) if d is None else int(args[i].shape[d])
 
     def call_args(self, args: Any) -> list[Any]:
         """The compiled call's arguments for one call of the graph (sizes read from tensors dropped,
@@ -129,10 +138,60 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         gm.graph.erase_node(getter)
 
 
-def prepared(gm: torch.fx.GraphModule, plan: InputPlan) -> torch.fx.GraphModule:
+@dataclass(frozen=True)
+class OutputPlan:
+    """The graph's outputs that are not tensors: sizes dynamo hands on to the Python after the
+    graph. The compiled graph returns its tensors only; these are worked out from the call's sizes
+    (a constant, or an expression in the shape symbols)."""
+
+    count: int
+    others: dict[int, Any]  # output position -> a constant or a sympy expression
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, plan: InputPlan) -> OutputPlan:
+        outputs = list(gm.graph.find_nodes(op="output"))[0].args[0]
+        others = {}
+        for i, o in enumerate(outputs):
+            value = o.meta.get("example_value") if isinstance(o, torch.fx.Node) else o
+            if isinstance(value, torch.Tensor):
+                continue
+            expr = _expr(value) if isinstance(value, torch.SymInt) else None
+            if expr is None and isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                value = concrete(value) if value.node.expr.is_number else None
+            if expr is not None and not expr.free_symbols <= set(plan.symbols):
+                expr = None
+            if expr is None and not isinstance(value, (int, float, bool, type(None))):
+                raise ValueError(f"graph output {i} is {type(value).__name__} {value!r}, not a tensor or a size "
+                                 "of the inputs")
+            others[i] = expr if expr is not None else value
+        return cls(len(outputs), others)
+
+    def full(self, tensors: Any, args: Any, plan: InputPlan) -> tuple:
+        """The graph's outputs from the compiled tensors and the call's sizes."""
+        if not self.others:
+            return tuple(tensors)
+        given = iter(tensors)
+        out = []
+        for i in range(self.count):
+            if i not in self.others:
+                out.append(next(given))
+            elif hasattr(self.others[i], "free_symbols"):
+                expr = self.others[i]
+                out.append(int(expr.subs({s: plan.size_of(s, args) for s in expr.free_symbols})))
+            else:
+                out.append(self.others[i])
+        return tuple(out)
+
+
+def _tensor_outputs_only(gm: torch.fx.GraphModule, outputs: OutputPlan) -> None:
+    node = list(gm.graph.find_nodes(op="output"))[0]
+    node.args = (tuple(o for i, o in enumerate(node.args[0]) if i not in outputs.others),)
+
+
+def prepared(gm: torch.fx.GraphModule, plan: InputPlan, outputs: OutputPlan | None = None) -> torch.fx.GraphModule:
     """``gm`` with each scalar input's ``.item()`` replaced by the input itself (it arrives as a
-    number), and checkpointed or wrapped bodies inlined (``torch.export`` cannot retrace
-    dynamo's checkpoint op)."""
+    number), checkpointed or wrapped bodies inlined (``torch.export`` cannot retrace dynamo's
+    checkpoint op), and only the tensor outputs returned (see :class:`OutputPlan`)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     for kind, p in zip(plan.kinds, placeholders):
         if kind == SCALAR:
@@ -146,6 +205,8 @@ def prepared(gm: torch.fx.GraphModule, plan: InputPlan) -> torch.fx.GraphModule:
         elif node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
             raise ValueError(f"the graph calls {name} (a custom autograd.Function's own backward, or another "
                              "higher-order op): TVM cannot run it as PyTorch does")
+    if outputs is not None and outputs.others:
+        _tensor_outputs_only(gm, outputs)
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
