@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import sys
 import threading
@@ -308,14 +309,14 @@ class CompiledModule:
             for vm in self._pool:
                 vm.set_instrument(instrument if instrument is not None else (lambda *a: 0))
 
-    @property
-    def written_read_later(self) -> frozenset[int]:
-        """Positions among the call's tensors (user inputs, then state) that the call writes in place
-        and its backward reads: the backward needs their values from before the write."""
+    @functools.cached_property
+    def written(self) -> frozenset[int]:
+        """Positions among the call's tensors (user inputs, then state) that the call writes in place:
+        a call that needs gradients hands its autograd Function copies of them, so the backward (and
+        a rerun of PyTorch's forward for a double backward) sees them as they were before the write."""
         traced = self.traced
         n_user = traced.num_user_inputs
-        written = {*traced.updated_inputs, *(n_user + traced.state.names.index(n) for n in traced.updated_buffers)}
-        return frozenset(written & set(self.split.backward_param_indices))
+        return frozenset({*traced.updated_inputs, *(n_user + traced.state.names.index(n) for n in traced.updated_buffers)})
 
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""

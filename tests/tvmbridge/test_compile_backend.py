@@ -435,3 +435,32 @@ def test_sizes_a_graph_hands_on_are_worked_out_from_the_call() -> None:
         _train_side_by_side(SizeAcrossBreak(), backend, batches, {"dynamic": True})
     _all_compiled(backend)
     assert any(g.outputs.others for g in backend.graphs), "no graph handed a size on"
+
+
+class QuantizedWithState(nn.Module):
+    """A custom Function between a no_grad block, dropout and a counter written in place: the pieces
+    around it must keep the grad mode, the draws and the write where eager has them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        with torch.no_grad():
+            target = self.fc2(h) * 2
+        self.calls.add_(1)
+        q = StraightThrough.apply(h)
+        return ((self.fc2(self.drop(q)) - target) ** 2).sum() * self.calls
+
+
+def test_pieces_of_a_split_graph_keep_grad_mode_draws_and_writes() -> None:
+    torch.manual_seed(0)
+    backend = tvmbridge.compile_backend(verify=False)
+    batches = [{"x": torch.randn(5, 4, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    with _strict():
+        _train_side_by_side(QuantizedWithState(), backend, batches)
+    _all_compiled(backend)
+    assert "split around autograd_function_apply" in backend.explain()

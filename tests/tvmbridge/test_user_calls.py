@@ -400,3 +400,37 @@ def test_detach_and_no_grad_blocks_stop_the_gradient_and_written_inputs_are_writ
         torch.testing.assert_close(p.grad, q.grad)
     with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):  # as PyTorch refuses it
         tvm(x, torch.zeros(6, requires_grad=True))
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
+        with torch.no_grad():
+            scale = h.abs().mean()
+        return (self.b(h) * scale).square().sum()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_and_a_no_grad_block_compiled_under_no_grad(reentrant: bool) -> None:
+    """Reentrant checkpointing (transformers' default) runs its function under no_grad: traced as
+    is, that read as a no_grad block and every gradient inside it was lost. And a variant first
+    compiled under no_grad (export marks a no_grad block only where it differs from the mode it
+    traces under) must still stop the gradient at the block when a later call trains."""
+    torch.manual_seed(0)
+    eager = Checkpointed(reentrant)
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False, fallback=False)
+    x = torch.randn(3, 6, requires_grad=True)
+    with torch.no_grad():
+        torch.testing.assert_close(tvm(x), eager(x))
+    got, want = tvm(x), eager(x)
+    assert len(tvm._tvm_dispatch.variants) == 1, tvm._tvm_dispatch.explain()
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want)
+    for p, q in zip(tvm.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

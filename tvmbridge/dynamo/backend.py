@@ -20,7 +20,7 @@ import torch
 from ..errors import FallbackWarning
 from ..options import CompileOptions, with_overrides
 from ..runtime.dispatch import Dispatcher, add_tvm_dispatch
-from .graph import GraphCall, InputPlan, OutputPlan, prepared
+from .graph import GraphCall, InputPlan, OutputPlan, inline_bodies, prepared
 from .split import needs_split, split
 
 # The backend's defaults where they differ from add_tvm_dispatch's: a graph that cannot be
@@ -42,6 +42,7 @@ class CompiledGraph:
     note = ""  # where the graph came from, when not from dynamo directly
 
     def __call__(self, *args: Any) -> Any:
+        """The graph's outputs for one call, as dynamo expects them."""
         out = self.dispatcher(*self.plan.call_args(args))
         return self.outputs.full(out, args, self.plan) if self.outputs.others else out
 
@@ -57,6 +58,7 @@ class _Piece(torch.nn.Module):
         self.compiled = compiled
 
     def forward(self, *args: Any) -> Any:
+        """The piece's outputs (the split graph calls it where the piece's nodes were)."""
         return self.compiled(*args)
 
 
@@ -72,6 +74,7 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         try:
+            inline_bodies(gm)
             if needs_split(gm):
                 return self._split(gm)
             compiled = CompiledGraph(gm, self.options)
@@ -90,12 +93,13 @@ class Backend:
     def _split(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
         """Each compilable piece compiled as a graph of its own; PyTorch runs the rest."""
         fused, pieces, kept = split(gm)
-        for name in pieces:
-            compiled = CompiledGraph(getattr(fused, name), self.options)
-            compiled.note = f"a piece of a graph split around {', '.join(kept)} (PyTorch runs those)"
-            setattr(fused, name, _Piece(compiled))
-            with self._lock:
-                self.graphs.append(compiled)
+        compiled = {name: CompiledGraph(getattr(fused, name), self.options) for name in pieces}
+        # all pieces wrapped, or none: a failure above leaves the split graph running PyTorch whole
+        for name, piece in compiled.items():
+            piece.note = f"a piece of a graph split around {', '.join(kept)} (PyTorch runs those)"
+            setattr(fused, name, _Piece(piece))
+        with self._lock:
+            self.graphs.extend(compiled.values())
         fused.recompile()
         return fused.forward
 
@@ -121,7 +125,11 @@ def compile_backend(options: CompileOptions | None = None, **overrides: Any) -> 
     except ``fallback=True``."""
     if options is None:
         overrides = {**BACKEND_DEFAULTS, **overrides}
-    return Backend(with_overrides(options, overrides))
+    opts = with_overrides(options, overrides)
+    if isinstance(opts.dynamic, dict):
+        raise ValueError("dynamic={...} names a module's arguments; under torch.compile, dynamo decides the dynamic "
+                         "dims: use torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic instead")
+    return Backend(opts)
 
 
 def tvmbridge(gm: torch.fx.GraphModule, example_inputs: list[Any],
@@ -136,6 +144,7 @@ _BACKENDS_LOCK = threading.Lock()
 
 
 def _backend_for(options: dict[str, Any]) -> Backend:
+    """The backend for these options (made once)."""
     key = repr(sorted(options.items()))
     with _BACKENDS_LOCK:
         if key not in _BACKENDS:

@@ -53,6 +53,7 @@ class InputPlan:
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule) -> InputPlan:
+        """The plan of ``gm``'s inputs, from dynamo's example values on its placeholders."""
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         values = [p.meta.get("example_value", p.meta.get("val")) for p in placeholders]
         dims_of: dict[Any, tuple[int, int]] = {}
@@ -124,6 +125,8 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         raise ValueError(f"the body of {node.target} reads attributes of its own; it is not inlined")
     # checkpoint's keywords (use_reentrant, context_fn, ...) choose what is saved: memory, not values
     placeholders = list(body.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(node.args) - 1:
+        raise ValueError(f"{node.target} passes {len(node.args) - 1} values to a body of {len(placeholders)} inputs")
     val_map = dict(zip(placeholders, node.args[1:]))
     with gm.graph.inserting_before(node):
         out = gm.graph.graph_copy(body.graph, val_map)
@@ -138,6 +141,21 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         gm.graph.erase_node(getter)
 
 
+def inline_bodies(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with checkpointed or wrapped bodies inlined, in place: ``torch.export`` cannot
+    retrace dynamo's checkpoint op, and the bridge's capture set already trades memory for
+    recompute. Done before anything reads the graph's inputs or splits it."""
+    try:
+        for node in list(gm.graph.nodes):
+            if (node.op == "call_function" and isinstance(node.target, HigherOrderOperator)
+                    and getattr(node.target, "__name__", None) in INLINED):
+                _inline(gm, node)
+    finally:  # a body left whole is still the same program
+        gm.delete_all_unused_submodules()
+        gm.recompile()
+    return gm
+
+
 @dataclass(frozen=True)
 class OutputPlan:
     """The graph's outputs that are not tensors: sizes dynamo hands on to the Python after the
@@ -150,6 +168,11 @@ class OutputPlan:
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, plan: InputPlan) -> OutputPlan:
         outputs = list(gm.graph.find_nodes(op="output"))[0].args[0]
+        if not isinstance(outputs, (tuple, list)):  # a split piece's one value
+            value = outputs.meta.get("example_value") if isinstance(outputs, torch.fx.Node) else outputs
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"the graph's one output is {type(value).__name__}, not a tensor")
+            return cls(1, {})
         others = {}
         for i, o in enumerate(outputs):
             value = o.meta.get("example_value") if isinstance(o, torch.fx.Node) else o
@@ -190,32 +213,28 @@ def _tensor_outputs_only(gm: torch.fx.GraphModule, outputs: OutputPlan) -> None:
 
 def prepared(gm: torch.fx.GraphModule, plan: InputPlan, outputs: OutputPlan | None = None) -> torch.fx.GraphModule:
     """``gm`` with each scalar input's ``.item()`` replaced by the input itself (it arrives as a
-    number), checkpointed or wrapped bodies inlined (``torch.export`` cannot retrace dynamo's
-    checkpoint op), and only the tensor outputs returned (see :class:`OutputPlan`)."""
+    number) and only the tensor outputs returned (see :class:`OutputPlan`); a higher-order op
+    left in it (a custom Function's own backward) is refused."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
+            raise ValueError(f"the graph calls {getattr(node.target, '__name__', node.target)} (a custom "
+                             "autograd.Function's own backward, or another higher-order op): TVM cannot run it")
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     for kind, p in zip(plan.kinds, placeholders):
         if kind == SCALAR:
             for user in list(p.users):
                 user.replace_all_uses_with(p)
                 gm.graph.erase_node(user)
-    for node in list(gm.graph.nodes):
-        name = getattr(node.target, "__name__", None)
-        if node.op == "call_function" and name in INLINED:
-            _inline(gm, node)
-        elif node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
-            raise ValueError(f"the graph calls {name} (a custom autograd.Function's own backward, or another "
-                             "higher-order op): TVM cannot run it as PyTorch does")
     if outputs is not None and outputs.others:
         _tensor_outputs_only(gm, outputs)
-    gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
 
 
 class GraphCall(torch.nn.Module):
     """``graph(*inputs)`` called with the compiled call's arguments: the sizes it takes are read
-    from the tensors they are dims of. ``graph`` is a submodule, so its own attributes (constants,
-    a checkpointed body's module) are state the compiled code reads as inputs."""
+    from the tensors they are dims of. ``graph`` is a submodule, so its own attributes (constant
+    tensors dynamo lifted) are state the compiled code reads as inputs."""
 
     def __init__(self, graph: torch.fx.GraphModule, plan: InputPlan) -> None:
         super().__init__()
@@ -223,6 +242,7 @@ class GraphCall(torch.nn.Module):
         self.plan = plan
 
     def forward(self, *args: Any) -> Any:
+        """The graph on the call's arguments, its sizes filled in from the tensors."""
         full: list[Any] = []
         given = iter(args)
         for kind in self.plan.kinds:

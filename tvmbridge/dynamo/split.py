@@ -1,11 +1,13 @@
 """A dynamo graph split around what TVM cannot run, so the rest still compiles.
 
 A custom ``autograd.Function`` (dynamo captures it as ``autograd_function_apply`` with its own
-backward) must run in PyTorch; without a split the whole graph would. ``CapabilityBasedPartitioner``
-groups the other nodes into pieces (``fused_0``, ...) that are compiled like whole graphs; the
-split graph runs as Python, calling each piece and, between them, PyTorch's op. Nodes that change
-global state (grad mode, autocast) stay in the split graph too, so each piece runs under the
-state its ops were captured under.
+backward) must run in PyTorch; without a split the whole graph would. The graph is cut in graph
+order at *barriers*: the ops PyTorch runs, the switches of global state (grad mode, autocast) and
+in-place writes to the graph's inputs. Each run of nodes between two barriers becomes one piece
+(``tvm_piece_0``, ...), compiled like a whole graph. Cutting in order (not grouping by data
+edges, as a capability partitioner does) keeps every piece under the grad mode and autocast it
+was captured under, keeps writes before and after the ops that read them, and keeps the random
+ops' draws in eager's order.
 """
 from __future__ import annotations
 
@@ -13,8 +15,7 @@ import operator
 
 import torch
 from torch._ops import HigherOrderOperator
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from .graph import INLINED
 
@@ -27,37 +28,43 @@ def runs_in_pytorch(node: torch.fx.Node) -> bool:
             and getattr(node.target, "__name__", "") not in INLINED)
 
 
-def _tensors(value: object) -> bool:
-    if isinstance(value, (tuple, list)):
-        return bool(value) and all(isinstance(v, torch.Tensor) for v in value)
-    return isinstance(value, torch.Tensor)
+def _writes_an_input(node: torch.fx.Node) -> bool:
+    name = str(getattr(node.target, "__name__", node.target))
+    first = node.args[0] if node.args else None
+    return (node.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
+            and isinstance(first, torch.fx.Node) and first.op == "placeholder")
 
 
-def _stays(node: torch.fx.Node) -> bool:
-    if runs_in_pytorch(node) or getattr(node.target, "__name__", "") in _STATEFUL:
+def _barrier(node: torch.fx.Node) -> bool:
+    """Where a piece must end: PyTorch runs this node, in its place in the graph."""
+    if runs_in_pytorch(node) or getattr(node.target, "__name__", "") in _STATEFUL or _writes_an_input(node):
         return True
-    if not _tensors(node.meta.get("example_value")):
-        return True  # sizes and Python values: a piece hands out tensors only
     # the results of an op PyTorch runs are taken apart where it runs
     return node.op == "call_function" and node.target is operator.getitem and runs_in_pytorch(node.args[0])
 
 
-class _Support(OperatorSupportBase):
-    def is_node_supported(self, submodules: dict, node: torch.fx.Node) -> bool:
-        # inputs, attributes (the op's bodies) and the output stay in the split graph
-        return node.op in ("call_function", "call_method", "call_module") and not _stays(node)
-
-
 def needs_split(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph holds an op TVM cannot run as PyTorch does."""
     return any(runs_in_pytorch(n) for n in gm.graph.nodes)
 
 
+def _runs(gm: torch.fx.GraphModule) -> list[dict[torch.fx.Node, None]]:
+    """The runs of computing nodes between barriers, in graph order."""
+    runs: list[dict[torch.fx.Node, None]] = [{}]
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue  # inputs, the op's bodies and the output stay in the split graph
+        if _barrier(node):
+            runs.append({})
+        else:
+            runs[-1][node] = None
+    return [r for r in runs if r]
+
+
 def split(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
-    """``gm`` with its compilable parts as submodules: the split graph, the pieces' names, and
+    """``gm`` with its compilable runs as submodules: the split graph, the pieces' names, and
     what PyTorch runs between them (for ``explain``)."""
-    partitioner = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True)
-    partitions = partitioner.propose_partitions()
-    fused = partitioner.fuse_partitions(partitions, prefix="tvm_piece_")
+    fused = fuse_by_partitions(gm, _runs(gm), prefix="tvm_piece_")
     pieces = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("tvm_piece_")]
     kept = [str(getattr(n.target, "__name__", n.target)) for n in fused.graph.nodes if runs_in_pytorch(n)]
     return fused, pieces, kept

@@ -15,16 +15,20 @@ from typing import Any, Iterator
 from torch.autograd.function import Function
 from torch.utils.checkpoint import CheckpointFunction
 
-# Functions whose backward is the gradient of their forward (reentrant checkpointing recomputes it)
-TRUE_GRADIENT: tuple[type, ...] = (CheckpointFunction,)
 
 _ORIGINAL_APPLY = Function.__dict__["apply"]
 _local = threading.local()
 
 
 def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``Function.apply``, noting the class where this thread traces. Reentrant checkpointing
+    (``CheckpointFunction(run_function, preserve_rng_state, *args)``, transformers' default for
+    gradient checkpointing) is traced as the function it wraps: its backward is that function's
+    gradient, and the forward it runs under ``no_grad`` would otherwise read as a no_grad block."""
     seen = getattr(_local, "seen", None)
-    if seen is not None and not issubclass(cls, TRUE_GRADIENT):
+    if seen is not None and issubclass(cls, CheckpointFunction):
+        return args[0](*args[2:])
+    if seen is not None:
         seen.append(cls)
     return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
 
@@ -37,12 +41,14 @@ class _Patch:
         self.active = 0
 
     def enter(self) -> None:
+        """One more trace running: the first installs the recording ``apply``."""
         with self.lock:
             if self.active == 0:
                 Function.apply = classmethod(_recording_apply)
             self.active += 1
 
     def exit(self) -> None:
+        """One trace fewer: the last puts PyTorch's ``apply`` back."""
         with self.lock:
             self.active -= 1
             if self.active == 0:
@@ -56,9 +62,12 @@ _PATCH = _Patch()
 def custom_functions_seen() -> Iterator[list[type]]:
     """A list that fills with the custom Functions (own backward) this thread applies meanwhile."""
     _PATCH.enter()
+    outer = getattr(_local, "seen", None)  # a trace inside a trace: the outer one keeps recording after
     _local.seen = seen = []
     try:
         yield seen
     finally:
-        _local.seen = None
+        if outer is not None:
+            outer.extend(seen)
+        _local.seen = outer
         _PATCH.exit()

@@ -187,7 +187,8 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
         # torch.export deep-copies tree specs and trips torch's own LeafSpec deprecation
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
-            with custom_functions_seen() as custom:
+            # grad on: export marks a no_grad block only where it differs from the mode it traces under
+            with custom_functions_seen() as custom, torch.enable_grad():
                 ep = torch.export.export(flat, args=inputs, strict=False,
                                          dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {}))
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
@@ -211,18 +212,21 @@ def _detach_no_grad_regions(ep: ExportedProgram) -> None:
     """What a ``with torch.no_grad():`` block inside the forward computes is detached: export
     records the block as a ``wrap_with_set_grad_enabled(False, ...)`` call whose body the
     decomposition inlines, and with it the only mark that its results carry no gradient."""
-    graph = ep.graph
-    for node in list(graph.nodes):
-        if (node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
-                and node.args[0] is False):
-            for user in list(node.users):
-                if not isinstance(user.meta.get("val"), torch.Tensor):
-                    continue
-                with graph.inserting_after(user):
-                    detached = graph.call_function(torch.ops.aten.detach.default, (user,))
-                detached.meta["val"] = user.meta["val"]
-                user.replace_all_uses_with(detached, delete_user_cb=lambda n: n is not detached)
-    ep.graph_module.recompile()
+    for module in ep.graph_module.modules():  # a block inside an autocast region sits in its body
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        graph = module.graph
+        for node in list(graph.nodes):
+            if (node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
+                    and node.args[0] is False):
+                for user in list(node.users):
+                    if not isinstance(user.meta.get("val"), torch.Tensor):
+                        continue
+                    with graph.inserting_after(user):
+                        detached = graph.call_function(torch.ops.aten.detach.default, (user,))
+                    detached.meta["val"] = user.meta["val"]
+                    user.replace_all_uses_with(detached, delete_user_cb=lambda n, d=detached: n is not d)
+        module.recompile()
 
 
 def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
@@ -308,6 +312,8 @@ def _inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> fro
         if node in reached:
             continue
         reached.add(node)
+        if getattr(node.target, "__name__", "") == "detach.default":
+            continue  # no gradient flows through a detach
         stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
     placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
     return frozenset(i for i, spec in enumerate(_user_input_specs(ep)) if placeholders[spec.arg.name] not in reached)

@@ -306,8 +306,9 @@ class Dispatcher:
         randoms = draw(sites, compiled.device, compiled.options.mask_kernel)
         if not needs_grad:
             return list(infer(compiled, tensors + randoms))
-        if compiled.written_read_later:  # the call writes them after the forward; the backward reads them as they were
-            tensors = [t.clone() if i in compiled.written_read_later else t for i, t in enumerate(tensors)]
+        written = compiled.written
+        if written:  # the call writes them after the forward; the backward reads them as they were
+            tensors = [t.clone() if i in written else t for i, t in enumerate(tensors)]
         eager = functools.partial(self._eager_outputs, compiled)
         discard = functools.partial(self.discard, variant, args, kwargs)
         return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, sizes, check, discard), *tensors))
