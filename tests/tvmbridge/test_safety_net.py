@@ -138,3 +138,48 @@ def test_a_failing_backward_gives_pytorchs_gradients() -> None:
         out.sum().backward()
     got = (out.detach(), {n: p.grad.clone() for n, p in tvm.named_parameters()})
     _assert_step_equal(got, _step(eager, x))
+
+
+class Mixer(torch.nn.Module):
+    """Called with ``h`` and a value computed from ``h``, as a layer after a split or a residual
+    branch is: the call's own gradient of ``h`` is not the total one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return self.fc(h) * g + h
+
+
+def _mixer_step(m: torch.nn.Module, x: torch.Tensor, double: bool) -> dict:
+    m.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    h = x.tanh()
+    out = m(h, h.sin())
+    loss = (out * torch.linspace(-1, 1, 8)).sum()
+    if double:  # a gradient penalty: the gradient itself differentiated
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        loss = loss + gx.pow(2).sum()
+    loss.backward()
+    return {"loss": loss.detach(), "x": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_inputs_computed_from_one_another_are_checked_by_the_calls_own_gradients(double: bool) -> None:
+    """The net compared the call's gradients with PyTorch's total ones (the part flowing through
+    the other input counted twice), discarded a right variant, and walked PyTorch's graph before
+    the call, freeing it (the step's backward then failed)."""
+    torch.manual_seed(0)
+    m = Mixer()
+    ref = copy.deepcopy(m)
+    add_tvm_dispatch(m)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", VerificationWarning)
+            got = _mixer_step(m, x, double)
+        want = _mixer_step(ref, x, double)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
+    assert m._tvm_dispatch.calls_tvm == 3 and not m._tvm_dispatch.discarded

@@ -13,7 +13,7 @@ import torch
 
 from ..frontend.outputs import labelled_output_tensors
 from .function import CompiledCallError
-from .verify import Discrepancy, GradientCheck, worst
+from .verify import Discrepancy, GradientCheck, own_inputs, worst
 
 if TYPE_CHECKING:
     from .dispatch import Dispatcher
@@ -44,9 +44,10 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     compiled = variant.compiled
     traced = compiled.traced
     before = rng_states(compiled.device)
+    inputs = own_inputs(fitted.tensors, traced.num_user_inputs)
     try:  # what PyTorch saves for its backward bypasses saved-tensor hooks (checkpoint's count the call's own)
         with torch.set_grad_enabled(needs_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            eager_out, eager_state = dispatcher.eager_call(compiled, fitted.tensors)
+            eager_out, eager_state = dispatcher.eager_call(compiled, inputs)
     except Exception:
         # PyTorch refuses this call (a dtype mismatch, a bad index...): so must we, and never run it compiled
         dispatcher.discard(variant, args, kwargs, "PyTorch raises an error on this call", warn=False)
@@ -60,7 +61,7 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     if needs_grad:
         differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
         leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
-        check = GradientCheck(leaves, variant.tensor_names(), lambda found: _gradients_checked(
+        check = GradientCheck(leaves, inputs, variant.tensor_names(), lambda found: _gradients_checked(
             dispatcher, variant, args, kwargs, found), precision)
     try:
         outs = dispatcher._execute(variant, fitted, needs_grad, before, args, kwargs, check)

@@ -24,7 +24,7 @@ import tvm_ffi
 from .. import names
 from ..errors import describe
 from ..pipeline import CompiledModule
-from .verify import GradientCheck
+from .verify import GradientCheck, own_inputs
 
 
 def to_tvm(t: torch.Tensor) -> Any:
@@ -159,7 +159,7 @@ class TVMFunction(torch.autograd.Function):
         result = unalias(result, [*grads_in, *saved])
         check, call.check = call.check, None  # once per call; frees PyTorch's graph
         if check is not None:
-            want = check.eager_gradients(ctx.inputs, needs, list(grad_outputs))
+            want = check.eager_gradients(needs, list(grad_outputs))
             found = check.check(result, want, needs)
             check.on_result(found)
             if found is not None:
@@ -184,10 +184,12 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
             torch.set_rng_state(call.rng_states["cpu"])
             if "cuda" in call.rng_states:
                 torch.cuda.set_rng_state(call.rng_states["cuda"], call.compiled.device)
-        outputs = call.eager(ctx.inputs)
+        # the call's own gradients, differentiable through to ctx.inputs
+        inputs = own_inputs(ctx.inputs, call.compiled.traced.num_user_inputs)
+        outputs = call.eager(inputs)
     pairs = [(o, g) for o, g, d in zip(outputs, grad_outputs, call.compiled.differentiable) if d and g is not None]
     wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
-    grads = torch.autograd.grad([o for o, _ in pairs], [ctx.inputs[i] for i in wanted],
+    grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
                                 [g for _, g in pairs], create_graph=create_graph, allow_unused=True)
     result: list[torch.Tensor | None] = [None] * len(ctx.inputs)
     for i, g in zip(wanted, grads):

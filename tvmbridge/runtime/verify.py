@@ -41,6 +41,20 @@ class Discrepancy:
         return f"{self.name}: {self.detail}"
 
 
+def own_inputs(tensors: list[torch.Tensor], num_user: int) -> list[torch.Tensor]:
+    """The call's tensors for a PyTorch forward whose gradients are the call's own (partial) ones:
+    each call argument that requires grad as a fresh alias (``view_as``; one per tensor).
+    Differentiated with respect to the tensors themselves, an argument computed from another (a
+    piece fed ``h`` and ``f(h)``) also got the gradient that flows through the other, outside the
+    call, and autograd walked (and freed) the graph before the call. The aliases keep that graph
+    reachable for a double backward. The module's state (from ``num_user`` on) stays itself where
+    it is a leaf: the forward swaps it into the module, where another thread would see an alias."""
+    seen: dict[int, torch.Tensor] = {}
+    return [seen.setdefault(id(t), t.view_as(t))
+            if t.requires_grad and (i < num_user or t.grad_fn is not None) else t
+            for i, t in enumerate(tensors)]
+
+
 def _magnitude(t: torch.Tensor | None) -> float:
     if t is None or t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
         return 0.0
@@ -110,13 +124,15 @@ class GradientCheck:
     outputs of the same call (their graph reaches the same input tensors), and where to report."""
 
     eager_outputs: list[torch.Tensor | None]  # per compiled output; None where not differentiable
+    inputs: list[torch.Tensor]  # per call tensor: what PyTorch's outputs were computed from (see own_inputs)
     names: list[str]  # per call tensor (the call's, then the module's state)
     on_result: Callable[[Discrepancy | None], None]
     precision: torch.dtype | None = None  # autocast's dtype: the gradients carry its rounding
 
-    def eager_gradients(self, inputs: list[torch.Tensor], needs: tuple[bool, ...],
+    def eager_gradients(self, needs: tuple[bool, ...],
                         grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """PyTorch's gradients of the call's inputs for ``grad_outputs`` (its own graph, consumed)."""
+        inputs = self.inputs
         pairs = [(o, g) for o, g in zip(self.eager_outputs, grad_outputs)
                  if o is not None and g is not None and o.requires_grad]
         wanted = [i for i, need in enumerate(needs) if need]
