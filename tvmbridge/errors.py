@@ -18,11 +18,15 @@ class ConversionError(RuntimeError):
         stage: the pipeline stage that failed (a name from ``tvmbridge.pipeline.STAGES``, or
             "inputs" for a sample call the bridge refuses up front).
         op: the operator that caused it, when one is known (an aten overload or a Relax op name).
+        sources: the nodes of the program as it was handed over (the module's code, or the graph
+            dynamo captured) that the failing ops came from, when known: where a caller can cut the
+            program so that PyTorch runs those and TVM the rest.
     """
 
-    def __init__(self, stage: str, message: str, op: str | None = None) -> None:
+    def __init__(self, stage: str, message: str, op: str | None = None, sources: tuple[str, ...] = ()) -> None:
         self.stage = stage
         self.op = op
+        self.sources = sources
         self.message = message
         where = f"[{stage}]" + (f" op {op}:" if op else "")
         super().__init__(f"{where} {message}")

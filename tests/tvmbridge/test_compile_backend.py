@@ -248,6 +248,52 @@ def test_a_graph_the_bridge_cannot_convert_runs_pytorch_with_a_warning() -> None
     assert "i1e" in backend.explain()
 
 
+class PartlyConvertible(nn.Module):
+    """Two ops without a converter between layers: one output (i1e), two outputs (cummax)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x).tanh()
+        h = torch.special.i1e(h) + h
+        values, _ = torch.cummax(h, dim=-1)
+        return self.fc3(self.fc2(values).relu())
+
+
+def _leaf_graphs(backend: Backend) -> list:
+    """The compiled graphs that run (a graph split at first call runs through its pieces)."""
+    out, todo = [], list(backend.graphs)
+    while todo:
+        g = todo.pop()
+        if g.split is None:
+            out.append(g)
+        else:
+            todo.extend(g.split.pieces.values())
+    return out
+
+
+def test_a_graph_is_split_at_the_ops_the_bridge_cannot_convert() -> None:
+    """PyTorch runs just those ops (each found on a piece's first call: a piece holding the next
+    one splits again); TVM runs every layer, forward and backward, as eager computes them."""
+    torch.manual_seed(0)
+    model = PartlyConvertible()
+    backend = tvmbridge.compile_backend()
+    with pytest.warns(FallbackWarning, match="split at") as caught:
+        _train_side_by_side(model, backend, [{"x": torch.randn(b, 8)} for b in (4, 4, 6, 3)])
+    said = " ".join(str(w.message) for w in caught)
+    assert "special_i1e" in said and "cummax" in said
+    leaves = _leaf_graphs(backend)
+    assert len(leaves) >= 3
+    for g in leaves:
+        d = g.dispatcher
+        assert d.calls_tvm > 0 and d.calls_fallback == 0 and not d.discarded, backend.explain()
+    assert "split around" in backend.explain() and "cummax" in backend.explain()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(torch.ones(2, 8)), model(torch.ones(2, 8)))
+
+
 def test_compile_backend_options_reach_the_graphs() -> None:
     backend = tvmbridge.compile_backend(capture="all", fallback=False)
     assert backend.options.capture == "all" and backend.options.fallback is False
@@ -464,3 +510,36 @@ def test_pieces_of_a_split_graph_keep_grad_mode_draws_and_writes() -> None:
         _train_side_by_side(QuantizedWithState(), backend, batches)
     _all_compiled(backend)
     assert "split around autograd_function_apply" in backend.explain()
+
+
+@torch.library.custom_op("tvmbridge_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_scaled.register_fake
+def _scaled_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_scaled.register_autograd(lambda ctx, grad: grad * 5)  # on purpose not the forward's derivative
+
+
+class WithLibraryOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_scaled(self.a(x)).tanh())
+
+
+def test_a_torch_library_op_runs_in_pytorch_with_its_registered_backward() -> None:
+    """A custom op (``torch.library``, as transformers' grouped_mm is) stays one node in the trace,
+    with no converter: the graph is split there, PyTorch runs the op and its own backward."""
+    torch.manual_seed(0)
+    backend = tvmbridge.compile_backend()
+    with pytest.warns(FallbackWarning, match="split at scaled"):
+        _train_side_by_side(WithLibraryOp(), backend, [{"x": torch.randn(4, 8)} for _ in range(2)])
+    leaves = _leaf_graphs(backend)
+    assert len(leaves) == 2 and all(g.dispatcher.calls_tvm == 2 for g in leaves), backend.explain()

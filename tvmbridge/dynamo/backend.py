@@ -28,26 +28,67 @@ from .split import needs_split, split
 BACKEND_DEFAULTS: dict[str, Any] = {"fallback": True}
 
 
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph (node names and meta kept) over the same attributes."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
 class CompiledGraph:
-    """What the backend returns for one graph: calls it with the graph's inputs, in TVM."""
+    """What the backend returns for one graph: calls it with the graph's inputs, in TVM. Its first
+    call compiles; where that fails at ops the bridge cannot convert, the graph is split there
+    (PyTorch runs those ops, TVM the rest) instead of running PyTorch whole."""
 
     def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions) -> None:
+        self.options = options
+        self.source = _copy(gm)  # as dynamo gave it (``prepared`` rewrites gm): what a split cuts
         self.plan = InputPlan.of(gm)
         self.outputs = OutputPlan.of(gm, self.plan)
         self.module = GraphCall(prepared(gm, self.plan, self.outputs), self.plan)
         opts = options.replace(dynamic=self.plan.dynamic_option()) if options.dynamic == "auto" else options
         add_tvm_dispatch(self.module, options=opts)
         self.dispatcher: Dispatcher = self.module._tvm_dispatch
+        self.split: SplitGraph | None = None
+        self._first_done = False
+        self._first_lock = threading.Lock()
 
     note = ""  # where the graph came from, when not from dynamo directly
 
     def __call__(self, *args: Any) -> Any:
         """The graph's outputs for one call, as dynamo expects them."""
+        if not self._first_done:
+            self._first_call(args)
+        if self.split is not None:
+            return self.split.forward(*args)
         out = self.dispatcher(*self.plan.call_args(args))
         return self.outputs.full(out, args, self.plan) if self.outputs.others else out
 
+    def _first_call(self, args: tuple) -> None:
+        """Compile for the first call; split the graph at the nodes a conversion failure names."""
+        with self._first_lock:
+            if self._first_done:
+                return
+            error = self.dispatcher.try_compile(*self.plan.call_args(args))
+            if error is not None and not self.options.fallback:
+                raise error  # fallback=False: no op left to PyTorch without the user's say
+            names = {n.name for n in self.source.graph.nodes}
+            named = frozenset(error.sources).intersection(names) if error is not None else frozenset()
+            if named:
+                self.split = SplitGraph(self.source, self.options, named, f"; the bridge cannot convert them: {error}")
+                if self.options.warn_on_fallback:
+                    warnings.warn(f"tvmbridge: a torch.compile graph is split at {', '.join(self.split.kept)}: "
+                                  f"PyTorch runs {'it' if len(named) == 1 else 'them'}, TVM the rest ({error})",
+                                  FallbackWarning, stacklevel=3)
+            self._first_done = True
+
     def explain(self) -> str:
-        return f"{self.note}\n{self.dispatcher.explain()}" if self.note else self.dispatcher.explain()
+        if self.split is not None:
+            pieces = "\n".join(f"  {name}: {piece.explain()}" for name, piece in self.split.pieces.items())
+            text = f"split around {', '.join(self.split.kept)}{self.split.why}\n{pieces}"
+        else:
+            text = self.dispatcher.explain()
+        return f"{self.note}\n{text}" if self.note else text
 
 
 class _Piece(torch.nn.Module):
@@ -60,6 +101,22 @@ class _Piece(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         """The piece's outputs (the split graph calls it where the piece's nodes were)."""
         return self.compiled(*args)
+
+
+class SplitGraph:
+    """A graph cut where PyTorch must run (``split``): each piece between compiled as a graph of
+    its own (all pieces wrapped, or none: a failure leaves the graph whole)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions,
+                 named: frozenset[str] = frozenset(), why: str = "") -> None:
+        fused, names, self.kept = split(gm, named)
+        self.why = why
+        self.pieces = {name: CompiledGraph(getattr(fused, name), options) for name in names}
+        for name, piece in self.pieces.items():
+            piece.note = f"a piece of a graph split around {', '.join(self.kept)} (PyTorch runs those)"
+            setattr(fused, name, _Piece(piece))
+        fused.recompile()
+        self.forward = fused.forward
 
 
 class Backend:
@@ -92,16 +149,10 @@ class Backend:
 
     def _split(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
         """Each compilable piece compiled as a graph of its own; PyTorch runs the rest."""
-        fused, pieces, kept = split(gm)
-        compiled = {name: CompiledGraph(getattr(fused, name), self.options) for name in pieces}
-        # all pieces wrapped, or none: a failure above leaves the split graph running PyTorch whole
-        for name, piece in compiled.items():
-            piece.note = f"a piece of a graph split around {', '.join(kept)} (PyTorch runs those)"
-            setattr(fused, name, _Piece(piece))
+        graph = SplitGraph(gm, self.options)
         with self._lock:
-            self.graphs.extend(compiled.values())
-        fused.recompile()
-        return fused.forward
+            self.graphs.extend(graph.pieces.values())
+        return graph.forward
 
     def explain(self) -> str:
         """Per graph dynamo passed: what its calls ran and why."""

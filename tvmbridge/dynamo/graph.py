@@ -249,4 +249,9 @@ class GraphCall(torch.nn.Module):
             full.append(None if kind == DERIVED else next(given))
         for i, (j, d) in self.plan.sources.items():
             full[i] = full[j].shape[d]
+        if torch.compiler.is_exporting():
+            # node by node, so that each traced op records the node it came from (``from_node``):
+            # a conversion failure can then name the graph's own nodes, where the backend splits
+            with torch.fx.traceback.preserve_node_meta():
+                return torch.fx.Interpreter(self.graph).run(*full)
         return self.graph(*full)

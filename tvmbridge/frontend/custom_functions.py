@@ -17,6 +17,10 @@ from torch.utils.checkpoint import CheckpointFunction
 
 
 _ORIGINAL_APPLY = Function.__dict__["apply"]
+# the Functions torch.library generates for a custom op's registered backward: the trace keeps the
+# op itself as a node (not its forward's ops), so a converter for it, or the refusal of an op
+# without one, decides; nothing is differentiated in its place
+_LIBRARY_AUTOGRAD = "torch._library.autograd"
 _local = threading.local()
 
 
@@ -28,7 +32,7 @@ def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     seen = getattr(_local, "seen", None)
     if seen is not None and issubclass(cls, CheckpointFunction):
         return args[0](*args[2:])
-    if seen is not None:
+    if seen is not None and cls.__module__ != _LIBRARY_AUTOGRAD:
         seen.append(cls)
     return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
 

@@ -39,6 +39,7 @@ from ..errors import ConversionError, UnsupportedOpError, stage_errors
 from ..ir import only_dataflow_block, rebuild, static_shape
 from .batch_norm import BatchNormConverters
 from .export import COPY_OPS, TracedModule
+from .provenance import origins
 from . import resample
 
 aten = torch.ops.aten
@@ -359,9 +360,13 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
     @staticmethod
     def _named(name: str, fn: Callable) -> Callable:
         def convert(node: torch.fx.Node, *rest: Any) -> Any:
-            with stage_errors("convert", op=name, what=f"the Relax frontend failed on {node.format_node()}",
-                              error=UnsupportedOpError):
-                return fn(node, *rest)
+            try:
+                with stage_errors("convert", op=name, what=f"the Relax frontend failed on {node.format_node()}",
+                                  error=UnsupportedOpError):
+                    return fn(node, *rest)
+            except ConversionError as exc:
+                exc.sources = exc.sources or origins([node])
+                raise
         return convert
 
     # --- randomness: a per-call input for every random value ------------------------------------
@@ -862,6 +867,11 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
         return bb.emit(op.add(*parts))
 
 
+def _origins_of(ep: ExportedProgram, chosen: Callable[[torch.fx.Node], bool]) -> tuple[str, ...]:
+    """Where the chosen computing nodes came from (see ``provenance``)."""
+    return origins(n for n in ep.graph.nodes if n.op == "call_function" and chosen(n))
+
+
 def unsupported_ops(ep: ExportedProgram) -> list[str]:
     """aten ops in the graph that the importer has no converter for (random ops are all handled)."""
     known = BridgeImporter().convert_map
@@ -951,19 +961,21 @@ def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) 
         raise UnsupportedOpError(
             "convert", f"no Relax converter for {', '.join(missing)}; add one to "
             "tvmbridge.frontend.importer.BridgeImporter or call with fallback=True to keep PyTorch",
-            op=missing[0],
+            op=missing[0], sources=_origins_of(ep, lambda n: getattr(n.target, "__name__", "") in missing),
         )
     dependent = data_dependent_values(ep)
     if dependent:
         raise ConversionError(
             "convert", f"{dependent[0]} has a size that depends on the values of a tensor (boolean-mask indexing "
             "x[mask], nonzero, masked_select, unique): compiled code needs sizes known from the input shapes; "
-            "write it with torch.where (e.g. a loss over masked positions as a masked mean), or use fallback=True")
+            "write it with torch.where (e.g. a loss over masked positions as a masked mean), or use fallback=True",
+            sources=_origins_of(ep, lambda n: any(d.startswith(f"{n.name} = ") for d in dependent)))
     empty = zero_size_values(ep)
     if empty:
         raise ConversionError(
             "convert", f"{empty[0]} has a zero-size dimension: TVM's kernels and gradients do not handle empty "
-            "tensors (wrong strides, unsorted split indices); call with fallback=True to keep PyTorch")
+            "tensors (wrong strides, unsorted split indices); call with fallback=True to keep PyTorch",
+            sources=_origins_of(ep, lambda n: any(e.startswith(f"{n.name} (") for e in empty)))
     importer = BridgeImporter()
     random_ops = {n.target.__name__ for n in ep.graph.nodes
                   if n.op == "call_function" and _is_random(n) and n.target.__name__ not in _DROPOUT_OPS}

@@ -140,6 +140,28 @@ class Dispatcher:
                 return variant
         return self._compile_variant(args, kwargs, "compiled ahead of time", self._dynamic_dims(args, kwargs))
 
+    def try_compile(self, *args: Any, **kwargs: Any) -> ConversionError | None:
+        """Compile a variant for this call now unless one fits; its failure, or None. A failure is
+        remembered as the first call's would be: calls like it run PyTorch without compiling again
+        (the backend's graphs try this first, to split a graph at the ops that failed)."""
+        with TRACING.reading():
+            if self._unfit_anywhere(args, kwargs) or empty_input(self.signature, args, kwargs):
+                return None  # no variant would run it: the call itself says why
+            key = call_key(self.signature, args, kwargs, self.module)
+        if key in self.failures:
+            return None
+        try:
+            self.precompile(*args, **kwargs)
+        except ConversionError as exc:
+            self._remember_failure(key, exc)
+            return exc
+        return None
+
+    def _remember_failure(self, key: tuple, exc: ConversionError) -> Mismatch:
+        self.failures[key] = Mismatch(f"compile failed {len(self.failures)}",
+                                      f"compiling a variant for this call failed: {exc}", recompile=False)
+        return self.failures[key]
+
     def _compile_variant(self, args: tuple, kwargs: dict, why: str,
                          dynamic: dict[int, frozenset[int]] | None = None) -> Variant:
         with TRACING.writing():
@@ -288,9 +310,7 @@ class Dispatcher:
         except ConversionError as exc:
             if not self.variants and not self.options.fallback:
                 raise
-            self.failures[key] = Mismatch(f"compile failed {len(self.failures)}",
-                                          f"compiling a variant for this call failed: {exc}", recompile=False)
-            return None, None, self.failures[key]
+            return None, None, self._remember_failure(key, exc)
         with TRACING.reading():
             fitted, unfit, _ = variant.fit_detail(self.module, self.signature, args, kwargs)
         if unfit is not None:
