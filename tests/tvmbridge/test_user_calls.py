@@ -434,3 +434,32 @@ def test_checkpointing_and_a_no_grad_block_compiled_under_no_grad(reentrant: boo
     torch.testing.assert_close(got, want)
     for p, q in zip(tvm.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+class MaskedWrite(torch.nn.Module):
+    """``x[mask] = v`` with a learned vector where a boolean mask marks positions (wav2vec2's
+    masked time steps), and the accumulating form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.fill = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h[mask] = self.fill
+        return h.clone().index_put_((~mask,), self.fill * 2, accumulate=True)
+
+
+def test_boolean_mask_writes_train_as_eager() -> None:
+    torch.manual_seed(0)
+    m = MaskedWrite()
+    ref = copy.deepcopy(m)
+    add_tvm_dispatch(m, verify=False)
+    for b in (2, 3, 3):
+        x, mask = torch.randn(b, 5, 6), torch.rand(b, 5) > 0.5
+        for model in (m, ref):
+            model.zero_grad()
+            (model(x, mask) * torch.linspace(-1, 1, 6)).sum().backward()
+        _assert_same(_grads(m), _grads(ref))
+    assert m._tvm_dispatch.calls_tvm == 3

@@ -244,6 +244,7 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
             "slice_scatter.default": self._slice_scatter_traced(table["slice_scatter.default"]),
             "repeat.default": self._repeat_traced(table["repeat.default"]),
             **{name: self._squeeze_traced for name in ("squeeze.default", "squeeze.dim", "squeeze.dims")},
+            "index_put.default": self._index_put_mask(table["index_put.default"]),
             **{name: self._arange_traced(table[name]) for name in ("arange.default", "arange.start", "arange.start_step")},
             "detach.default": self._detach_stops_gradient,
             "gather.default": self._gather_checked,
@@ -339,6 +340,29 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
         then read row 0's value."""
         shape = [self.prim(d) for d in node.meta["val"].shape]
         return self.block_builder.emit(relax.op.reshape(self.env[node.args[0]], shape))
+
+    def _index_put_mask(self, default: Callable) -> Callable:
+        """``x[mask] = v`` with one boolean mask over leading axes and a value that broadcasts over
+        the rest (wav2vec2 writes a learned vector where time steps are masked) as a ``where``:
+        TVM's converter wants integer indices. Each masked place is written once, so
+        ``accumulate`` adds ``v`` there."""
+        def convert(node: torch.fx.Node) -> relax.Expr:
+            x_arg, indices, value_arg = node.args[:3]
+            accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+            x_val = x_arg.meta["val"]
+            mask = indices[0] if len(indices) == 1 else None
+            m_val = mask.meta["val"] if isinstance(mask, torch.fx.Node) else None
+            v_val = value_arg.meta["val"]
+            if (m_val is None or m_val.dtype != torch.bool or m_val.dim() > x_val.dim()
+                    or tuple(map(str, m_val.shape)) != tuple(map(str, x_val.shape[:m_val.dim()]))
+                    or v_val.dim() > x_val.dim() - m_val.dim()):
+                return default(node)
+            x, value = self.env[x_arg], self.env[value_arg]
+            rest = x_val.dim() - m_val.dim()
+            cond = relax.op.reshape(self.env[mask], [self.prim(d) for d in m_val.shape] + [1] * rest)
+            new = relax.op.add(x, value) if accumulate else value
+            return self.block_builder.emit(relax.op.where(cond, new, x))
+        return convert
 
     def _arange_traced(self, default: Callable) -> Callable:
         """``arange`` of a symbolic length (``arange(seq)`` for positions and masks) as
