@@ -360,3 +360,13 @@ def test_a_case_no_formula_covers_is_refused_naming_the_op():
     with pytest.raises(UnsupportedOpError, match="reflect") as err:
         build_adjoint(bb.get()["main"], [0], [True])
     assert err.value.op == "relax.nn.pad"
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.topk(x, 3, dim=-1)[0],
+    lambda x: torch.topk(x.softmax(-1), 2, dim=1, largest=False)[0],
+    lambda x: torch.topk(x, 2, dim=0)[0] * torch.topk(x, 2, dim=0)[1].to(x.dtype),
+], ids=["values", "smallest", "indices_used"])
+def test_topk_gradient_goes_back_where_the_values_were_read(fn):
+    """A mixture-of-experts router's top-k weights (Relax has no topk gradient)."""
+    check(Fn(fn), X3)

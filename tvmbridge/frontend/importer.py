@@ -219,6 +219,14 @@ class BridgeImporter(BatchNormConverters, ExportedProgramImporter):
                     self.symbols[dim.name] = dim
         return made
 
+    def _process_derived_symbol(self, expr: Any, table: dict) -> tuple:
+        """An input size that is a SymInt specialised to a number (dynamo's graph hands on a size
+        it has since fixed) is that number: TVM's frontend made it a variable named ``66``,
+        which no call binds."""
+        if getattr(expr, "is_number", False):
+            return str(expr), tvm.tirx.IntImm("int64", int(expr))
+        return super()._process_derived_symbol(expr, table)
+
     def prim(self, dim: int | torch.SymInt) -> int | tvm.tirx.PrimExpr:
         """A traced dimension as Relax writes it: an int, or the TIR expression of its symbol."""
         if isinstance(dim, int):

@@ -262,3 +262,19 @@ def take_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
     zeros = op.zeros([shape[i] for i in order], _dtype(x))
     summed = op.scatter_nd(zeros, op.expand_dims(idx, 1), grad, reduction="add")
     return [op.permute_dims(summed, back), no_grad(index)]
+
+
+@gradient("relax.topk")
+def topk_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """The k values' gradients go back to the places they were read from, as PyTorch's
+    ``topk`` backward scatters them (mixture-of-experts routers take the top experts' weights);
+    the indices get none."""
+    x, attrs = orig_call.args[0], orig_call.attrs
+    axis, kind = int(attrs.axis), str(attrs.ret_type)
+    if kind == "indices":
+        return [relax.op.zeros_like(x)]
+    values_grad = ctx.normalize(relax.TupleGetItem(output_grad, 0)) if kind == "both" else output_grad
+    # the places taken again (the capture set keeps tensors, not the forward's tuple)
+    index = ctx.normalize(relax.op.topk(x, int(attrs.k), axis, "indices", bool(attrs.largest), "int64"))
+    zeros = relax.op.zeros_like(x)
+    return [relax.op.scatter_elements(zeros, index, values_grad, axis=axis, reduction="add")]
