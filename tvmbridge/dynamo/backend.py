@@ -80,7 +80,9 @@ class CompiledGraph:
                     warnings.warn(f"tvmbridge: a torch.compile graph is split at {', '.join(self.split.kept)}: "
                                   f"PyTorch runs {'it' if len(named) == 1 else 'them'}, TVM the rest ({error})",
                                   FallbackWarning, stacklevel=3)
-            self._first_done = True
+            # done once a compile was tried (a call no variant could run, under a dispatch mode, tries later)
+            d = self.dispatcher
+            self._first_done = bool(self.split is not None or d.variants or d.failures)
 
     def explain(self) -> str:
         if self.split is not None:

@@ -153,7 +153,8 @@ class Dispatcher:
         try:
             self.precompile(*args, **kwargs)
         except ConversionError as exc:
-            self._remember_failure(key, exc)
+            if self.variants or self.options.fallback:  # else each call raises, as a first call's failure does
+                self._remember_failure(key, exc)
             return exc
         return None
 
