@@ -8,6 +8,8 @@ can keep PyTorch for any compile failure.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 
 
@@ -73,3 +75,14 @@ class RecompileWarning(UserWarning):
     """A call compiled another variant because its arguments differ in kind from the sample's (a
     keyword given or left out, another positional count), as when a parent module passes extra
     keywords: the message names the difference, so the sample can be the caller's call."""
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside torch and tvmbridge."""
+    import torch
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import FallbackWarning
+from ..errors import FallbackWarning, caller_stacklevel
 from ..options import CompileOptions, with_overrides
 from ..runtime.dispatch import Dispatcher, add_tvm_dispatch
 from .graph import GraphCall, InputPlan, OutputPlan, inline_bodies, prepared
@@ -79,7 +79,7 @@ class CompiledGraph:
                 if self.options.warn_on_fallback:
                     warnings.warn(f"tvmbridge: a torch.compile graph is split at {', '.join(self.split.kept)}: "
                                   f"PyTorch runs {'it' if len(named) == 1 else 'them'}, TVM the rest ({error})",
-                                  FallbackWarning, stacklevel=3)
+                                  FallbackWarning, stacklevel=caller_stacklevel())
             # done once a compile was tried (a call no variant could run, under a dispatch mode, tries later)
             d = self.dispatcher
             self._first_done = bool(self.split is not None or d.variants or d.failures)

@@ -32,7 +32,7 @@ from analysis.tensors import tensor_leaves
 
 from ..backend.build import release_cached_memory
 from ..backend.gemm_choice import summary as gemm_summary
-from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning
+from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning, caller_stacklevel
 from ..frontend.export import AutocastState
 from ..frontend.outputs import flatten_output
 from ..options import CompileOptions, with_overrides
@@ -59,18 +59,6 @@ def _tracing(args: tuple, kwargs: dict) -> bool:
     if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return True
     return any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensor_leaves((args, kwargs)))
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside torch and tvmbridge."""
-    import os
-    import sys
-
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class Dispatcher:
@@ -304,7 +292,7 @@ class Dispatcher:
             warnings.warn(f"tvmbridge: {type(self.module).__name__} compiles another variant for a call whose "
                           f"arguments differ from the sample's: {reason.message}; if the caller always calls it this "
                           "way, pass that call as the sample to compile once", RecompileWarning,
-                          stacklevel=_caller_stacklevel())
+                          stacklevel=caller_stacklevel())
         try:
             dynamic = self._dynamic_dims(args, kwargs)
             variant = self._compile_variant(args, kwargs, reason.message if reason else "first call", dynamic)
@@ -366,7 +354,7 @@ class Dispatcher:
         if warn:
             warnings.warn(f"tvmbridge: {type(self.module).__name__}: {reason.message}; PyTorch runs these calls "
                           "from now on (please report this: it is a bug of the bridge)", VerificationWarning,
-                          stacklevel=_caller_stacklevel())
+                          stacklevel=caller_stacklevel())
         with self._lock:
             self._warned.add(reason.key)
         return reason
@@ -414,7 +402,7 @@ class Dispatcher:
         self.last_decision = f"ran PyTorch: {reason.message}"
         if first and self.options.warn_on_fallback:
             warnings.warn(f"tvmbridge: fell back to PyTorch for {type(self.module).__name__}: {reason.message}",
-                          FallbackWarning, stacklevel=_caller_stacklevel())
+                          FallbackWarning, stacklevel=caller_stacklevel())
         TRACING.wait_idle()
         return self.original_forward(*args, **kwargs)
 
