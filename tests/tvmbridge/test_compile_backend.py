@@ -544,3 +544,18 @@ def test_a_torch_library_op_runs_in_pytorch_with_its_registered_backward() -> No
         _train_side_by_side(WithLibraryOp(), backend, [{"x": torch.randn(4, 8)} for _ in range(2)])
     leaves = _leaf_graphs(backend)
     assert len(leaves) == 2 and all(g.dispatcher.calls_tvm == 2 for g in leaves), backend.explain()
+
+
+def test_a_graph_that_cannot_be_cut_runs_pytorch_whole(monkeypatch) -> None:
+    """Where the split itself fails, the user's step still runs: PyTorch, with a warning."""
+    import tvmbridge.dynamo.backend as backend_module
+
+    def refuse(*args, **kwargs):
+        raise ValueError("cannot cut here")
+
+    monkeypatch.setattr(backend_module, "SplitGraph", refuse)
+    torch.manual_seed(0)
+    backend = tvmbridge.compile_backend()
+    with pytest.warns(FallbackWarning, match="fell back"):
+        _train_side_by_side(PartlyConvertible(), backend, [{"x": torch.randn(4, 8)} for _ in range(2)])
+    assert all(g.split is None and g.dispatcher.calls_fallback == 2 for g in backend.graphs), backend.explain()

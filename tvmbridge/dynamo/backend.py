@@ -75,7 +75,11 @@ class CompiledGraph:
             names = {n.name for n in self.source.graph.nodes}
             named = frozenset(error.sources).intersection(names) if error is not None else frozenset()
             if named:
-                self.split = SplitGraph(self.source, self.options, named, f"; the bridge cannot convert them: {error}")
+                try:
+                    self.split = SplitGraph(self.source, self.options, named, f"; the bridge cannot convert them: {error}")
+                except Exception:  # noqa: BLE001 - a graph that cannot be cut runs PyTorch whole, as it would unsplit
+                    named = frozenset()
+            if named:
                 if self.options.warn_on_fallback:
                     warnings.warn(f"tvmbridge: a torch.compile graph is split at {', '.join(self.split.kept)}: "
                                   f"PyTorch runs {'it' if len(named) == 1 else 'them'}, TVM the rest ({error})",
