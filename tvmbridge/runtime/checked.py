@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..frontend.outputs import labelled_output_tensors
+from .eager import update_targets
 from .function import CompiledCallError
 from .verify import Discrepancy, GradientCheck, own_inputs, worst
 
@@ -47,7 +48,7 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     inputs = own_inputs(fitted.tensors, traced.num_user_inputs)
     try:  # what PyTorch saves for its backward bypasses saved-tensor hooks (checkpoint's count the call's own)
         with torch.set_grad_enabled(needs_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            eager_out, eager_state = dispatcher.eager_call(compiled, inputs)
+            eager_out, eager_state = dispatcher.eager.call(compiled, inputs)
     except Exception:
         # PyTorch refuses this call (a dtype mismatch, a bad index...): so must we, and never run it compiled
         dispatcher.discard(variant, args, kwargs, "PyTorch raises an error on this call", warn=False)
@@ -64,22 +65,22 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
         check = GradientCheck(leaves, inputs, variant.tensor_names(), lambda found: _gradients_checked(
             dispatcher, variant, args, kwargs, found), precision)
     try:
-        outs = dispatcher._execute(variant, fitted, needs_grad, before, args, kwargs, check)
+        outs = dispatcher.execute(variant, fitted, needs_grad, before, args, kwargs, check)
     except CompiledCallError as exc:  # PyTorch's result stands
         found = f"the compiled code failed on its first call ({exc})"
     else:
         pairs = [(where, outs[i], want) for i, (where, want) in enumerate(paths)]
         pairs += [(label, outs[n_user + j], want)
-                  for j, ((label, _), want) in enumerate(zip(dispatcher.update_targets(compiled, fitted.tensors), eager_state))]
+                  for j, ((label, _), want) in enumerate(zip(update_targets(compiled, fitted.tensors), eager_state))]
         discrepancy = worst(pairs, precision)
         found = None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
     if found is None:
         variant.trust.outputs = True
-        return dispatcher._finish(compiled, fitted.tensors, outs)
+        return dispatcher.finish(compiled, fitted.tensors, outs)
     set_rng_states(after, compiled.device)
     dispatcher.discard(variant, args, kwargs, found)
     with torch.no_grad():
-        for (_, tensor), new in zip(dispatcher.update_targets(compiled, fitted.tensors), eager_state):
+        for (_, tensor), new in zip(update_targets(compiled, fitted.tensors), eager_state):
             tensor.copy_(new)
     return eager_out
 

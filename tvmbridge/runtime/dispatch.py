@@ -16,42 +16,33 @@ A dispatched module can be deep-copied, pickled and saved: the copy recompiles o
 """
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
-import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.nn.utils.stateless import _reparametrize_module
 
 from analysis.tensors import tensor_leaves
 
 from ..backend.build import release_cached_memory
-from ..backend.gemm_choice import summary as gemm_summary
 from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning, caller_stacklevel
-from ..frontend.export import AutocastState
-from ..frontend.outputs import flatten_output
 from ..options import CompileOptions, with_overrides
-from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
+from ..pipeline import CompiledModule
 from .function import Call, CompiledCallError, TVMFunction, infer
 from .guards import Mismatch
 from .locks import TRACING
+from .call_log import CallLog
 from .checked import rng_states, run_checked, set_rng_states
+from .eager import EagerForward, update_targets
 from .random import draw
-from .variants import (Fitted, Variant, call_key, changed_dims, describe_dims, empty_input,
-                       marked_dims)
+from .variant_set import Outcome, Selection, VariantSet
+from .variants import Fitted, Variant, empty_input
 from .verify import GradientCheck
 
 if TYPE_CHECKING:
     from .report import CaptureReport
-
-def _dims_key(dims: dict[int, frozenset[int]]) -> frozenset:
-    return frozenset((i, d) for i, ds in dims.items() for d in ds)
-
 
 def _tracing(args: tuple, kwargs: dict) -> bool:
     """Inside torch.compile/torch.export, or called with fake or meta tensors (a tracer, the
@@ -61,56 +52,77 @@ def _tracing(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensor_leaves((args, kwargs)))
 
 
+def _unfit_anywhere() -> Mismatch | None:
+    """What no compiled variant can run, whatever its signature."""
+    if torch._C._len_torch_dispatch_stack():
+        return Mismatch("dispatch mode", "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): "
+                        "it must see PyTorch's ops", recompile=False)
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)", recompile=False)
+    return None
+
+
 class Dispatcher:
-    """The module's ``forward`` while dispatched: the compiled variants, the guards that pick
-    one for each call, the compile of a new variant, the fallback."""
+    """The module's ``forward`` while dispatched: each call runs the variant ``variant_set``
+    selects, compiles one, or runs PyTorch (``eager``); ``log`` counts and explains."""
 
     def __init__(self, module: torch.nn.Module, sample: tuple[tuple, dict] | None, options: CompileOptions) -> None:
         self.module = module
         self.sample = sample
         self.options = options
-        self.forward_fn = type(module).forward  # the class's forward, bound at each call
-        self.instance_forward: Any = module.__dict__.get("forward")  # a forward set on the instance
+        self.eager = EagerForward(module)
         self._reset()
 
     def _reset(self) -> None:
-        self.variants: tuple[Variant, ...] = ()
-        self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed
-        original = self.instance_forward if self.instance_forward is not None else self.forward_fn.__get__(self.module)
+        original = self.eager.bound
         # the module's own forward signature, for every binding of a call (the guard's, the trace's) and
         # for callers that inspect ``module.forward`` (Trainer drops the columns forward does not name)
         self.signature = inspect.signature(original)
         self.__signature__ = self.signature
         for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
             setattr(self, attr, getattr(original, attr, None))
-        self.calls_tvm = 0
-        self.calls_fallback = 0
-        self.fallback_reasons: collections.Counter[str] = collections.Counter()
-        self.last_decision: Variant | str = "not called yet"
-        self._last = 0  # the variant the last compiled call ran: tried first
-        self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
-        self._failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
-        self._warned: set[str] = set()
-        self.discarded: list[str] = []  # why variants were dropped (failed, or disagreed with PyTorch)
-        self._dynamic_off = False  # a symbolic variant was discarded: compile exact shapes only
-        self._lock = threading.Lock()  # counters and the warned set
-        self._eager = threading.local()
+        self.variant_set = VariantSet(self.module, self.signature, self.options)
+        self.log = CallLog()
 
     # --- pickling and copying: the copy recompiles on first use
     def __getstate__(self) -> dict:
-        keep = ("module", "sample", "options", "forward_fn", "instance_forward")
-        return {k: self.__dict__[k] for k in keep}
+        return {k: self.__dict__[k] for k in ("module", "sample", "options", "eager")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._reset()
+
+    # --- what users and tests read
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        return self.variant_set.variants
+
+    @property
+    def failures(self) -> dict[tuple, Mismatch]:
+        return self.variant_set.failures
+
+    @property
+    def dynamic_failure(self) -> ConversionError | None:
+        return self.variant_set.dynamic_failure
+
+    @property
+    def calls_tvm(self) -> int:
+        return self.log.calls_tvm
+
+    @property
+    def calls_fallback(self) -> int:
+        return self.log.calls_fallback
+
+    @property
+    def discarded(self) -> list[str]:
+        return self.log.discarded
 
     @property
     def compiled(self) -> CompiledModule | None:
         """The first variant's compiled module (the sample's, when one was given)."""
         return self.variants[0].compiled if self.variants else None
 
-    # --- compile
+    # --- compile ahead of a call
     def compile(self) -> CompiledModule:
         """The compiled module for the sample call (compiled now if it is not yet)."""
         if self.sample is None:
@@ -123,108 +135,44 @@ class Dispatcher:
     def precompile(self, *args: Any, **kwargs: Any) -> Variant:
         """Compile a variant for this call now (ahead of time: e.g. in eval mode as well as in
         train mode), unless one fits it already. A failure raises ``ConversionError``."""
-        for variant in self.variants:
-            if variant.fit(self.module, self.signature, args, kwargs)[1] is None:
-                return variant
-        return self._compile_variant(args, kwargs, "compiled ahead of time", self._dynamic_dims(args, kwargs))
+        variants = self.variant_set
+        return variants.fitting(args, kwargs) or variants.compile_variant(
+            args, kwargs, "compiled ahead of time", variants.dynamic_dims(args, kwargs))
 
     def try_compile(self, *args: Any, **kwargs: Any) -> ConversionError | None:
         """Compile a variant for this call now unless one fits; its failure, or None. A failure is
         remembered as the first call's would be: calls like it run PyTorch without compiling again
         (the backend's graphs try this first, to split a graph at the ops that failed)."""
         with TRACING.reading():
-            if self._unfit_anywhere(args, kwargs) or empty_input(self.signature, args, kwargs):
+            if _unfit_anywhere() or empty_input(self.signature, args, kwargs):
                 return None  # no variant would run it: the call itself says why
-            key = call_key(self.signature, args, kwargs, self.module)
+            key = self.variant_set.key(args, kwargs)
         if key in self.failures:
             return None
         try:
             self.precompile(*args, **kwargs)
         except ConversionError as exc:
             if self.variants or self.options.fallback:  # else each call raises, as a first call's failure does
-                self._remember_failure(key, exc)
+                self.variant_set.remember_failure(key, exc)
             return exc
         return None
 
-    def _remember_failure(self, key: tuple, exc: ConversionError) -> Mismatch:
-        self.failures[key] = Mismatch(f"compile failed {len(self.failures)}",
-                                      f"compiling a variant for this call failed: {exc}", recompile=False)
-        return self.failures[key]
-
-    def _compile_variant(self, args: tuple, kwargs: dict, why: str,
-                         dynamic: dict[int, frozenset[int]] | None = None) -> Variant:
-        with TRACING.writing():
-            for variant in self.variants:  # another thread may have compiled it meanwhile
-                if variant.fit(self.module, self.signature, args, kwargs)[1] is None:
-                    return variant
-            compiled = None
-            if dynamic:
-                try:
-                    compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic,
-                                                cache=SHARED_CACHE)
-                    why += f"; symbolic in {describe_dims(compiled.traced)}"
-                except ConversionError as exc:  # exact shapes then: slower to cover, never wrong
-                    self.dynamic_failure = exc
-                    self._failed_dynamic.add(_dims_key(dynamic))
-                    why += f"; a symbolic compile failed ({exc}), compiled for this shape"
-            if compiled is None:
-                compiled = compile_training(self.module, args, kwargs, self.options, cache=SHARED_CACHE)
-            if "reused" in compiled.compile_seconds:
-                why += "; the compile of an identical graph reused"
-            variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), why)
-            self.variants = (*self.variants, variant)
-        if self.options.verbose:
-            print(f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {why}): "
-                  f"{compiled.summary()}")
-        return variant
-
-    def _dynamic_dims(self, args: tuple, kwargs: dict) -> dict[int, frozenset[int]] | None:
-        """Which dims of the call's tensors to compile symbolically: those the user marked, or
-        (``dynamic="auto"``) those in which the call differs from a variant of its kind, unless a
-        symbolic compile of this module failed before."""
-        choice = self.options.dynamic
-        if choice is False or self._dynamic_off:
-            return None
-        if isinstance(choice, dict):
-            dims = marked_dims(self.signature, args, kwargs, choice)
-        else:
-            dims = next((d for v in reversed(self.variants) if (d := changed_dims(v, self.signature, args, kwargs))),
-                        None)
-        return None if dims is None or _dims_key(dims) in self._failed_dynamic else dims
-
-    def _uninstall(self) -> None:
-        if self.instance_forward is None:
-            self.module.__dict__.pop("forward", None)
-        else:
-            self.module.forward = self.instance_forward
-
-    def original_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.instance_forward is not None:
-            return self.instance_forward(*args, **kwargs)
-        return self.forward_fn(self.module, *args, **kwargs)
-
     # --- every call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self._eager, "active", False):
-            return self.original_forward(*args, **kwargs)
+        if self.eager.active:
+            return self.eager(*args, **kwargs)
         TRACING.wait_idle()  # another thread's trace patches every module call: let it finish
         if _tracing(args, kwargs):
-            return self.original_forward(*args, **kwargs)
+            return self.eager(*args, **kwargs)
         with TRACING.reading():
-            reason = self._unfit_anywhere(args, kwargs)
-            variant = fitted = None
-            if reason is None:
-                variant, fitted, reason = self._select(args, kwargs)
-        if variant is None and reason is not None and not reason.recompile:
-            return self._fallback(reason, args, kwargs)
-        if variant is None:
-            variant, fitted, reason = self._compile_for_call(args, kwargs, reason)
-            if variant is None:
-                return self._fallback(reason, args, kwargs)
-        with self._lock:
-            self.calls_tvm += 1
-            variant.calls += 1
-        self.last_decision = variant  # explain() words it: no formatting on the hot path
+            unfit = _unfit_anywhere()
+            choice = Selection.pytorch(unfit) if unfit is not None else self.variant_set.select(args, kwargs)
+        if choice.outcome is Outcome.COMPILE:
+            choice = self._compile_for_call(args, kwargs, choice.reason)
+        if choice.outcome is Outcome.PYTORCH:
+            return self.fallback(choice.reason, args, kwargs)
+        variant, fitted = choice.variant, choice.fitted
+        self.log.ran_compiled(variant)  # explain() words it: no formatting on the hot path
         if fitted.sizes and variant.new_sizes_fill_pool(fitted.sizes):
             release_cached_memory()
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in fitted.tensors)
@@ -232,83 +180,30 @@ class Dispatcher:
             return run_checked(self, variant, fitted, args, kwargs, needs_grad)
         rng = rng_states(variant.compiled.device) if variant.compiled.random_sites else None
         try:
-            outs = self._execute(variant, fitted, needs_grad, rng, args, kwargs)
+            outs = self.execute(variant, fitted, needs_grad, rng, args, kwargs)
         except CompiledCallError as exc:  # PyTorch runs the call; its own errors (hooks, checkpoint) pass
             if rng is not None:
                 set_rng_states(rng, variant.compiled.device)
             reason = self.discard(variant, args, kwargs, f"the compiled code failed while running ({exc})")
-            return self._fallback(reason, args, kwargs)
-        return self._finish(variant.compiled, fitted.tensors, outs)
+            return self.fallback(reason, args, kwargs)
+        return self.finish(variant.compiled, fitted.tensors, outs)
 
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
 
-    def _unfit_anywhere(self, args: tuple, kwargs: dict) -> Mismatch | None:
-        """What no compiled variant can run, whatever its signature."""
-        if torch._C._len_torch_dispatch_stack():
-            return Mismatch("dispatch mode", "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): "
-                            "it must see PyTorch's ops", recompile=False)
-        if torch._C._functorch.peek_interpreter_stack() is not None:
-            return Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)", recompile=False)
-        return None
-
-    def _select(self, args: tuple, kwargs: dict) -> tuple[Variant | None, list | None, Mismatch | None]:
-        """The variant that fits the call (the last one used is tried first), with its tensors;
-        else why the closest one does not (one whose call signature fits, if any)."""
-        variants = self.variants
-        if not variants:
-            return None, None, None
-        last = min(self._last, len(variants) - 1)
-        closest = None
-        for i in (last, *(j for j in range(len(variants)) if j != last)):
-            fitted, reason, inputs_fit = variants[i].fit_detail(self.module, self.signature, args, kwargs)
-            if reason is None:
-                self._last = i
-                return variants[i], fitted, None
-            if not reason.recompile:  # hooks and the like: no other variant fits either
-                return None, None, reason
-            if closest is None or (inputs_fit and not closest[1]):
-                closest = (reason, inputs_fit)
-        return None, None, closest[0]
-
-    def _compile_for_call(self, args: tuple, kwargs: dict,
-                          reason: Mismatch | None) -> tuple[Variant | None, list | None, Mismatch | None]:
-        """A new variant for a call no variant fits, or why there is none. A failure raises when
-        nothing has compiled yet and ``fallback`` is off; later it warns and runs PyTorch."""
-        try:
-            with TRACING.reading():
-                refused = empty_input(self.signature, args, kwargs)
-                key = call_key(self.signature, args, kwargs, self.module)
-        except ConversionError as exc:  # the call does not bind: PyTorch says how
-            return None, None, Mismatch("signature", str(exc), recompile=False)
-        refused = refused or self.failures.get(key)
-        if refused is None and len(self.variants) >= self.options.cache_size_limit:
-            refused = Mismatch("cache size limit", f"{len(self.variants)} variants compiled, the cache_size_limit; "
-                               f"{reason.message if reason else 'this call'}: raise cache_size_limit to compile more",
-                               recompile=False)
+    def _compile_for_call(self, args: tuple, kwargs: dict, reason: Mismatch | None) -> Selection:
+        """A new variant for a call no variant fits, or why there is none."""
+        key, refused = self.variant_set.refusal(args, kwargs, reason)
         if refused is not None:
-            return None, None, refused
-        if reason is not None and reason.structural and reason.key not in self._warned:
-            self._warned.add(reason.key)
+            return Selection.pytorch(refused)
+        if reason is not None and reason.structural and self.log.first_time(reason.key):
             warnings.warn(f"tvmbridge: {type(self.module).__name__} compiles another variant for a call whose "
                           f"arguments differ from the sample's: {reason.message}; if the caller always calls it this "
                           "way, pass that call as the sample to compile once", RecompileWarning,
                           stacklevel=caller_stacklevel())
-        try:
-            dynamic = self._dynamic_dims(args, kwargs)
-            variant = self._compile_variant(args, kwargs, reason.message if reason else "first call", dynamic)
-        except ConversionError as exc:
-            if not self.variants and not self.options.fallback:
-                raise
-            return None, None, self._remember_failure(key, exc)
-        with TRACING.reading():
-            fitted, unfit, _ = variant.fit_detail(self.module, self.signature, args, kwargs)
-        if unfit is not None:
-            return None, None, unfit
-        self._last = self.variants.index(variant)
-        return variant, fitted, None
+        return self.variant_set.compile_for(args, kwargs, key, reason)
 
-    def _execute(self, variant: Variant, fitted: Fitted, needs_grad: bool, rng: dict | None, args: tuple,
-                 kwargs: dict, check: GradientCheck | None = None) -> list[torch.Tensor]:
+    def execute(self, variant: Variant, fitted: Fitted, needs_grad: bool, rng: dict | None, args: tuple,
+                kwargs: dict, check: GradientCheck | None = None) -> list[torch.Tensor]:
         """The compiled code on the call's tensors and freshly drawn random values: its flat outputs."""
         compiled, tensors, sizes = variant.compiled, fitted.tensors, fitted.sizes
         sites = [site.bind(sizes) for site in compiled.random_sites] if sizes else compiled.random_sites
@@ -318,11 +213,11 @@ class Dispatcher:
         written = compiled.written
         if written:  # the call writes them after the forward; the backward reads them as they were
             tensors = [t.clone() if i in written else t for i, t in enumerate(tensors)]
-        eager = functools.partial(self._eager_outputs, compiled)
+        eager = functools.partial(self.eager.outputs, compiled)
         discard = functools.partial(self.discard, variant, args, kwargs)
         return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, sizes, check, discard), *tensors))
 
-    def _finish(self, compiled: CompiledModule, tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+    def finish(self, compiled: CompiledModule, tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
         """Index flags checked, updated buffers and inputs written back, the module's own output rebuilt."""
         traced = compiled.traced
         n_user, n_updates = traced.num_user_outputs, traced.num_updates
@@ -331,97 +226,33 @@ class Dispatcher:
                 raise IndexError("index out of range in self")
         if n_updates:
             with torch.no_grad():
-                for (_, target), new in zip(self.update_targets(compiled, tensors), outs[n_user:n_user + n_updates]):
+                for (_, target), new in zip(update_targets(compiled, tensors), outs[n_user:n_user + n_updates]):
                     target.copy_(new)
         return traced.output_of(list(outs))
 
     def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
-        """Drop a variant that failed or disagreed with PyTorch: calls of its signature run PyTorch
-        from now on (a symbolic one's failure turns symbolic compiles off for this module)."""
-        try:
-            key = call_key(self.signature, args, kwargs, self.module)
-        except ConversionError:
-            key = None
-        reason = Mismatch(f"discarded {len(self.discarded)}", f"variant '{variant.label}' was discarded: {message}",
-                          recompile=False)
-        with self._lock:
-            self.variants = tuple(v for v in self.variants if v is not variant)
-            if key is not None:
-                self.failures[key] = reason
-            self.discarded.append(reason.message)
-            self.last_decision = f"ran PyTorch: {reason.message}"
-            self._dynamic_off = self._dynamic_off or variant.symbolic
+        """Drop a variant that failed or disagreed with PyTorch (see ``VariantSet.discard``)."""
+        reason = self.variant_set.discard(variant, args, kwargs, message, len(self.log.discarded))
+        self.log.discarded_variant(reason)
         if warn:
             warnings.warn(f"tvmbridge: {type(self.module).__name__}: {reason.message}; PyTorch runs these calls "
                           "from now on (please report this: it is a bug of the bridge)", VerificationWarning,
                           stacklevel=caller_stacklevel())
-        with self._lock:
-            self._warned.add(reason.key)
+        self.log.first_time(reason.key)
         return reason
 
-    def _eager_outputs(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """PyTorch's forward on the given call and state tensors: the flat outputs, as the
-        compiled code returns them (for a double backward)."""
-        return flatten_output(self.eager_call(compiled, tensors)[0])[0]
-
-    def eager_call(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
-        """PyTorch's forward on the given call and state tensors: its output, and the new values
-        of the buffers and inputs it updates, in the compiled outputs' order (updated on clones,
-        so they are not updated twice)."""
-        traced = compiled.traced
-        user = [t.clone() if i in traced.updated_inputs else t for i, t in enumerate(tensors[:traced.num_user_inputs])]
-        pending = iter(user)
-        leaves = [traced.constant_leaves[i] if i in traced.constant_leaves else next(pending)
-                  for i in range(traced.in_spec.num_leaves)]
-        args, kwargs = pytree.tree_unflatten(leaves, traced.in_spec)
-        state = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
-        state.update({n: state[n].clone() for n in traced.updated_buffers})
-        self._eager.active = True
-        try:  # under the autocast the variant was traced under, whatever is in effect now; the module's
-            # tensors swapped for these meanwhile; its forward alone (its own hooks run around this call)
-            with TRACING.writing(), AutocastState.entered(traced.autocast, compiled.device.type), \
-                    _reparametrize_module(self.module, state, tie_weights=True, strict=False):
-                out = self.original_forward(*args, **kwargs)
-        finally:
-            self._eager.active = False
-        return out, [state[n] for n in traced.updated_buffers] + [user[i] for i in traced.updated_inputs]
-
-    def update_targets(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors a call writes in place, named, in the compiled outputs' order."""
-        traced = compiled.traced
-        by_name = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
-        return ([(f"buffer {n}", by_name[n]) for n in traced.updated_buffers]
-                + [(f"input {i}", tensors[i]) for i in traced.updated_inputs])
-
-    def _fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
-        with self._lock:
-            self.calls_fallback += 1
-            self.fallback_reasons[reason.message] += 1
-            first = reason.key not in self._warned
-            self._warned.add(reason.key)
-        self.last_decision = f"ran PyTorch: {reason.message}"
-        if first and self.options.warn_on_fallback:
+    def fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
+        """PyTorch runs the call, with a warning the first time for each reason."""
+        if self.log.ran_pytorch(reason) and self.options.warn_on_fallback:
             warnings.warn(f"tvmbridge: fell back to PyTorch for {type(self.module).__name__}: {reason.message}",
                           FallbackWarning, stacklevel=caller_stacklevel())
         TRACING.wait_idle()
-        return self.original_forward(*args, **kwargs)
+        return self.eager(*args, **kwargs)
 
     # --- reporting
     def explain(self) -> str:
         """What the last call did and why, and how often each path ran."""
-        last = self.last_decision
-        if isinstance(last, Variant):
-            number = f"variant {self.variants.index(last) + 1}" if last in self.variants else "a discarded variant"
-            last = f"ran the compiled code ({number}: {last.label})"
-        lines = [f"{type(self.module).__name__}: last call {last}",
-                 f"calls: {self.calls_tvm} compiled, {self.calls_fallback} PyTorch"]
-        for i, v in enumerate(self.variants, 1):
-            lines.append(f"  variant {i} ({v.label}): {v.calls} calls, compiled in "
-                         f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}; "
-                         f"GEMMs: {gemm_summary(list(v.compiled.gemm_choices))}")
-        lines += [f"  {n} x PyTorch: {reason}" for reason, n in self.fallback_reasons.most_common()]
-        lines += [f"  discarded: {why}" for why in self.discarded]
-        return "\n".join(lines)
+        return self.log.explain(type(self.module).__name__, self.variants)
 
     def report(self) -> CaptureReport:
         """Captured bytes, PyTorch's saved bytes for the same call, recompute cost (runs the
@@ -431,7 +262,7 @@ class Dispatcher:
         if self.sample is None:
             raise RuntimeError("report() runs the sample call: pass sample_inputs to add_tvm_dispatch")
         args, kwargs = self.sample
-        return capture_report(self.compile(), self.original_forward, self.module, args, kwargs)
+        return capture_report(self.compile(), self.eager, self.module, args, kwargs)
 
     def remove(self) -> torch.nn.Module:
         """Undo :func:`add_tvm_dispatch`: the module's own forward again."""
@@ -489,7 +320,7 @@ def remove_tvm_dispatch(module: torch.nn.Module) -> torch.nn.Module:
     dispatcher = getattr(module, "_tvm_dispatch", None)
     if dispatcher is None:
         return module
-    dispatcher._uninstall()
+    dispatcher.eager.reinstall()
     module.__dict__.pop("remove_tvm_dispatch", None)
     module._tvm_dispatch = None
     return module

@@ -103,6 +103,21 @@ class Fitted:
     sizes: dict[str, int]
 
 
+@dataclass(frozen=True)
+class Fit:
+    """Whether a call fits a variant: its tensors and sizes if so (``fitted``), else the first
+    guard's reason; ``inputs_fit``: the call's own arguments fit (only the module's state or the
+    autocast differ), which makes the variant the closest one to name in a recompile's reason."""
+
+    fitted: Fitted | None
+    reason: Mismatch | None
+    inputs_fit: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.fitted is not None
+
+
 @dataclass
 class Variant:
     """One compiled signature and its guards; ``why`` says what made the dispatcher compile it."""
@@ -171,34 +186,27 @@ class Variant:
         return Mismatch("autocast", f"the call runs {got or 'without autocast'}, this variant was compiled "
                         f"{'under ' + str(want) if want else 'without autocast'}")
 
-    def fit(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple,
-            kwargs: dict) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
-        """The call's tensors then the state's, if every guard passes; else the first reason."""
-        fitted, reason, _ = self.fit_detail(module, signature, args, kwargs)
-        return (fitted.tensors if fitted else None), reason
-
-    def fit_detail(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple,
-                   kwargs: dict) -> tuple[Fitted | None, Mismatch | None, bool]:
+    def fit(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple, kwargs: dict) -> Fit:
         """The call's tensors (then the state's) and sizes if every guard passes, else the first
         reason; and whether the call's own arguments fit (only the module's state differs)."""
         reason = self.autocast_mismatch()
         if reason is not None:
-            return None, reason, True
+            return Fit(None, reason, inputs_fit=True)
         sizes: dict[str, int] = {}
         if self.input_guard.fast(args, kwargs):
             user, reason = list(args), None
         else:
             user, reason = self._bind(signature, args, kwargs, sizes)
         if reason is not None:
-            return None, reason, False
+            return Fit(None, reason, inputs_fit=False)
         if any(user[i].requires_grad for i in self.compiled.traced.updated_inputs):
-            return None, Mismatch("written input requires grad", "an input the module writes in place requires grad "
-                                  "(PyTorch's autograd must see that write)", recompile=False), False
+            return Fit(None, Mismatch("written input requires grad", "an input the module writes in place requires "
+                                      "grad (PyTorch's autograd must see that write)", recompile=False), False)
         reason = self.state_guard.check(module)
         if reason is not None:
-            return None, reason, True
+            return Fit(None, reason, inputs_fit=True)
         state, reason = self.state_guard.tensors(module)
-        return (None, reason, True) if reason is not None else (Fitted(user + state, sizes), None, True)
+        return Fit(None, reason, True) if reason is not None else Fit(Fitted(user + state, sizes), None, True)
 
     def _bind(self, signature: inspect.Signature, args: tuple, kwargs: dict,
               sizes: dict[str, int]) -> tuple[list[torch.Tensor] | None, Mismatch | None]:

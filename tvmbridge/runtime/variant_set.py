@@ -1,0 +1,194 @@
+"""A dispatched module's compiled variants: which one a call runs, compiling a new one, and the
+signatures that must not compile again (a failed compile, a discarded variant).
+
+A call's outcome is a :class:`Selection`: run a variant on the fitted tensors, compile one for
+the call, or run PyTorch, each with the reason that decided it.
+"""
+from __future__ import annotations
+
+import enum
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConversionError
+from ..options import CompileOptions
+from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
+from .guards import Mismatch
+from .locks import TRACING
+from .variants import Fitted, Variant, call_key, changed_dims, describe_dims, empty_input, marked_dims
+
+
+class Outcome(enum.Enum):
+    RUN = "run"  # a compiled variant fits the call
+    COMPILE = "compile"  # none fits, and one compiled for the call would
+    PYTORCH = "pytorch"  # no compiled code can run the call
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a call runs. ``reason``: for COMPILE, why no variant fits (None: nothing compiled
+    yet); for PYTORCH, why nothing compiled can run the call."""
+
+    outcome: Outcome
+    variant: Variant | None = None
+    fitted: Fitted | None = None
+    reason: Mismatch | None = None
+
+    @classmethod
+    def run(cls, variant: Variant, fitted: Fitted) -> Selection:
+        return cls(Outcome.RUN, variant, fitted)
+
+    @classmethod
+    def compile(cls, reason: Mismatch | None) -> Selection:
+        return cls(Outcome.COMPILE, reason=reason)
+
+    @classmethod
+    def pytorch(cls, reason: Mismatch) -> Selection:
+        return cls(Outcome.PYTORCH, reason=reason)
+
+
+def _dims_key(dims: dict[int, frozenset[int]]) -> frozenset:
+    return frozenset((i, d) for i, ds in dims.items() for d in ds)
+
+
+class VariantSet:
+    """The variants of one module, newest last; ``failures``: call keys that run PyTorch."""
+
+    def __init__(self, module: torch.nn.Module, signature: inspect.Signature, options: CompileOptions) -> None:
+        self.module, self.signature, self.options = module, signature, options
+        self.variants: tuple[Variant, ...] = ()
+        self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed, or its variant was dropped
+        self.last = 0  # the variant the last compiled call ran: tried first
+        self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
+        self.failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
+        self.dynamic_off = False  # a symbolic variant was discarded: compile exact shapes only
+        self.lock = threading.Lock()
+
+    def key(self, args: tuple, kwargs: dict) -> tuple:
+        return call_key(self.signature, args, kwargs, self.module)
+
+    def fitting(self, args: tuple, kwargs: dict) -> Variant | None:
+        return next((v for v in self.variants if v.fit(self.module, self.signature, args, kwargs).ok), None)
+
+    def select(self, args: tuple, kwargs: dict) -> Selection:
+        """The variant that fits the call (the last one used is tried first), with its tensors;
+        else why the closest one does not (one whose call arguments fit, if any)."""
+        variants = self.variants
+        if not variants:
+            return Selection.compile(None)
+        last = min(self.last, len(variants) - 1)
+        closest = None
+        for i in (last, *(j for j in range(len(variants)) if j != last)):
+            fit = variants[i].fit(self.module, self.signature, args, kwargs)
+            if fit.fitted is not None:
+                self.last = i
+                return Selection.run(variants[i], fit.fitted)
+            if not fit.reason.recompile:  # hooks and the like: no other variant fits either
+                return Selection.pytorch(fit.reason)
+            if closest is None or (fit.inputs_fit and not closest.inputs_fit):
+                closest = fit
+        return Selection.compile(closest.reason)
+
+    def refusal(self, args: tuple, kwargs: dict, reason: Mismatch | None) -> tuple[tuple | None, Mismatch | None]:
+        """The call's key, and why no variant may be compiled for it (an empty input, a failure
+        remembered for its key, a full cache), or None."""
+        try:
+            with TRACING.reading():
+                refused = empty_input(self.signature, args, kwargs)
+                key = self.key(args, kwargs)
+        except ConversionError as exc:  # the call does not bind: PyTorch says how
+            return None, Mismatch("signature", str(exc), recompile=False)
+        refused = refused or self.failures.get(key)
+        if refused is None and len(self.variants) >= self.options.cache_size_limit:
+            refused = Mismatch("cache size limit", f"{len(self.variants)} variants compiled, the cache_size_limit; "
+                               f"{reason.message if reason else 'this call'}: raise cache_size_limit to compile more",
+                               recompile=False)
+        return key, refused
+
+    def compile_for(self, args: tuple, kwargs: dict, key: tuple, reason: Mismatch | None) -> Selection:
+        """A new variant for a call no variant fits. A failure raises when nothing has compiled
+        yet and ``fallback`` is off; else it is remembered and the call runs PyTorch."""
+        try:
+            variant = self.compile_variant(args, kwargs, reason.message if reason else "first call",
+                                           self.dynamic_dims(args, kwargs))
+        except ConversionError as exc:
+            if not self.variants and not self.options.fallback:
+                raise
+            return Selection.pytorch(self.remember_failure(key, exc))
+        with TRACING.reading():
+            fit = variant.fit(self.module, self.signature, args, kwargs)
+        if fit.fitted is None:
+            return Selection.pytorch(fit.reason)
+        self.last = self.variants.index(variant)
+        return Selection.run(variant, fit.fitted)
+
+    def remember_failure(self, key: tuple, exc: ConversionError) -> Mismatch:
+        self.failures[key] = Mismatch(f"compile failed {len(self.failures)}",
+                                      f"compiling a variant for this call failed: {exc}", recompile=False)
+        return self.failures[key]
+
+    def compile_variant(self, args: tuple, kwargs: dict, why: str,
+                        dynamic: dict[int, frozenset[int]] | None = None) -> Variant:
+        with TRACING.writing():
+            already = self.fitting(args, kwargs)  # another thread may have compiled it meanwhile
+            if already is not None:
+                return already
+            compiled, why = self._compiled(args, kwargs, why, dynamic)
+            variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), why)
+            self.variants = (*self.variants, variant)
+        if self.options.verbose:
+            print(f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {why}): "
+                  f"{compiled.summary()}")
+        return variant
+
+    def _compiled(self, args: tuple, kwargs: dict, why: str,
+                  dynamic: dict[int, frozenset[int]] | None) -> tuple[CompiledModule, str]:
+        compiled = None
+        if dynamic:
+            try:
+                compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic,
+                                            cache=SHARED_CACHE)
+                why += f"; symbolic in {describe_dims(compiled.traced)}"
+            except ConversionError as exc:  # exact shapes then: slower to cover, never wrong
+                self.dynamic_failure = exc
+                self.failed_dynamic.add(_dims_key(dynamic))
+                why += f"; a symbolic compile failed ({exc}), compiled for this shape"
+        if compiled is None:
+            compiled = compile_training(self.module, args, kwargs, self.options, cache=SHARED_CACHE)
+        if "reused" in compiled.compile_seconds:
+            why += "; the compile of an identical graph reused"
+        return compiled, why
+
+    def dynamic_dims(self, args: tuple, kwargs: dict) -> dict[int, frozenset[int]] | None:
+        """Which dims of the call's tensors to compile symbolically: those the user marked, or
+        (``dynamic="auto"``) those in which the call differs from a variant of its kind, unless a
+        symbolic compile of this module failed before."""
+        choice = self.options.dynamic
+        if choice is False or self.dynamic_off:
+            return None
+        if isinstance(choice, dict):
+            dims = marked_dims(self.signature, args, kwargs, choice)
+        else:
+            dims = next((d for v in reversed(self.variants) if (d := changed_dims(v, self.signature, args, kwargs))),
+                        None)
+        return None if dims is None or _dims_key(dims) in self.failed_dynamic else dims
+
+    def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, number: int) -> Mismatch:
+        """Drop a variant that failed or disagreed with PyTorch: calls of its signature run PyTorch
+        from now on (a symbolic one's failure turns symbolic compiles off for this module)."""
+        try:
+            key: Any = self.key(args, kwargs)
+        except ConversionError:
+            key = None
+        reason = Mismatch(f"discarded {number}", f"variant '{variant.label}' was discarded: {message}",
+                          recompile=False)
+        with self.lock:
+            self.variants = tuple(v for v in self.variants if v is not variant)
+            if key is not None:
+                self.failures[key] = reason
+            self.dynamic_off = self.dynamic_off or variant.symbolic
+        return reason
