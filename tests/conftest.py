@@ -1,5 +1,5 @@
 """Every test compiles from scratch and measures GEMMs into a cache of its own session. The
-process-wide cache of compiles (``pipeline.SHARED_CACHE``)
+process-wide cache of compiles (``tvmbridge.caches.CACHES``)
 would otherwise let a test reuse another test's compile and skip the code it means to exercise."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ os.environ["TVMBRIDGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tvmbridge-test-cach
 def _fresh_compile_cache():
     import sys
 
-    pipeline = sys.modules.get("tvmbridge.pipeline")  # not imported by analysis-only tests
-    if pipeline is not None:
-        pipeline.SHARED_CACHE.clear()
+    caches = sys.modules.get("tvmbridge.caches")  # not imported by analysis-only tests
+    if caches is not None:
+        caches.CACHES.clear()
     yield

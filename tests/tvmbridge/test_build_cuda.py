@@ -8,7 +8,7 @@ import torch
 
 from tvmbridge import devices
 from tvmbridge.backend import build
-from tvmbridge.pipeline import compile_training
+from tvmbridge import compile_training
 
 from ..helpers import MLP
 

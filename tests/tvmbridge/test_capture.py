@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tvmbridge import add_tvm_dispatch
-from tvmbridge.pipeline import compile_training
+from tvmbridge import compile_training
 from tvmbridge.tools.visualize import COLOURS, split_categories, visualize, visualize_split
 
 from ..helpers import MLP, bert_inputs, bert_layer, clone_module, is_tvm, max_errors, run_step

@@ -111,9 +111,9 @@ def test_compile_records_choices_and_numbers_are_unchanged():
     assert all(c.reason in ("measured", "cached", "only candidate") for c in choices)
     assert max(max_errors(run_step(layer, x), run_step(ref, x)).values()) < 1e-4
     assert "GEMMs:" in layer._tvm_dispatch.explain()
-    from tvmbridge.pipeline import SHARED_CACHE
+    from tvmbridge.caches import CACHES
 
-    SHARED_CACHE.clear()  # compile again, not reuse the first compile
+    CACHES.clear()  # compile again, not reuse the first compile
     again = clone_module(ref)
     add_tvm_dispatch(again, x)
     assert all(c.reason in ("cached", "only candidate") for c in again._tvm_dispatch.variants[0].compiled.gemm_choices)

@@ -45,7 +45,7 @@ def test_a_failure_in_any_stage_names_it_and_fallback_catches_it(monkeypatch, st
         raise RuntimeError("something deep inside went wrong")
 
     stages = tuple(dataclasses.replace(s, run=broken) if s.name == stage else s for s in pipeline.STAGES)
-    monkeypatch.setattr(pipeline, "STAGES", stages)
+    monkeypatch.setattr(pipeline.stages, "STAGES", stages)
     with pytest.raises(ConversionError) as err:
         compile_training(MLP(), (torch.randn(4, 32),))
     assert err.value.stage == stage and "something deep inside went wrong" in str(err.value)
@@ -104,3 +104,51 @@ def test_passes_are_tvm_pass_objects_that_instruments_see():
     assert {"tvmbridge.ExternalizeRandom", "tvmbridge.RewriteBindings"} <= set(seen)
     assert mod["main"].params[-1].name == "random0" and tuple(mod["main"].params[-1].ty.shape) == (4, 64)
     assert "tvmbridge.random_site" in compiled.stages["convert"].script()  # the input was not changed
+
+
+def test_a_stage_sees_only_the_fields_it_declares():
+    """The driver hides undeclared fields and refuses undeclared writes: a stage's declarations
+    are its real dependencies."""
+    from tvmbridge.pipeline import Artifacts, Stage
+    from tvmbridge.pipeline.driver import run_stage
+
+    start = Artifacts(module=MLP(), args=(), kwargs={}, options=CompileOptions(), sizes={"s0": 3})
+    honest = Stage("honest", lambda a: dataclasses.replace(a, num_index_checks=len(a.sizes)), lambda a: None,
+                   reads=("sizes",), writes=("num_index_checks",))
+    done = run_stage(honest, start)
+    assert done.num_index_checks == 1 and done.module is start.module and done.sizes == {"s0": 3}
+    peeks = Stage("peeks", lambda a: dataclasses.replace(a, num_index_checks=len(a.sizes)), lambda a: None,
+                  reads=(), writes=("num_index_checks",))
+    with pytest.raises(RuntimeError, match="stage peeks reads Artifacts.sizes"):
+        run_stage(peeks, start)
+    sneaks = Stage("sneaks", lambda a: dataclasses.replace(a, sizes={}), lambda a: None, reads=(), writes=())
+    with pytest.raises(RuntimeError, match="stage sneaks changed Artifacts.sizes"):
+        run_stage(sneaks, start)
+    with pytest.raises(ValueError, match="does not have"):
+        Stage("typo", lambda a: a, lambda a: None, reads=("primals",), writes=())
+
+
+def test_every_stage_runs_under_its_declarations():
+    """A full compile through the checking driver: every stage's reads and writes are complete
+    (a missing one raises inside the stage), and the process cache holds the result."""
+    from tvmbridge.caches import CACHES
+
+    compiled = compile_training(MLP(), (torch.randn(4, 32),), reuse=True)
+    assert set(compiled.stages) == set(STAGE_NAMES) and len(CACHES.compiles) == 1
+    again = compile_training(MLP(), (torch.randn(4, 32),), reuse=True)
+    assert again.executable is compiled.executable and again._pool is not compiled._pool
+    assert "reused" in again.compile_seconds and CACHES.compiles.hits == 1
+
+
+def test_bounded_cache_keeps_the_most_recently_used():
+    from tvmbridge.caches import BoundedCache
+
+    cache: BoundedCache[int] = BoundedCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "b" is now the oldest
+    cache.put("c", 3)
+    assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3 and len(cache) == 2
+    assert cache.get_or_make("d", lambda: 4) == 4 and cache.get("a") is None
+    with pytest.raises(ValueError):
+        BoundedCache(0)

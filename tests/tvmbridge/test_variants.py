@@ -332,7 +332,7 @@ def test_a_symbolic_variant_trims_the_memory_pool_as_new_sizes_arrive(monkeypatc
 def test_identical_layers_share_one_compile_and_keep_their_own_weights():
     """Separately dispatched layers with equal graphs (a model's repeated blocks) reuse one
     compile; the state is an input, so each computes with its own weights."""
-    from tvmbridge.pipeline import SHARED_CACHE
+    from tvmbridge.caches import CACHES
 
     layers = [_bert_layer() for _ in range(2)]
     torch.manual_seed(1)
@@ -344,7 +344,7 @@ def test_identical_layers_share_one_compile_and_keep_their_own_weights():
         add_tvm_dispatch(m, args)
     first, second = (m._tvm_dispatch.variants[0] for m in layers)
     assert "reused" in second.compiled.compile_seconds and "reused" not in first.compiled.compile_seconds
-    assert second.compiled.executable is first.compiled.executable and SHARED_CACHE.hits == 1
+    assert second.compiled.executable is first.compiled.executable and CACHES.compiles.hits == 1
     for m, ref in zip(layers, refs):
         _same_step(m, ref, args, tol=2e-5)
     other = _bert_layer()

@@ -29,7 +29,7 @@ from analysis.tensors import tensor_leaves
 from ..backend.build import release_cached_memory
 from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning, caller_stacklevel
 from ..options import CompileOptions, with_overrides
-from ..pipeline import CompiledModule
+from .compiled import CompiledModule
 from .function import Call, CompiledCallError, TVMFunction, infer
 from .guards import Mismatch
 from .locks import TRACING

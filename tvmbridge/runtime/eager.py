@@ -19,7 +19,7 @@ from ..frontend.outputs import flatten_output
 from .locks import TRACING
 
 if TYPE_CHECKING:
-    from ..pipeline import CompiledModule
+    from .compiled import CompiledModule
 
 
 class EagerForward:

@@ -23,7 +23,7 @@ import tvm_ffi
 
 from .. import names
 from ..errors import describe
-from ..pipeline import CompiledModule
+from .compiled import CompiledModule
 from .verify import GradientCheck, own_inputs
 
 

@@ -60,7 +60,8 @@ def _stage(name: str) -> Stage:
 
 INFERENCE_STAGES: tuple[Stage, ...] = (
     _stage("inputs"), _stage("trace"), _stage("convert"),
-    Stage("bind", _bind_weights, lambda a: a.halves),
+    Stage("bind", _bind_weights, lambda a: a.halves, reads=("random_sites", "primal", "traced", "module"),
+          writes=("halves",)),
     _stage("offload"), _stage("low_precision"), _stage("fast_math"), _stage("build"),
 )
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..pipeline import CompiledModule
+from .compiled import CompiledModule
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ConversionError
 from ..options import CompileOptions
-from ..pipeline import SHARED_CACHE, CompiledModule, compile_training
+from .compiled import CompiledModule, compile_training
 from .guards import Mismatch
 from .locks import TRACING
 from .variants import Fitted, Variant, call_key, changed_dims, describe_dims, empty_input, marked_dims
@@ -150,15 +150,14 @@ class VariantSet:
         compiled = None
         if dynamic:
             try:
-                compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic,
-                                            cache=SHARED_CACHE)
+                compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic, reuse=True)
                 why += f"; symbolic in {describe_dims(compiled.traced)}"
             except ConversionError as exc:  # exact shapes then: slower to cover, never wrong
                 self.dynamic_failure = exc
                 self.failed_dynamic.add(_dims_key(dynamic))
                 why += f"; a symbolic compile failed ({exc}), compiled for this shape"
         if compiled is None:
-            compiled = compile_training(self.module, args, kwargs, self.options, cache=SHARED_CACHE)
+            compiled = compile_training(self.module, args, kwargs, self.options, reuse=True)
         if "reused" in compiled.compile_seconds:
             why += "; the compile of an identical graph reused"
         return compiled, why

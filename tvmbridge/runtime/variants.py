@@ -21,7 +21,7 @@ from analysis.tensors import tensor_leaves
 from ..errors import ConversionError
 from ..frontend.export import AutocastState
 from ..frontend.signature import canonical_call
-from ..pipeline import CompiledModule
+from .compiled import CompiledModule
 from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, tensor_key
 from .verify import Trust
 

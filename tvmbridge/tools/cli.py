@@ -112,7 +112,7 @@ def _viz(args: argparse.Namespace, options: object) -> None:
 
     from analysis.models import bert_layer, bert_layer_inputs
 
-    from ..pipeline import compile_training
+    from ..runtime.compiled import compile_training
     from .visualize import draw_stage
 
     layer = bert_layer(64, 4, 128) if args.small else bert_layer()

@@ -41,7 +41,7 @@ def module_tasks(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dic
         compiled = compile_inference(module, args, sample_kwargs, options=opts)
         relax_mod, device = compiled.stages, compiled.device
     else:
-        from ..pipeline import compile_training
+        from ..runtime.compiled import compile_training
 
         compiled = compile_training(module, args, sample_kwargs, options=opts)
         relax_mod, device = compiled.stages["fast_math"], compiled.device

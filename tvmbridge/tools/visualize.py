@@ -14,7 +14,7 @@ from tvm import relax
 
 from analysis.units import human_bytes
 
-from ..pipeline import CompiledModule
+from ..runtime.compiled import CompiledModule
 from ..partition.joint import free_vars, tensor_info, value_keys
 
 COLOURS = {

@@ -1,0 +1,67 @@
+"""The artifacts a compile makes, and the step that makes them.
+
+Each stage declares the fields of :class:`Artifacts` it reads and those it writes; the driver
+(``pipeline.driver``) checks both, so a stage that starts to depend on another's output, or
+changes one it does not own, fails where it is written, not in a later stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+import torch
+import tvm
+
+from ..backend.gemm_choice import GemmDecision
+from ..frontend.export import TracedModule
+from ..frontend.importer import RandomSite
+from ..options import CompileOptions
+from ..partition.joint import JointGraph
+from ..partition.split import SplitResult
+from ..passes import GradientResult
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """What the stages have made so far; each stage returns a new one."""
+
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    options: CompileOptions
+    device: torch.device | None = None
+    dynamic: dict[int, frozenset[int]] | None = None  # call tensor -> dims to trace symbolically
+    sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at this call (for costs)
+    traced: TracedModule | None = None
+    primal: tvm.IRModule | None = None  # names.MAIN, through the passes before the gradient
+    random_sites: tuple[RandomSite, ...] = ()
+    num_index_checks: int = 0
+    grad_param_indices: tuple[int, ...] = ()  # primal params (user inputs, then params) with a grad
+    gradient: GradientResult | None = None
+    joint: JointGraph | None = None
+    captures: tuple[str, ...] = ()
+    split: SplitResult | None = None
+    halves: tvm.IRModule | None = None  # names.FORWARD, names.FORWARD_INFER, names.BACKWARD
+    gemm_choices: tuple[GemmDecision, ...] = ()  # where each offloaded GEMM runs, and why
+    executable: tvm.runtime.Executable | None = None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the compile: ``run`` makes new artifacts from the fields named in ``reads``,
+    changing only those in ``writes``; ``shows`` picks what to keep for inspection."""
+
+    name: str
+    run: Callable[[Artifacts], Artifacts]
+    shows: Callable[[Artifacts], Any]
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        known = {f.name for f in fields(Artifacts)}
+        unknown = [n for n in (*self.reads, *self.writes) if n not in known]
+        if unknown:
+            raise ValueError(f"stage {self.name} names fields Artifacts does not have: {unknown}")
+
+
+INPUTS = ("module", "args", "kwargs", "options")  # what every compile starts from

@@ -1,0 +1,142 @@
+"""A training compile from start to end: the stages run, or an equal graph's compile reused.
+
+:func:`compile_result` traces, fingerprints the traced graph (:func:`graph_fingerprint`) and
+looks it up in ``CACHES.compiles``: identical layers of one model compile once (the state is an
+input). The result is plain data; ``runtime.compiled`` makes it callable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import tvm
+from tvm import relax
+
+from ..backend.gemm_choice import GemmDecision
+from ..caches import CACHES
+from ..frontend.export import TracedModule
+from ..frontend.importer import RandomSite
+from ..options import CompileOptions
+from ..partition.policy import capture_all, op_flops
+from ..partition.split import SplitResult
+from .artifacts import Artifacts
+from .driver import run_stages
+from . import stages
+
+
+@dataclass
+class CompileResult:
+    """A module compiled for one call signature: both halves in one executable, and everything
+    needed to call them (``runtime.compiled.CompiledModule`` adds the VMs that call them)."""
+
+    traced: TracedModule
+    device: torch.device
+    options: CompileOptions
+    random_sites: list[RandomSite]
+    num_index_checks: int
+    grad_param_indices: list[int]  # primal params (user inputs, then state) that get a gradient
+    differentiable: tuple[bool, ...]  # per output
+    adjoint: relax.Function = field(repr=False)  # the joint forward+backward, simplified
+    split: SplitResult = field(repr=False)
+    executable: tvm.runtime.Executable = field(repr=False)
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict, repr=False)
+    sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at the compiled sample
+    gemm_choices: tuple[GemmDecision, ...] = ()
+
+    @property
+    def num_outputs(self) -> int:
+        """All outputs: the module's own, then updated buffers, then index-range flags."""
+        return self.split.num_outputs
+
+    @functools.cached_property
+    def written(self) -> frozenset[int]:
+        """Positions among the call's tensors (user inputs, then state) that the call writes in place:
+        a call that needs gradients hands its autograd Function copies of them, so the backward (and
+        a rerun of PyTorch's forward for a double backward) sees them as they were before the write."""
+        traced = self.traced
+        n_user = traced.num_user_inputs
+        return frozenset({*traced.updated_inputs, *(n_user + traced.state.names.index(n) for n in traced.updated_buffers)})
+
+    def captured_bytes(self) -> int:
+        """Bytes of the forward values TVM keeps for the backward (masks not included)."""
+        return self.split.joint.bytes_of(self.split.captures)
+
+    def mask_bytes(self) -> int:
+        """Bytes of the random inputs (dropout masks, ...) the backward reads (kept alongside the
+        captures)."""
+        joint = self.split.joint
+        first = len(joint.params) - len(self.random_sites)
+        return joint.bytes_of([joint.params[i] for i in self.split.backward_param_indices if i >= first])
+
+    def save_all_bytes(self) -> int:
+        return self.split.joint.bytes_of(capture_all(self.split.joint))
+
+    def recompute_flops(self) -> float:
+        joint = self.split.joint
+        return sum(op_flops(joint, joint.nodes[n]) for n in self.split.recomputed)
+
+    def summary(self) -> str:
+        t = self.compile_seconds
+        return (
+            f"{len(self.split.captures)} captured values ({self.captured_bytes() / 2**20:.2f} MiB), "
+            f"{len(self.split.recomputed)} recomputed, {len(self.random_sites)} random inputs; "
+            f"compile {t.get('total', 0):.1f}s (build {t.get('build', 0):.1f}s)"
+        )
+
+
+def compile_result(module: torch.nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *,
+                   device: torch.device | None = None, dynamic: dict[int, frozenset[int]] | None = None,
+                   reuse: bool = False) -> CompileResult:
+    """Forward and backward of ``module`` compiled for the signature of ``(args, kwargs)``
+    (``dynamic``: dims of the call's tensors, by position among them, to compile symbolically).
+    With ``reuse``, a traced graph equal to one compiled before reuses that compile."""
+    start = Artifacts(module=module, args=args, kwargs=kwargs, options=options, device=device, dynamic=dynamic)
+    after_trace, shown, seconds = run_stages(start, stages.STAGES[:2])
+    key = graph_fingerprint(after_trace) if reuse else None
+    reused = CACHES.compiles.get(key) if key is not None else None
+    if reused is not None:  # another module's trace (the call's form, outputs), the same executable
+        return dataclasses.replace(reused, traced=after_trace.traced, sizes=dict(after_trace.sizes),
+                                   compile_seconds={**seconds, "reused": 1.0})
+    done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:])
+    seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
+    result = CompileResult(
+        traced=done.traced, device=done.device, options=options, random_sites=list(done.random_sites),
+        num_index_checks=done.num_index_checks,
+        grad_param_indices=list(done.grad_param_indices), differentiable=done.gradient.differentiable,
+        adjoint=done.gradient.adjoint, split=done.split, executable=done.executable,
+        compile_seconds=seconds, stages={**shown, **shown_rest}, sizes=dict(done.sizes),
+        gemm_choices=done.gemm_choices,
+    )
+    if key is not None:
+        CACHES.compiles.put(key, result)
+    return result
+
+
+def graph_fingerprint(a: Artifacts) -> str:
+    """What the stages after the trace depend on: the exported graph's code, its inputs' metadata
+    and ranges, its lifted constants, the state's layout and which parameters require grad, the
+    outputs, the options and the device. Equal fingerprints compile to the same code; the state
+    is an input, so modules with equal graphs (a model's identical layers) can share it."""
+    ep = a.traced.exported
+    h = hashlib.sha256(ep.graph_module.code.encode())
+    for node in ep.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        h.update(repr((node.name, tuple(map(str, getattr(val, "shape", ()))), str(getattr(val, "dtype", "")))).encode())
+    for name, value in sorted(ep.constants.items()):
+        h.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            h.update(repr((tuple(value.shape), value.dtype)).encode())
+            h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
+    state = a.traced.state
+    grads = tuple(t.requires_grad for t in state.lookup(a.module))
+    h.update(repr((sorted(map(str, ep.range_constraints.items())), state.names, state.is_parameter,
+                   sorted(state.aliases.items()), grads, a.traced.updated_buffers, a.traced.updated_inputs,
+                   a.traced.num_user_outputs,
+                   a.traced.input_dims, str(a.traced.out_spec), repr(a.options), str(a.device),
+                   str(a.traced.autocast))).encode())
+    return h.hexdigest()

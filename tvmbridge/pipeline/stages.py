@@ -1,0 +1,202 @@
+"""The training compile's stages, in order, each a function of the artifacts made so far.
+
+inputs -> trace -> convert -> random -> layer_norm -> dedup -> gradient -> simplify -> capture
+-> split -> offload -> low_precision -> fast_math -> build. Each returns new artifacts (nothing is
+changed in place) and declares what it reads and writes (checked by ``pipeline.driver``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import tvm
+from tvm import relax
+
+from analysis.tensors import tensor_leaves
+
+from .. import names
+from ..backend import build as backend_build
+from ..backend.fast_math import FastMathFloat32
+from ..backend.gemm_choice import ChoiceCache
+from ..backend.offload import OffloadMatmuls
+from ..devices import SUPPORTED, target_for
+from ..errors import ConversionError
+from ..frontend.export import TracedModule, trace
+from ..frontend.importer import to_relax
+from ..ir import copy_with_fresh_vars
+from ..kernels.mt19937 import kernel_works
+from ..partition.joint import count_primal_bindings, joint_graph
+from ..partition.policy import choose_captures
+from ..partition.split import split
+from ..passes import DecomposeForTraining, Dedup, ExternalizeRandom, Simplify, build_adjoint
+from ..passes.low_precision import Float32Opmath
+from .artifacts import INPUTS, Artifacts, Stage
+
+
+def _inputs(a: Artifacts) -> Artifacts:
+    """One device for inputs and parameters, one TVM supports."""
+    tensors = tensor_leaves((a.args, a.kwargs)) + list(a.module.parameters())
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ConversionError(
+            "inputs", f"inputs and parameters are on different devices ({', '.join(sorted(map(str, devices)))}); "
+            "move them to one device before add_tvm_dispatch"
+        )
+    device = a.device or next(iter(devices), torch.device("cpu"))
+    if device.type not in SUPPORTED:
+        raise ConversionError("inputs", f"device {device} is not supported by TVM dispatch (cpu, cuda, rocm)")
+    empty = [tuple(t.shape) for t in tensor_leaves((a.args, a.kwargs)) if t.numel() == 0]
+    if empty:  # TVM's reductions over an empty axis do not give PyTorch's zeros
+        raise ConversionError("inputs", f"the sample has a zero-size dimension {empty[0]}; compile for a "
+                              "non-empty sample (calls with empty tensors then run PyTorch)")
+    return dataclasses.replace(a, device=device)
+
+
+def _trace(a: Artifacts) -> Artifacts:
+    # traced under the caller's autocast state: its casts become ops of the graph, and the
+    # variant's guard accepts calls under that state only
+    traced = trace(a.module, a.args, a.kwargs, a.dynamic)
+    if a.dynamic and not traced.symbolic:
+        raise ConversionError("trace", "no dimension stayed symbolic: the module's code fixes every size marked dynamic")
+    return dataclasses.replace(a, traced=traced, sizes=symbol_sizes(traced, tensor_leaves((a.args, a.kwargs))))
+
+
+def symbol_sizes(traced: TracedModule, tensors: list[torch.Tensor]) -> dict[str, int]:
+    """Each shape symbol's size in the given call (symbols bound by a dim of their own)."""
+    sizes: dict[str, int] = {}
+    for dims, t in zip(traced.input_dims, tensors):
+        for d, size in zip(dims, t.shape):
+            if isinstance(d, str) and d.isidentifier():
+                sizes.setdefault(d, int(size))
+    return sizes
+
+
+def _convert(a: Artifacts) -> Artifacts:
+    converted = to_relax(a.traced, a.options.converters)
+    return dataclasses.replace(a, primal=converted.mod, random_sites=converted.random_sites,
+                               num_index_checks=converted.num_index_checks)
+
+
+def _random(a: Artifacts) -> Artifacts:
+    mod = tvm.transform.Sequential([ExternalizeRandom(), relax.transform.CanonicalizeBindings()])(a.primal)
+    return dataclasses.replace(a, primal=mod)
+
+
+def _layer_norm(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, primal=DecomposeForTraining()(a.primal))
+
+
+def _dedup(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, primal=Dedup()(a.primal))
+
+
+def _is_float(dtype: Any) -> bool:
+    return str(dtype).startswith(("float", "bfloat"))
+
+
+def _grad_indices(a: Artifacts) -> tuple[int, ...]:
+    """Float user inputs (but those written in place), then parameters that require grad, by primal
+    parameter position; those no output depends on are left out (their gradient is None, not zeros)."""
+    func = a.primal[names.MAIN]
+    n_user = a.traced.num_user_inputs
+    idx = [i for i in range(n_user) if _is_float(func.params[i].ty.dtype) and i not in a.traced.updated_inputs]
+    state = a.traced.state
+    tensors = state.lookup(a.module)
+    idx += [n_user + j for j, t in enumerate(tensors) if state.is_parameter[j] and t.requires_grad]
+    return tuple(i for i in idx if i not in a.traced.no_grad_path)  # PyTorch leaves those None
+
+
+def differentiable_outputs(func: relax.Function, num_user_outputs: int) -> list[bool]:
+    """The module's own float outputs get a gradient; updated buffers and index flags do not."""
+    fields = func.ret_ty.fields if isinstance(func.ret_ty, relax.TupleType) else [func.ret_ty]
+    return [i < num_user_outputs and _is_float(f.dtype) for i, f in enumerate(fields)]
+
+
+def _gradient(a: Artifacts) -> Artifacts:
+    indices = _grad_indices(a)
+    func = a.primal[names.MAIN]
+    grad = build_adjoint(func, list(indices), differentiable_outputs(func, a.traced.num_user_outputs))
+    return dataclasses.replace(a, grad_param_indices=indices, gradient=grad)
+
+
+def _simplify(a: Artifacts) -> Artifacts:
+    adjoint = Simplify()(tvm.IRModule({names.ADJOINT: a.gradient.adjoint}))[names.ADJOINT]
+    grad = dataclasses.replace(a.gradient, adjoint=adjoint)
+    joint = joint_graph(grad, count_primal_bindings(a.primal[names.MAIN], adjoint), a.sizes)
+    return dataclasses.replace(a, gradient=grad, joint=joint)
+
+
+def _capture(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, captures=tuple(choose_captures(a.joint, a.options)))
+
+
+def _split(a: Artifacts) -> Artifacts:
+    halves = split(a.gradient, a.joint, list(a.captures))
+    # FORWARD_INFER: the primal function alone (outputs, no captures), for calls that need no
+    # gradient (no_grad, or nothing requires grad): nothing is kept for a backward that never comes.
+    # One module holds all three; a Relax var may be defined in one function only, and the
+    # halves share the adjoint's vars (the backward recomputes primal values), so each gets its own.
+    fresh = copy_with_fresh_vars
+    infer = fresh(a.primal[names.MAIN]).with_attr("global_symbol", names.FORWARD_INFER)
+    mod = tvm.IRModule({names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer,
+                        names.BACKWARD: fresh(halves.backward)})
+    mod = tvm.transform.Sequential([Dedup(), Simplify()])(mod)
+    return dataclasses.replace(a, split=halves, halves=mod)
+
+
+def _low_precision(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, halves=Float32Opmath()(a.halves))
+
+
+def _offload(a: Artifacts) -> Artifacts:
+    backend = a.options.gemm_backend(a.device.type)
+    if backend is None:
+        return a
+    # with a tuning database, the GEMM choices live in it (tvmbridge tune measures them there)
+    cache = ChoiceCache(Path(a.options.tuning_db) / "gemm_choices.json") if a.options.tuning_db else None
+    offload = OffloadMatmuls(backend, sizes=a.sizes, cache=cache)
+    halves = offload(a.halves)
+    return dataclasses.replace(a, halves=halves, gemm_choices=tuple(offload.decisions))
+
+
+def _fast_math(a: Artifacts) -> Artifacts:
+    return dataclasses.replace(a, halves=FastMathFloat32(a.halves)) if a.options.fast_math else a
+
+
+def _build(a: Artifacts) -> Artifacts:
+    exe = backend_build.compile_module(a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse,
+                                       a.options.tuning_db)
+    if a.device.type == "cpu" and a.random_sites and a.options.mask_kernel:
+        kernel_works()  # builds and checks the mask kernel now, not on the first call
+    backend_build.load(exe, a.device)  # loads in this thread now: a failure is the build stage's
+    return dataclasses.replace(a, executable=exe)
+
+
+def _adjoint(a: Artifacts) -> tvm.IRModule:
+    return tvm.IRModule({names.ADJOINT: a.gradient.adjoint})
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("inputs", _inputs, lambda a: a.device, reads=(*INPUTS, "device"), writes=("device",)),
+    Stage("trace", _trace, lambda a: a.traced.exported, reads=(*INPUTS, "dynamic"), writes=("traced", "sizes")),
+    Stage("convert", _convert, lambda a: a.primal, reads=("traced", "options"),
+          writes=("primal", "random_sites", "num_index_checks")),
+    Stage("random", _random, lambda a: a.primal, reads=("primal",), writes=("primal",)),
+    Stage("layer_norm", _layer_norm, lambda a: a.primal, reads=("primal",), writes=("primal",)),
+    Stage("dedup", _dedup, lambda a: a.primal, reads=("primal",), writes=("primal",)),
+    Stage("gradient", _gradient, _adjoint, reads=("primal", "traced", "module"),
+          writes=("grad_param_indices", "gradient")),
+    Stage("simplify", _simplify, _adjoint, reads=("gradient", "primal", "sizes"), writes=("gradient", "joint")),
+    Stage("capture", _capture, lambda a: list(a.captures), reads=("joint", "options"), writes=("captures",)),
+    Stage("split", _split, lambda a: a.halves, reads=("gradient", "joint", "captures", "primal"),
+          writes=("split", "halves")),
+    Stage("offload", _offload, lambda a: a.halves, reads=("halves", "options", "device", "sizes"),
+          writes=("halves", "gemm_choices")),
+    Stage("low_precision", _low_precision, lambda a: a.halves, reads=("halves",), writes=("halves",)),
+    Stage("fast_math", _fast_math, lambda a: a.halves, reads=("halves", "options"), writes=("halves",)),
+    Stage("build", _build, lambda a: a.executable, reads=("halves", "device", "options", "random_sites"),
+          writes=("executable",)),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
