@@ -67,3 +67,23 @@ def test_index_out_of_range_raises():
     f = compile_inference(emb, (torch.tensor([1, 2]),))
     with pytest.raises(IndexError):
         f(torch.tensor([1, 10]))
+
+
+def test_a_call_under_another_autocast_or_with_another_value_is_refused():
+    """The guard is the dispatcher's (one check, written once): autocast and non-tensor values too."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+            return self.lin(x) * scale
+
+    m, x = Scaled(), torch.randn(2, 4)
+    f = compile_inference(m, (x,), {"scale": 3.0})
+    assert torch.allclose(f(x, scale=3.0), m(x, scale=3.0), atol=1e-6)
+    with pytest.raises(ValueError, match="scale is 4.0, compiled for 3.0"):
+        f(x, scale=4.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast"):
+        f(x, scale=3.0)

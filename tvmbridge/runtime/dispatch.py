@@ -31,7 +31,7 @@ from ..errors import ConversionError, FallbackWarning, RecompileWarning, Verific
 from ..options import CompileOptions, with_overrides
 from .compiled import CompiledModule
 from .function import Call, CompiledCallError, TVMFunction, infer
-from .guards import Mismatch
+from .guards import Mismatch, check_index_flags
 from .locks import TRACING
 from .call_log import CallLog
 from .checked import rng_states, run_checked, set_rng_states
@@ -221,9 +221,7 @@ class Dispatcher:
         """Index flags checked, updated buffers and inputs written back, the module's own output rebuilt."""
         traced = compiled.traced
         n_user, n_updates = traced.num_user_outputs, traced.num_updates
-        for flag in outs[n_user + n_updates:]:
-            if int(flag) != 1:
-                raise IndexError("index out of range in self")
+        check_index_flags(outs[n_user + n_updates:])
         if n_updates:
             with torch.no_grad():
                 for (_, target), new in zip(update_targets(compiled, tensors), outs[n_user:n_user + n_updates]):

@@ -13,13 +13,13 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 
-from ..frontend.export import ModuleState
+from ..frontend.export import AutocastState, ModuleState
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 _MODULE_INTERNALS = frozenset({
@@ -45,6 +45,25 @@ class Mismatch:
     message: str
     recompile: bool = True
     structural: bool = False  # the call is written differently (keywords, positional count)
+
+
+def check_index_flags(flags: Sequence[torch.Tensor]) -> None:
+    """The compiled code's index-range flags (1: every index of that read was in range): raise
+    as PyTorch does where one was not (the compiled reads were clipped)."""
+    if any(int(flag) != 1 for flag in flags):
+        raise IndexError("index out of range in self")
+
+
+def autocast_mismatch(compiled_under: AutocastState | None, device_type: str) -> Mismatch | None:
+    """Why the autocast in effect now is not the one a compile was traced under (its casts are
+    compiled in), or None."""
+    if compiled_under is None and not torch.is_autocast_enabled(device_type):
+        return None
+    now = AutocastState.current(device_type)
+    if now == compiled_under:
+        return None
+    return Mismatch("autocast", f"the call runs {now or 'without autocast'}, it was compiled "
+                    f"{'under ' + str(compiled_under) if compiled_under else 'without autocast'}")
 
 
 def tensor_key(t: torch.Tensor) -> tuple:

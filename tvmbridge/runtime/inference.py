@@ -12,6 +12,7 @@ and device; any other call is refused with an error that says so. Compiled under
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -23,10 +24,11 @@ from .. import names
 from ..backend.build import materialize_non_finite_fills
 from ..errors import ConversionError
 from ..frontend.signature import canonical_call
-from ..frontend.export import AutocastState
 from ..options import CompileOptions, with_overrides
 from ..pipeline import STAGE_NAMES, STAGES, Artifacts, Stage, run_stages
 from .function import to_torch, to_tvm
+from .guards import autocast_mismatch, check_index_flags
+from .variants import input_guard_for
 
 
 def _bind_weights(a: Artifacts) -> Artifacts:
@@ -70,49 +72,30 @@ class InferenceModule:
     """The compiled forward: call it as the model (same signature), get the model's outputs."""
 
     def __init__(self, model: torch.nn.Module, artifacts: Artifacts, seconds: dict[str, float]) -> None:
-        self.signature_of = model.forward
+        self.signature = inspect.signature(model.forward)
         self.traced = artifacts.traced
         self.device = artifacts.device
         self.num_index_checks = artifacts.num_index_checks
         self.gemm_choices = artifacts.gemm_choices
         self.compile_seconds = seconds
         self.stages = artifacts.halves
-        leaves, _ = pytree.tree_flatten(canonical_call(model.forward, artifacts.args, artifacts.kwargs))
-        self._expected = [_meta(x) for x in leaves]
+        self.guard = input_guard_for(self.signature, artifacts.args, artifacts.kwargs)  # the sample's exact shapes
         self._vm = relax.VirtualMachine(artifacts.executable, _tvm_device(self.device))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, spec = pytree.tree_flatten(canonical_call(self.signature_of, args, kwargs))
-        if spec != self.traced.in_spec or len(leaves) != len(self._expected):
-            raise ValueError("compile_inference: the call's arguments are laid out differently from the sample's; "
-                             "compile again for this call")
-        for i, (leaf, want) in enumerate(zip(leaves, self._expected)):
-            if _meta(leaf) != want:
-                raise ValueError(f"compile_inference: argument leaf {i} is {_describe(_meta(leaf))}, compiled for "
-                                 f"{_describe(want)}; compile again for these inputs")
-        autocast = AutocastState.current(self.device.type)
-        if autocast != self.traced.autocast:  # its casts are compiled in
-            raise ValueError(f"compile_inference: called {autocast or 'without autocast'}, compiled "
-                             f"{'under ' + str(self.traced.autocast) if self.traced.autocast else 'without autocast'}; "
-                             "call it as compiled, or compile again under this autocast")
+        call = canonical_call(self.signature, args, kwargs)
+        leaves, spec = pytree.tree_flatten(call)
+        unfit = self.guard.check(leaves, spec, call) or autocast_mismatch(self.traced.autocast, self.device.type)
+        if unfit is not None:
+            raise ValueError(f"compile_inference: {unfit.message}; it runs calls of the sample's shapes, dtypes, values "
+                             "and autocast only: compile again for this call")
         tensors = [to_tvm(x) for x in leaves if isinstance(x, torch.Tensor)]
         with torch.no_grad():
             result = self._vm[names.FORWARD_INFER](*tensors)
         outs = [to_torch(r) for r in (result if isinstance(result, (list, tuple, tvm.ir.Array)) else [result])]
         n_user = self.traced.num_user_outputs
-        if any(int(flag) != 1 for flag in outs[n_user:n_user + self.num_index_checks]):
-            raise IndexError("index out of range in self")
+        check_index_flags(outs[n_user:n_user + self.num_index_checks])
         return self.traced.output_of(outs)
-
-
-def _meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype, x.device.type)
-    return ("value", x)
-
-
-def _describe(meta: tuple) -> str:
-    return f"a {meta[2]} tensor of shape {meta[1]} on {meta[3]}" if meta[0] == "tensor" else repr(meta[1])
 
 
 def _tvm_device(device: torch.device) -> Any:

@@ -22,7 +22,7 @@ from ..errors import ConversionError
 from ..frontend.export import AutocastState
 from ..frontend.signature import canonical_call
 from .compiled import CompiledModule
-from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, tensor_key
+from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, autocast_mismatch, tensor_key
 from .verify import Trust
 
 
@@ -51,6 +51,16 @@ def _positional_form(signature: inspect.Signature, args: tuple, kwargs: dict, le
            for p in params[n:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
         return None
     return n
+
+
+def input_guard_for(signature: inspect.Signature, args: tuple, kwargs: dict,
+                    dims: SymbolicDims | None = None) -> InputGuard:
+    """The guard of calls like ``(args, kwargs)``: their structure, tensor metadata and values
+    (``dims``: a symbolic compile's dims; without, the exact shapes)."""
+    cargs, ckwargs = canonical_call(signature, args, kwargs)
+    leaves, spec = pytree.tree_flatten((cargs, ckwargs))
+    return InputGuard(leaves, spec, leaf_labels(cargs, ckwargs), (cargs, ckwargs),
+                      _positional_form(signature, args, kwargs, leaves), dims)
 
 
 def describe_call(signature: inspect.Signature, args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
@@ -154,12 +164,8 @@ class Variant:
     def create(cls, module: torch.nn.Module, signature: inspect.Signature, compiled: CompiledModule,
                call: tuple[tuple, dict], why: str) -> Variant:
         args, kwargs = call
-        cargs, ckwargs = canonical_call(signature, args, kwargs)
-        leaves, spec = pytree.tree_flatten((cargs, ckwargs))
         traced = compiled.traced
-        input_guard = InputGuard(leaves, spec, leaf_labels(cargs, ckwargs), (cargs, ckwargs),
-                                 _positional_form(signature, args, kwargs, leaves),
-                                 SymbolicDims(traced.input_dims, traced.ranges))
+        input_guard = input_guard_for(signature, args, kwargs, SymbolicDims(traced.input_dims, traced.ranges))
         n_user = compiled.traced.num_user_inputs
         # a parameter may require grad if the backward computes its gradient, or none is due (no output depends on it)
         with_grad = {i - n_user for i in (*compiled.grad_param_indices, *traced.no_grad_path) if i >= n_user}
@@ -174,17 +180,7 @@ class Variant:
         return self.compiled.traced.symbolic
 
     def autocast_mismatch(self) -> Mismatch | None:
-        """Why the autocast in effect now is not the one the variant was traced under (its casts
-        are compiled in), or None."""
-        device_type = self.compiled.device.type
-        want = self.compiled.traced.autocast
-        if want is None and not torch.is_autocast_enabled(device_type):
-            return None
-        got = AutocastState.current(device_type)
-        if got == want:
-            return None
-        return Mismatch("autocast", f"the call runs {got or 'without autocast'}, this variant was compiled "
-                        f"{'under ' + str(want) if want else 'without autocast'}")
+        return autocast_mismatch(self.compiled.traced.autocast, self.compiled.device.type)
 
     def fit(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple, kwargs: dict) -> Fit:
         """The call's tensors (then the state's) and sizes if every guard passes, else the first
