@@ -45,13 +45,18 @@ class BoundedCache(Generic[V]):
                 self._entries.popitem(last=False)
 
     def get_or_make(self, key: Hashable, make: Callable[[], V]) -> V:
-        """The entry, made (outside the lock: making may take long) and kept if missing."""
-        found = self.get(key)
-        if found is not None:
-            return found
-        value = make()
-        self.put(key, value)
-        return value
+        """The entry, made and kept if missing: made once, under the lock (for values quick to
+        make; a compile uses ``get`` and ``put``)."""
+        with self._lock:
+            value = self._entries.get(key)
+            if value is None:
+                value = self._entries[key] = make()
+            else:
+                self.hits += 1
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+            return value
 
     def clear(self) -> None:
         with self._lock:
@@ -65,8 +70,10 @@ class ProcessCaches:
 
     compiles: BoundedCache = field(default_factory=lambda: BoundedCache(16))  # fingerprint -> CompileResult
     tuning_records: BoundedCache = field(default_factory=lambda: BoundedCache(4))  # (db, target) -> records
+    backends: BoundedCache = field(default_factory=lambda: BoundedCache(8))  # torch.compile options -> Backend
 
     def clear(self) -> None:
+        """Forget every compile and record (a later call compiles again)."""
         self.compiles.clear()
         self.tuning_records.clear()
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..caches import CACHES
 from ..errors import FallbackWarning, caller_stacklevel
 from ..options import CompileOptions, with_overrides
 from ..runtime.dispatch import Dispatcher, add_tvm_dispatch
@@ -196,14 +197,8 @@ def tvmbridge(gm: torch.fx.GraphModule, example_inputs: list[Any],
     return _backend_for(options or {})(gm, example_inputs)
 
 
-_BACKENDS: dict[str, Backend] = {}  # one per options, so that graphs compiled alike share it
-_BACKENDS_LOCK = threading.Lock()
-
-
 def _backend_for(options: dict[str, Any]) -> Backend:
-    """The backend for these options (made once)."""
+    """The backend for these options, one per options (``CACHES.backends``), so that graphs
+    compiled alike share it."""
     key = repr(sorted(options.items()))
-    with _BACKENDS_LOCK:
-        if key not in _BACKENDS:
-            _BACKENDS[key] = compile_backend(**options)
-        return _BACKENDS[key]
+    return CACHES.backends.get_or_make(key, lambda: compile_backend(**options))
