@@ -35,7 +35,8 @@ from .devices import SUPPORTED, target_for
 from .errors import ConversionError, stage_errors
 from .ir import copy_with_fresh_vars
 from .frontend.export import TracedModule, trace
-from .frontend.importer import RandomSite, to_relax
+from .frontend.importer import to_relax
+from .frontend.sites import RandomSite
 from .kernels.mt19937 import kernel_works
 from .options import CompileOptions, with_overrides
 from .partition.joint import JointGraph, count_primal_bindings, joint_graph

@@ -20,10 +20,8 @@ for training, and makes every other failure name its aten op:
 from __future__ import annotations
 
 import math
-import dataclasses
-import functools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -37,9 +35,11 @@ from tvm.relax.op.grad import no_grad
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError, stage_errors
 from ..ir import only_dataflow_block, rebuild, static_shape
+from ..sizes import sympy_to_tir
 from .batch_norm import BatchNormConverters
 from .export import COPY_OPS, TracedModule
 from .provenance import origins
+from .sites import RandomSite, SizeList, TensorMeta
 from . import resample
 
 aten = torch.ops.aten
@@ -50,81 +50,6 @@ _SHAPE_ONLY_RANDOM = {
     "uniform.default", "exponential.default", "geometric.default", "log_normal.default", "cauchy.default",
     "random.default", "random.from", "random.to", "normal_functional.default",
 }
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape, strides and dtype of a tensor argument of a random op (its values are not used)."""
-
-    shape: tuple[int | str, ...]
-    stride: tuple[int | str, ...]
-    dtype: torch.dtype
-
-    def bind(self, sizes: dict[str, int]) -> TensorMeta:
-        return TensorMeta(evaluate_dims(self.shape, sizes), evaluate_dims(self.stride, sizes), self.dtype)
-
-
-def evaluate_dims(dims: tuple[int | str, ...], sizes: dict[str, int]) -> tuple[int, ...]:
-    """Traced sizes at a call's symbol values."""
-    key = tuple(sorted(sizes.items()))
-    return tuple(d if isinstance(d, int) else _evaluate(d, key) for d in dims)
-
-
-@functools.lru_cache(maxsize=4096)
-def _evaluate(expr: str, sizes: tuple[tuple[str, int], ...]) -> int:
-    import sympy
-
-    return int(sympy.sympify(expr).subs(dict(sizes)))
-
-
-@dataclass(frozen=True)
-class SizeList:
-    """A size-list argument of a random op (``rand``'s ``size``): ints, symbolic sizes as their
-    expressions' text, evaluated at each call's sizes."""
-
-    dims: tuple[int | str, ...]
-
-    def bind(self, sizes: dict[str, int]) -> SizeList:
-        return SizeList(evaluate_dims(self.dims, sizes))
-
-    def value(self) -> list[int]:
-        if not all(isinstance(d, int) for d in self.dims):
-            raise ValueError(f"size {self.dims} is symbolic: bind it to the call's sizes first")
-        return list(self.dims)
-
-
-@dataclass(frozen=True)
-class RandomSite:
-    """One random value the compiled code needs per call, drawn by PyTorch in graph order.
-
-    ``kind`` ``"dropout"``: the scaled mask of a dropout of rate ``p`` over a tensor laid out as
-    ``shape``/``stride``; ``"op"``: the result of ``op(*args, **kwargs)`` with every
-    :class:`TensorMeta` argument replaced by an empty tensor of that layout."""
-
-    kind: str
-    shape: tuple[int | str, ...]  # a symbolic size as its expression's text (``s0``)
-    stride: tuple[int | str, ...]
-    dtype: torch.dtype
-    p: float = 0.0
-    op: Any = None
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-
-    @property
-    def symbolic(self) -> bool:
-        metas = [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, TensorMeta)]
-        lists = [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, SizeList)]
-        return any(isinstance(d, str) for d in (*self.shape, *self.stride, *(x for m in metas for x in m.shape),
-                                                  *(x for s in lists for x in s.dims)))
-
-    def bind(self, sizes: dict[str, int]) -> RandomSite:
-        """This site at the call's sizes (``sizes``: symbol name -> size)."""
-        if not self.symbolic:
-            return self
-        args = tuple(a.bind(sizes) if isinstance(a, (TensorMeta, SizeList)) else a for a in self.args)
-        kwargs = {k: v.bind(sizes) if isinstance(v, (TensorMeta, SizeList)) else v for k, v in self.kwargs.items()}
-        return dataclasses.replace(self, shape=evaluate_dims(self.shape, sizes),
-                                   stride=evaluate_dims(self.stride, sizes), args=args, kwargs=kwargs)
 
 
 @dataclass(frozen=True)
@@ -177,25 +102,6 @@ def _meta(value: Any) -> Any:
     if isinstance(value, torch.SymInt):
         raise UnsupportedOpError("convert", "a random op with a symbolic scalar argument", op="random")
     return list(value) if isinstance(value, list) else value
-
-
-def sympy_to_tir(expr: Any, symbols: dict[str, tvm.tirx.Var]) -> tvm.tirx.PrimExpr:
-    """A size expression of torch's shape environment as TIR over the frontend's shape vars."""
-    import sympy
-
-    if isinstance(expr, sympy.Integer):
-        return tvm.tirx.IntImm("int64", int(expr))
-    if isinstance(expr, sympy.Symbol):
-        if str(expr) not in symbols:
-            raise UnsupportedOpError("convert", f"the size {expr} is not a dimension of an input", op="shape")
-        return symbols[str(expr)]
-    if isinstance(expr, (sympy.Add, sympy.Mul)):
-        parts = [sympy_to_tir(a, symbols) for a in expr.args]
-        out = parts[0]
-        for part in parts[1:]:
-            out = out + part if isinstance(expr, sympy.Add) else out * part
-        return out
-    raise UnsupportedOpError("convert", f"the symbolic size {expr} (only sums and products of input dims)", op="shape")
 
 
 def _uses_of_item(node: torch.fx.Node, index: int) -> list[torch.fx.Node]:
