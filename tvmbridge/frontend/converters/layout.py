@@ -122,7 +122,7 @@ def arange_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callab
     return importer.block_builder.emit(value if dtype == "int64" else relax.op.astype(value, dtype))
 
 
-@converter("empty.default", "empty.memory_format")
+@converter("empty.memory_format")
 def empty_traced_shape(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``empty(sizes)`` at its traced shape (sizes may be symbolic: ``x.new_empty(x.shape[0], 1)``)."""
     val = node.meta["val"]
