@@ -1,7 +1,7 @@
 """PyTorch's own OpInfo samples through the bridge: each op as a one-op module, against PyTorch.
 
 For every OpInfo in ``op_db`` whose first sample exports to aten ops the converter has a
-converter for (``frontend.importer.unsupported_ops`` empty: the ops the bridge *claims*), each
+converter for (``frontend.checks.unsupported_ops`` empty: the ops the bridge *claims*), each
 sample runs as a one-op ``nn.Module`` through ``add_tvm_dispatch``: in float64 with a backward
 (outputs and the input gradients against autograd), and the first sample in float32 forward too.
 Every case ends as
@@ -104,7 +104,7 @@ def samples(info: Any, limit: int) -> list:
 def claimed(info: Any) -> bool:
     """The converter claims the op: its first sample exports to aten ops it converts."""
     from tvmbridge.frontend.export import trace
-    from tvmbridge.frontend.importer import unsupported_ops
+    from tvmbridge.frontend.checks import unsupported_ops
 
     first = samples(info, 1)
     if not first:

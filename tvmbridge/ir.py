@@ -14,6 +14,7 @@ import tvm_ffi
 from tvm import relax
 
 from .errors import ConversionError
+from .sizes import evaluate_dim
 
 Rule = Callable[[relax.Expr, dict[relax.Var, relax.Expr]], relax.Expr | None]
 
@@ -116,25 +117,6 @@ def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
         except (TypeError, ValueError):
             return None
     return None
-
-
-def evaluate_dim(dim: Any, sizes: dict[str, int]) -> int:
-    """A Relax dimension (an int or a TIR expression over shape vars) at the given sizes."""
-    if isinstance(dim, int):
-        return dim
-    if isinstance(dim, tvm.tirx.IntImm):
-        return int(dim.value)
-    if tvm.ir.is_prim_var(dim):
-        if dim.name not in sizes:
-            raise KeyError(f"no size for the shape variable {dim.name}")
-        return sizes[dim.name]
-    ops = {tvm.tirx.Add: lambda a, b: a + b, tvm.tirx.Sub: lambda a, b: a - b, tvm.tirx.Mul: lambda a, b: a * b,
-           tvm.tirx.FloorDiv: lambda a, b: a // b, tvm.tirx.FloorMod: lambda a, b: a % b,
-           tvm.tirx.Max: max, tvm.tirx.Min: min}
-    for kind, fn in ops.items():
-        if isinstance(dim, kind):
-            return fn(evaluate_dim(dim.a, sizes), evaluate_dim(dim.b, sizes))
-    raise ValueError(f"cannot evaluate the dimension {dim}")
 
 
 def shape_at(expr: relax.Expr, sizes: dict[str, int]) -> tuple[int, ...] | None:

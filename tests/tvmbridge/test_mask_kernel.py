@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tvmbridge.frontend.importer import RandomSite
+from tvmbridge.frontend.sites import RandomSite
 from tvmbridge.kernels import mt19937 as rng
 from tvmbridge.runtime.random import draw
 

@@ -14,7 +14,7 @@ import tvm
 
 from ..backend.gemm_choice import GemmDecision
 from ..frontend.export import TracedModule
-from ..frontend.importer import RandomSite
+from ..frontend.sites import RandomSite
 from ..options import CompileOptions
 from ..partition.joint import JointGraph
 from ..partition.split import SplitResult

@@ -19,7 +19,7 @@ from tvm import relax
 from ..backend.gemm_choice import GemmDecision
 from ..caches import CACHES
 from ..frontend.export import TracedModule
-from ..frontend.importer import RandomSite
+from ..frontend.sites import RandomSite
 from ..options import CompileOptions
 from ..partition.policy import capture_all, op_flops
 from ..partition.split import SplitResult

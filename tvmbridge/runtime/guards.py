@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 
 from ..frontend.export import AutocastState, ModuleState
+from ..sizes import evaluate_dims
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 _MODULE_INTERNALS = frozenset({
@@ -200,8 +201,6 @@ class SymbolicDims:
     @staticmethod
     def check_derived(derived: list, sizes: dict[str, int]) -> Mismatch | None:
         """The dims given by an expression of symbols (``2*s0``), once every symbol is bound."""
-        from ..frontend.importer import evaluate_dims
-
         for what, expr, got in derived:
             try:
                 want = evaluate_dims((expr,), sizes)[0]

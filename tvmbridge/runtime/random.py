@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ..frontend.importer import RandomSite, SizeList, TensorMeta
+from ..frontend.sites import RandomSite, SizeList, TensorMeta
 from ..kernels import mt19937
 
 

@@ -1,0 +1,87 @@
+"""Elementwise ops with PyTorch's gradient at their edges: ``hardtanh`` (and so ``relu6``,
+``hardswish``, ``hardsigmoid``), ``clamp`` with number or tensor bounds, ``elu``."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tvm import relax
+
+from .registry import converter, out_dtype
+
+if TYPE_CHECKING:
+    from ..importer import BridgeImporter
+
+
+@converter("hardtanh.default", "hardtanh_.default")
+def hardtanh_exact(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``hardtanh(x, lo, hi)`` (and so ``relu6``, ``hardswish``, ``hardsigmoid``): the frontend
+    makes it ``clip``, whose gradient (``clamp``'s) passes at the bounds where ATen's
+    ``hardtanh_backward`` does not: ``where(x <= lo, lo, where(x >= hi, hi, x))``."""
+    x = importer.env[node.args[0]]
+    given = {**dict(zip(("self", "min_val", "max_val"), node.args)), **node.kwargs}
+    dtype = str(x.ty.dtype)
+    lo = relax.const(given.get("min_val", -1.0), dtype)
+    hi = relax.const(given.get("max_val", 1.0), dtype)
+    op = relax.op
+    return importer.block_builder.emit(op.where(op.less_equal(x, lo), lo, op.where(op.greater_equal(x, hi), hi, x)))
+
+
+@converter("clamp.default", "clamp_min.default", "clamp_max.default")
+def clamp_scalars(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``clamp``/``clamp_min``/``clamp_max`` with number bounds, in the result's dtype (an int
+    tensor clamped to a float is a float tensor). An integer tensor's missing bound is its
+    dtype's limit: the frontend's ``inf`` does not build for integers."""
+    name = node.target.__name__
+    if name.startswith(("clamp_min", "clamp_max")):
+        bounds = (node.args[1], None) if name.startswith("clamp_min") else (None, node.args[1])
+    else:
+        given = {**dict(zip(("self", "min", "max"), node.args)), **node.kwargs}
+        bounds = (given.get("min"), given.get("max"))
+    dtype = out_dtype(node)
+    x = importer.env[node.args[0]]
+    if str(x.ty.dtype) != dtype:
+        x = importer.block_builder.emit(relax.op.astype(x, dtype))
+    if dtype.startswith(("int", "uint")):
+        info = np.iinfo(dtype)
+        lo, hi = (int(b) if b is not None else d for b, d in zip(bounds, (info.min, info.max)))
+    else:
+        lo, hi = (float(b) if b is not None else d for b, d in zip(bounds, (-math.inf, math.inf)))
+    return importer.block_builder.emit(relax.op.clip(x, lo, hi))
+
+
+@converter("clamp.Tensor")
+def clamp_tensor(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``clamp`` with tensor bounds as ``where``s, so each of ``x``, ``min`` and ``max`` gets
+    the gradient where PyTorch gives it (the frontend's ``maximum``/``minimum`` would split it
+    at ties)."""
+    given = {**dict(zip(("self", "min", "max"), node.args)), **node.kwargs}
+    dtype = out_dtype(node)
+    bb, op = importer.block_builder, relax.op
+    x = bb.emit(op.astype(importer.env[given["self"]], dtype))
+    lo, hi = (None if given.get(k) is None else bb.emit(op.astype(importer.env[given[k]], dtype))
+              for k in ("min", "max"))
+    out = x if lo is None else bb.emit(op.where(op.less(x, lo), lo, x))
+    if hi is None:
+        return out
+    over = op.greater(x, hi) if lo is None else op.logical_or(op.greater(x, hi), op.less(hi, lo))
+    return bb.emit(op.where(over, hi, out))
+
+
+@converter("elu.default")
+def elu_exact(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``elu(x, alpha, scale, input_scale)`` as ATen: the exponential branch for ``x <= 0``
+    (so at 0 the gradient is ``alpha * scale * input_scale``; the frontend's relu form gives
+    another), read at ``min(x, 0)`` so an overflow in the branch not taken cannot reach the
+    gradient as NaN."""
+    given = {**dict(zip(("self", "alpha", "scale", "input_scale"), node.args)), **node.kwargs}
+    x = importer.env[given["self"]]
+    dtype, op = str(x.ty.dtype), relax.op
+    alpha, scale, in_scale = (float(given.get(k, 1.0)) for k in ("alpha", "scale", "input_scale"))
+    positive = op.greater(x, relax.const(0.0, dtype))
+    neg = op.where(positive, relax.const(0.0, dtype), x)
+    expm1 = op.subtract(op.exp(op.multiply(neg, relax.const(in_scale, dtype))), relax.const(1.0, dtype))
+    branch = op.multiply(expm1, relax.const(alpha * scale, dtype))
+    return importer.block_builder.emit(op.where(positive, op.multiply(x, relax.const(scale, dtype)), branch))

@@ -1,0 +1,156 @@
+"""Reads at computed indices, checked like PyTorch: an index out of range raises, never reads out of
+bounds.
+
+Embeddings and ``gather`` read clipped indices and return a flag that they were all in range
+(``importer.index_checks``: the runtime raises where one is 0); ``take`` and ``x[idx]`` fold theirs
+into one flag (``importer.range_flag``). ``padding_idx`` gets no gradient, as in PyTorch; negative
+indices read from the end where PyTorch reads them so; ``x[mask] = v`` is a ``where``; a
+multi-output op's other outputs are refused where the frontend would hand back the first.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import tvm
+from tvm import relax
+from tvm.relax.op.grad import no_grad
+
+from ...errors import UnsupportedOpError
+from .registry import converter
+
+if TYPE_CHECKING:
+    from ..importer import BridgeImporter
+
+
+@converter("embedding.default")
+def embedding(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """Clipped reads, a range flag, no gradient at ``padding_idx``."""
+    weight, indices = importer.env[node.args[0]], importer.env[node.args[1]]
+    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    scale = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
+    sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
+    if scale or sparse:
+        raise UnsupportedOpError("convert", "embedding with scale_grad_by_freq or sparse gradients", op="embedding")
+    bb = importer.block_builder
+    rows = int(weight.ty.shape[0])
+    idx = bb.emit(relax.op.astype(indices, "int64"))
+    low = relax.op.greater_equal(idx, relax.const(0, "int64"))
+    high = relax.op.less(idx, relax.const(rows, "int64"))
+    importer.index_checks.append(bb.emit(relax.op.min(relax.op.astype(relax.op.logical_and(low, high), "int32"))))
+    flat = bb.emit(relax.op.reshape(idx, [-1]))
+    out = bb.emit(relax.op.take(weight, flat, axis=0, mode="clip"))
+    if padding_idx is not None and padding_idx >= 0:
+        # forward: the row as it is; gradient: none from positions at padding_idx
+        dtype = str(weight.ty.dtype)
+        keep = bb.emit(relax.op.astype(relax.op.not_equal(flat, relax.const(padding_idx, "int64")), dtype))
+        keep = bb.emit(relax.op.expand_dims(keep, axis=1))
+        drop = bb.emit(relax.op.subtract(relax.const(1.0, dtype), keep))
+        out = bb.emit(relax.op.add(relax.op.multiply(out, keep), relax.op.multiply(no_grad(out), drop)))
+    return bb.emit(relax.op.reshape(out, list(indices.ty.shape) + [weight.ty.shape[1]]))
+
+
+@converter("gather.default")
+def gather_checked(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``gather`` (and so ``cross_entropy``'s pick of the target class) with the embedding's
+    guard: clipped indices and a flag, so a class index out of range raises like PyTorch
+    instead of reading out of bounds. Negative indices are out of range for ``gather``."""
+    x, index = importer.env[node.args[0]], importer.env[node.args[2]]
+    axis = int(node.args[1]) % max(len(x.ty.shape), 1)
+    if node.kwargs.get("sparse_grad", False) or (len(node.args) > 3 and node.args[3]):
+        raise UnsupportedOpError("convert", "gather with sparse_grad=True", op="gather")
+    bb = importer.block_builder
+    idx = bb.emit(relax.op.astype(index, "int64"))
+    size = x.ty.shape[axis] if x.ty.shape else 1
+    clipped = bb.emit(relax.op.clip(idx, relax.prim_value(0), relax.prim_value(size - 1)))
+    importer.index_checks.append(bb.emit(relax.op.min(relax.op.astype(relax.op.equal(idx, clipped), "int32"))))
+    return bb.emit(relax.op.gather_elements(x, clipped, axis=axis))
+
+
+@converter("take.default")
+def take_flat(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``torch.take``: indices into the flattened input, negative ones from the end; the
+    frontend reads a negative one out of bounds. Clipped reads with the embedding's range
+    flag, so an index out of range raises like PyTorch."""
+    bb, op = importer.block_builder, relax.op
+    x, index = importer.env[node.args[0]], importer.env[node.args[1]]
+    flat = bb.emit(op.reshape(x, [-1]))
+    n = relax.const(int(math.prod(int(d) for d in x.ty.shape)), "int64")
+    idx = bb.emit(op.astype(index, "int64"))
+    importer.range_flag(op.logical_and(op.greater_equal(idx, op.negative(n)), op.less(idx, n)))
+    wrapped = bb.emit(op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx))
+    return bb.emit(op.take(flat, wrapped, axis=0, mode="clip"))
+
+
+@converter("index.Tensor", wraps_default=True)
+def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``x[idx]`` (``index.Tensor``, and so ``torch.take``): the frontend reads a negative
+    index out of bounds (``take`` in its unchecked mode). Each integer index tensor is read
+    from the end where negative and checked against the axis (the embedding's range flag:
+    out of range raises like PyTorch), then the frontend's conversion runs on those."""
+    x, bb, op = importer.env[node.args[0]], importer.block_builder, relax.op
+    saved: dict[torch.fx.Node, relax.Expr] = {}
+    for axis, idx_node in enumerate(node.args[1]):
+        val = getattr(idx_node, "meta", {}).get("val")
+        size = x.ty.shape[axis] if x.ty.shape is not None else None
+        if val is None or val.dtype in (torch.bool, torch.uint8) or not isinstance(size, tvm.tirx.IntImm) \
+                or idx_node in saved:
+            continue
+        n = relax.const(int(size), "int64")
+        idx = bb.emit(op.astype(importer.env[idx_node], "int64"))
+        importer.range_flag(op.logical_and(op.greater_equal(idx, op.negative(n)), op.less(idx, n)))
+        saved[idx_node] = importer.env[idx_node]
+        importer.env[idx_node] = bb.emit(op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx))
+    try:
+        return default(node)
+    finally:
+        importer.env.update(saved)
+
+
+@converter("index_put.default", wraps_default=True)
+def index_put_mask(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``x[mask] = v`` with one boolean mask over leading axes and a value that broadcasts over
+    the rest (wav2vec2 writes a learned vector where time steps are masked) as a ``where``:
+    TVM's converter wants integer indices. Each masked place is written once, so
+    ``accumulate`` adds ``v`` there."""
+    x_arg, indices, value_arg = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    x_val = x_arg.meta["val"]
+    mask = indices[0] if len(indices) == 1 else None
+    m_val = mask.meta["val"] if isinstance(mask, torch.fx.Node) else None
+    v_val = value_arg.meta["val"]
+    if (m_val is None or m_val.dtype != torch.bool or m_val.dim() > x_val.dim()
+            or tuple(map(str, m_val.shape)) != tuple(map(str, x_val.shape[:m_val.dim()]))
+            or v_val.dim() > x_val.dim() - m_val.dim()):
+        return default(node)
+    x, value = importer.env[x_arg], importer.env[value_arg]
+    rest = x_val.dim() - m_val.dim()
+    cond = relax.op.reshape(importer.env[mask], [importer.prim(d) for d in m_val.shape] + [1] * rest)
+    new = relax.op.add(x, value) if accumulate else value
+    return importer.block_builder.emit(relax.op.where(cond, new, x))
+
+
+@converter("select.int")
+def select_wrapped(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``x.select(dim, i)`` (``x[:, -1]``): the frontend reads a negative ``i`` out of bounds
+    (``take`` in its unchecked mode); read it as Python does, from the end."""
+    x, dim, index = importer.env[node.args[0]], int(node.args[1]), int(node.args[2])
+    mode = "wrap" if index < 0 else "clip"  # in range: export checked it; "clip" needs no warning
+    return importer.block_builder.emit(relax.op.take(x, relax.const(index, "int64"), axis=dim, mode=mode))
+
+
+@converter("getitem", wraps_default=True)
+def getitem_checked(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``out[i]`` of a multi-output op whose converter made one tensor (``native_layer_norm``'s
+    mean and rstd): the frontend's ``getitem`` returns that tensor for every ``i``, a silently
+    wrong value for ``i > 0``; refused instead."""
+    source, index = node.args[0], node.args[1]
+    value = importer.env.get(source) if isinstance(source, torch.fx.Node) else None
+    multi = isinstance(getattr(source, "meta", {}).get("val"), (list, tuple))
+    if multi and isinstance(value, relax.Expr) and isinstance(value.ty, relax.TensorType) \
+            and isinstance(index, int) and index != 0:
+        raise UnsupportedOpError(
+            "convert", f"output {index} of {source.target.__name__} (the converter gives only its first "
+            "output); use fallback=True", op=getattr(source.target, "__name__", str(source.target)))
+    return default(node)

@@ -1,0 +1,176 @@
+"""Layout ops at the shapes the trace gave them: slices, ``slice_scatter``, ``repeat``, ``squeeze``,
+``cat``, ``arange``, ``empty``, ``constant_pad_nd``, and ``detach`` (which stops the gradient).
+
+Symbolic sizes stay in shapes (``importer.prim``), where every pass and schedule downstream reads
+them, rather than in the clamps and scalar arguments TVM's converters write, which Relax cannot
+prove equal to the sizes they came from.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from tvm import relax
+from tvm.relax.op.grad import no_grad
+
+from .registry import converter
+
+if TYPE_CHECKING:
+    from ..importer import BridgeImporter
+
+
+@converter("detach.default")
+def detach_stops_gradient(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``x.detach()`` (and what a ``no_grad`` region returns, see ``export``): the value, with
+    no gradient through it. TVM's converter passes ``x`` on as it is, so a forward that
+    detaches a tensor (a target built from the model's own output) got its gradient twice."""
+    x = importer.env[node.args[0]]
+    return importer.block_builder.emit(no_grad(x)) if node.meta["val"].is_floating_point() else x
+
+
+@converter("slice.Tensor", wraps_default=True)
+def slice_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``x[..., start:end:step]`` as the trace sized it: in bounds by construction (torch clamped
+    it), so ``strided_slice`` need not clamp; clamping with symbolic sizes writes the length as
+    ``min(s0, 512)``, which Relax cannot prove equal to ``s0``, and the sums downstream (position
+    embeddings) lose their shapes."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x_val, out_val = node.args[0].meta["val"], node.meta["val"]
+    dim = (args[1] or 0) % x_val.dim()
+    start, step = args[2], args[4] or 1
+    length = out_val.shape[dim]
+    if start is None:
+        start = 0
+    if not isinstance(start, int) or isinstance(length, int) and length == 0:
+        return default(node)  # a symbolic start (the default converter's clamps are needed)
+    if start < 0:
+        start = max(start + x_val.shape[dim], 0)
+    end = start + step * (length - 1) + 1
+    x = importer.env[node.args[0]]
+    if start == 0 and step == 1 and str(length) == str(x_val.shape[dim]):
+        return x  # the whole axis (a mask cut to a length it already has)
+    return importer.block_builder.emit(relax.op.strided_slice(
+        x, [dim], [importer.prim(start)], [importer.prim(end)], [step], assume_inbound=True))
+
+
+@converter("slice_scatter.default", wraps_default=True)
+def slice_scatter_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``x[..., start:end] = src`` (step 1) as ``cat(x[..., :start], src, x[..., end:])``:
+    Relax has no gradient for ``slice_scatter``, and the default writes a symbolic end
+    (``shift_tokens_right``'s ``x[:, 1:] = ids[:, :-1]`` at any length) as a scalar argument;
+    here every bound is static or the axis's end."""
+    names_ = ("input", "src", "dim", "start", "end", "step")
+    args = dict(zip(names_, node.args)) | dict(node.kwargs)
+    x_val, src_val = node.args[0].meta["val"], args["src"].meta["val"]
+    dim = (args.get("dim") or 0) % x_val.dim()
+    size, length = x_val.shape[dim], src_val.shape[dim]
+    start = args.get("start") or 0
+    if (args.get("step") or 1) != 1 or not isinstance(start, int) or (start < 0 and not isinstance(size, int)):
+        return default(node)
+    start = max(start + size, 0) if start < 0 else start
+    end = start + length
+    x, src = importer.env[node.args[0]], importer.env[args["src"]]
+    parts = [relax.op.strided_slice(x, [dim], [0], [start], assume_inbound=True)] if start > 0 else []
+    parts.append(src)
+    if str(end) != str(size):
+        if not (isinstance(end, int) and isinstance(size, int)):
+            return default(node)
+        parts.append(relax.op.strided_slice(x, [dim], [end], [size], assume_inbound=True))
+    return importer.block_builder.emit(relax.op.concat(parts, axis=dim)) if len(parts) > 1 else src
+
+
+@converter("repeat.default", wraps_default=True)
+def repeat_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``x.repeat(r0, r1, ...)`` with a symbolic count (DeBERTa repeats its relative positions
+    per batch and head) as ``x`` viewed as ``(1, s0, 1, s1, ...)``, broadcast to
+    ``(r0, s0, r1, s1, ...)`` and merged pairwise: ``tile`` takes integer counts only."""
+    reps = [r.meta["val"] if isinstance(r, torch.fx.Node) else r for r in node.args[1]]
+    val = node.args[0].meta["val"]
+    if all(isinstance(r, int) for r in reps):
+        return default(node)
+    sizes = [1] * (len(reps) - val.dim()) + list(val.shape)
+    reps, sizes = [importer.prim(r) for r in reps], [importer.prim(d) for d in sizes]
+    x = relax.op.reshape(importer.env[node.args[0]], [d for size in sizes for d in (1, size)])
+    wide = relax.op.broadcast_to(x, [d for r, size in zip(reps, sizes) for d in (r, size)])
+    return importer.block_builder.emit(relax.op.reshape(wide, [r * size for r, size in zip(reps, sizes)]))
+
+
+@converter("squeeze.default", "squeeze.dim", "squeeze.dims")
+def squeeze_traced(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``squeeze`` as a reshape to the shape the trace gave it: ATen drops only the listed axes
+    of size 1, and with a symbolic axis listed (``squeeze(x, [0, 1])`` on a (batch, 1) gather
+    in mBART's ``shift_tokens_right``) TVM's converter dropped the batch axis too: every row
+    then read row 0's value."""
+    shape = [importer.prim(d) for d in node.meta["val"].shape]
+    return importer.block_builder.emit(relax.op.reshape(importer.env[node.args[0]], shape))
+
+
+@converter("arange.default", "arange.start", "arange.start_step", wraps_default=True)
+def arange_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``arange`` of a symbolic length (``arange(seq)`` for positions and masks) as
+    ``start + step * (cumsum(ones(n)) - 1)``: the length in a shape, which every pass and
+    schedule downstream reads, not in scalar arguments."""
+    val = node.meta["val"]
+    args = list(node.args)
+    start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+    if val.dim() != 1 or isinstance(val.shape[0], int) or not all(type(v) is int for v in (start, step)):
+        return default(node)
+    ones = relax.op.ones(relax.ShapeExpr([importer.prim(val.shape[0])]), "int64")
+    index = relax.op.subtract(relax.op.cumsum(ones, axis=0), relax.const(1, "int64"))
+    value = relax.op.add(relax.const(start, "int64"), relax.op.multiply(relax.const(step, "int64"), index))
+    dtype = str(val.dtype).removeprefix("torch.")
+    return importer.block_builder.emit(value if dtype == "int64" else relax.op.astype(value, dtype))
+
+
+@converter("empty.memory_format")
+def empty_traced_shape(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``empty(sizes)`` at its traced shape (sizes may be symbolic: ``x.new_empty(x.shape[0], 1)``)."""
+    val = node.meta["val"]
+    shape = [importer.prim(d) for d in val.shape]
+    return importer.block_builder.emit(relax.op.zeros(shape, str(val.dtype).removeprefix("torch.")))
+
+
+def empty_cat_part(val: torch.Tensor, dim: int) -> bool:
+    """A ``cat`` part that adds nothing: 1-D empty, or of size 0 along the axis."""
+    if val.dim() == 1 and isinstance(val.shape[0], int) and val.shape[0] == 0:
+        return True
+    size = val.shape[dim] if -val.dim() <= dim < val.dim() else None
+    return isinstance(size, int) and size == 0
+
+
+@converter("cat.default")
+def cat_legacy_empty(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``cat`` skips empty parts: 1-D empty tensors whatever the others' rank (PyTorch's legacy
+    rule, which transformers' key/value cache relies on: it starts from ``torch.tensor([])``),
+    and parts of size 0 along the axis (a partial-rotary model's ``x[..., rot:]`` when the
+    rotation covers the whole head). TVM has no empty tensors; these add nothing."""
+    parts = [importer.env[n] for n in node.args[0]]
+    vals = [n.meta["val"] for n in node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    kept = [p for p, v in zip(parts, vals) if not empty_cat_part(v, dim)] or parts[:1]
+    if len(kept) == 1:
+        return kept[0]
+    return importer.block_builder.emit(relax.op.concat(kept, axis=dim))
+
+
+@converter("constant_pad_nd.default")
+def constant_pad(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``constant_pad_nd`` with negative widths too (they crop; Relax's ``pad`` wants >= 0)."""
+    x = importer.env[node.args[0]]
+    pads = list(node.args[1])
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0)
+    shape = [importer.prim(d) for d in node.args[0].meta["val"].shape]  # symbolic sizes too
+    ndim = len(shape)
+    widths = [0] * (2 * ndim)
+    for i in range(len(pads) // 2):  # pairs from the last dim backwards
+        axis = ndim - 1 - i
+        widths[2 * axis], widths[2 * axis + 1] = int(pads[2 * i]), int(pads[2 * i + 1])
+    bb = importer.block_builder
+    if any(w < 0 for w in widths):
+        begin = [max(0, -widths[2 * a]) for a in range(ndim)]
+        end = [shape[a] - max(0, -widths[2 * a + 1]) for a in range(ndim)]
+        x = bb.emit(relax.op.strided_slice(x, list(range(ndim)), begin, end))
+        widths = [max(0, w) for w in widths]
+    if not any(widths):
+        return bb.emit(relax.op.astype(x, str(x.ty.dtype)))
+    return bb.emit(relax.op.nn.pad(x, widths, "constant", 0.0 if value is None else value))

@@ -1,0 +1,209 @@
+"""BatchNorm as ATen's CPU kernel computes it; ``native_group_norm`` with its statistics.
+
+Train mode: the channel statistics summed in double and rounded where ATen rounds, the output as
+ATen's ``x * alpha + beta``, the new running statistics with the update's products kept out of a
+fused multiply-add (``kernels.barrier``); float32 outputs and running statistics equal PyTorch's
+bit for bit for inputs with a spatial dimension, float64 ones to rounding. The gradient is ATen's
+backward, not that of the forward as written (:func:`_centered_gradient`).
+Eval mode: the running statistics.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tvm import relax
+from tvm.relax.op.grad import no_grad
+
+from ...errors import UnsupportedOpError
+from ...ir import static_shape
+from ...kernels.barrier import BARRIER
+from .registry import converter
+
+if TYPE_CHECKING:
+    from ..importer import BridgeImporter
+
+
+def _channel(importer: BridgeImporter, v: relax.Expr, ndim: int) -> relax.Expr:
+    """A per-channel vector shaped to broadcast over (N, C, ...)."""
+    return importer.block_builder.emit(relax.op.reshape(v, [1, -1] + [1] * (ndim - 2)))
+
+
+def _c(value: float, dtype: str) -> relax.Expr:
+    """A constant rounded to ``dtype`` first, as C++ rounds ``static_cast<float>(momentum)``."""
+    return relax.const(np.array(value, dtype=dtype), dtype)
+
+
+def _apply_affine(importer: BridgeImporter, x: relax.Expr, mean: relax.Expr, invstd: relax.Expr, weight: Any,
+                  bias: Any, centered: bool = False) -> relax.Expr:
+    """``x * alpha + beta`` with ``alpha = invstd * w`` and ``beta = b - mean * alpha`` per
+    channel, the form ATen's CPU kernel computes; ``centered`` (train mode): with the gradient
+    of ``(x - mean) * alpha + b`` (:func:`_centered_gradient`)."""
+    bb, env = importer.block_builder, importer.env
+    dtype = str(x.ty.dtype)
+    alpha = invstd if weight is None else bb.emit(relax.op.multiply(invstd, env[weight]))
+    shift = bb.emit(relax.op.multiply(mean, alpha))
+    beta = (bb.emit(relax.op.negative(shift)) if bias is None
+            else bb.emit(relax.op.subtract(env[bias], shift)))
+    ndim = len(x.ty.shape)
+    out = bb.emit(relax.op.multiply(x, _channel(importer, bb.emit(relax.op.astype(alpha, dtype)), ndim)))
+    out = bb.emit(relax.op.add(out, _channel(importer, bb.emit(relax.op.astype(beta, dtype)), ndim)))
+    return _centered_gradient(importer, out, x, mean, alpha, bias) if centered else out
+
+
+def _centered_gradient(importer: BridgeImporter, out: relax.Expr, x: relax.Expr, mean: relax.Expr,
+                       alpha: relax.Expr, bias: Any) -> relax.Expr:
+    """``out`` (its value: ATen's bits) with the gradient of ``t = (x - mean) * alpha + b``
+    computed in double: ``no_grad(out) + (t - no_grad(t))``, exactly ``out`` for a finite ``t``.
+
+    Differentiated as written, ``x * alpha + (b - mean * alpha)`` gives ``alpha`` the gradient
+    ``sum(g * x) - mean * sum(g)``: two sums that cancel wherever a channel's mean is large
+    against its spread (BatchNorm over the 1x1 and 2x2 maps of a small batch), and float32
+    sums over a whole channel in TVM's sequential order. Through ``t`` it is ATen's centered
+    ``dotp = sum(g * (x - mean))``, and the channel sums (``dotp``, ``sum(g)``, the mean's
+    gradient) are double, as ATen accumulates them (``accscalar_t``). After differentiation
+    ``passes.gradient`` folds ``t - no_grad(t)`` to zeros: the forward computes nothing more.
+    (Eval mode keeps the plain form: an inference compile is never differentiated.)"""
+    bb, op = importer.block_builder, relax.op
+    ndim, wide = len(x.ty.shape), "float64"
+
+    def channel(v: relax.Expr) -> relax.Expr:
+        return _channel(importer, bb.emit(op.astype(v, wide)), ndim)
+
+    t = op.multiply(op.subtract(bb.emit(op.astype(x, wide)), channel(mean)), channel(alpha))
+    if bias is not None:
+        t = op.add(t, channel(importer.env[bias]))
+    t = bb.emit(t)
+    zero = bb.emit(op.astype(op.subtract(t, no_grad(t)), str(out.ty.dtype)))
+    return bb.emit(op.add(no_grad(out), zero))
+
+
+def _product(importer: BridgeImporter, c: float, v: relax.Expr) -> relax.Expr:
+    """``c * v`` rounded to v's dtype and stored (``kernels.barrier``): fused with the add
+    after it, LLVM could make one FMA of them, one rounding less than ATen's C++."""
+    bb = importer.block_builder
+    product = bb.emit(relax.op.multiply(_c(c, str(v.ty.dtype)), v))
+    return bb.emit(relax.op.call_pure_packed(BARRIER, product, ty_args=product.ty))
+
+
+def _batch_stats(importer: BridgeImporter, x: relax.Expr,
+                 eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, int]:
+    """Per channel, as ATen's contiguous CPU kernel: the mean summed in double and rounded
+    to float; the squared deviations from that float mean computed in float and summed in
+    double, rounded to float; ``invstd = 1/sqrt(var_sum/n + eps)`` in double from the float
+    ``var_sum/n``. Returns ``(mean, var_sum, invstd, n)``."""
+    bb = importer.block_builder
+    dtype = str(x.ty.dtype)
+    shape = static_shape(x)
+    if shape is None:
+        raise UnsupportedOpError("convert", "batch_norm in train mode over a dynamic dimension", op="batch_norm")
+    axes = [0] + list(range(2, len(shape)))
+    count = math.prod(shape[a] for a in axes)
+    total = relax.op.sum(relax.op.astype(x, "float64"), axis=axes)  # sum / n: mean() scales by 1/n
+    mean = bb.emit(relax.op.astype(relax.op.divide(total, relax.const(float(count), "float64")), dtype))
+    dev = bb.emit(relax.op.subtract(x, _channel(importer, mean, len(shape))))
+    squares = bb.emit(relax.op.astype(relax.op.multiply(dev, dev), "float64"))
+    var_sum = bb.emit(relax.op.astype(relax.op.sum(squares, axis=axes), dtype))
+    var = relax.op.astype(relax.op.divide(var_sum, _c(count, dtype)), "float64")
+    invstd = relax.op.divide(relax.const(1.0, "float64"), relax.op.sqrt(relax.op.add(var, relax.const(eps, "float64"))))
+    return mean, var_sum, bb.emit(relax.op.astype(invstd, dtype)), count
+
+
+@converter("_native_batch_norm_legit_functional.default")
+def batch_norm_train(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``(out, save_mean, save_invstd, new_running_mean, new_running_var)``; the running
+    statistics as ATen's CPU kernel updates them (float and double where it uses each; a
+    float64 input all in double)."""
+    x_node, weight, bias, rm, rv, _training, momentum, eps = node.args[:8]
+    bb = importer.block_builder
+    x = importer.env[x_node]
+    dtype = _train_dtype(x)
+    mean, var_sum, invstd, count = _batch_stats(importer, x, float(eps))
+    out = _apply_affine(importer, x, mean, invstd, weight, bias, centered=True)
+    running_mean, running_var = importer.env[rm], importer.env[rv]
+    if dtype == "float64":
+        m, keep = float(momentum), 1.0 - float(momentum)
+        new_mean = bb.emit(relax.op.add(_product(importer, m, mean), _product(importer, keep, running_mean)))
+        unbiased = bb.emit(relax.op.divide(var_sum, _c(max(count - 1, 1), dtype)))
+        new_var = bb.emit(relax.op.add(_product(importer, m, unbiased), _product(importer, keep, running_var)))
+        return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
+    m = float(np.float32(momentum))
+    keep = float(np.float32(1.0) - np.float32(momentum))
+    new_mean = bb.emit(relax.op.add(_product(importer, m, mean), _product(importer, keep, running_mean)))
+    unbiased = relax.op.astype(relax.op.divide(var_sum, _c(max(count - 1, 1), dtype)), "float64")
+    new_var = bb.emit(relax.op.astype(relax.op.add(
+        relax.op.multiply(relax.const(m, "float64"), unbiased),
+        relax.op.astype(relax.op.multiply(_c(keep, dtype), running_var), "float64")), dtype))
+    return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
+
+
+def _train_dtype(x: relax.Expr) -> str:
+    dtype = str(x.ty.dtype)
+    if dtype not in ("float32", "float64"):
+        raise UnsupportedOpError("convert", f"batch_norm in train mode on {dtype}", op="batch_norm")
+    return dtype
+
+
+@converter("_native_batch_norm_legit.no_stats")
+def batch_norm_no_stats(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    x_node, weight, bias, _training, _momentum, eps = node.args[:6]
+    x = importer.env[x_node]
+    _train_dtype(x)
+    mean, _var_sum, invstd, _ = _batch_stats(importer, x, float(eps))
+    out = _apply_affine(importer, x, mean, invstd, weight, bias, centered=True)
+    return importer.block_builder.emit(relax.Tuple([out, mean, invstd]))
+
+
+def _eval_norm(importer: BridgeImporter, x_node: Any, weight: Any, bias: Any, rm: Any, rv: Any,
+               eps: float) -> relax.Expr:
+    """With the running statistics: ``invstd = 1 / sqrt(var + eps)`` in double, rounded to
+    the statistics' dtype, as ATen computes it."""
+    bb = importer.block_builder
+    running_var = importer.env[rv]
+    var = relax.op.add(relax.op.astype(running_var, "float64"), relax.const(eps, "float64"))
+    invstd = relax.op.divide(relax.const(1.0, "float64"), relax.op.sqrt(var))
+    invstd = bb.emit(relax.op.astype(invstd, str(running_var.ty.dtype)))
+    return _apply_affine(importer, importer.env[x_node], importer.env[rm], invstd, weight, bias)
+
+
+@converter("_native_batch_norm_legit_no_training.default")
+def batch_norm_eval(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    x_node, weight, bias, rm, rv, _momentum, eps = node.args[:7]
+    out = _eval_norm(importer, x_node, weight, bias, rm, rv, float(eps))
+    return importer.block_builder.emit(relax.Tuple([out, out, out]))
+
+
+@converter("batch_norm.default")
+def batch_norm_aten(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    x_node, weight, bias, rm, rv, training, _momentum, eps = node.args[:8]
+    if training or rm is None:
+        raise UnsupportedOpError("convert", "batch_norm in training mode outside the functional form", op="batch_norm")
+    return _eval_norm(importer, x_node, weight, bias, rm, rv, float(eps))
+
+
+@converter("native_group_norm.default")
+def group_norm(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``native_group_norm`` as ``(out, mean, rstd)`` (the frontend returns ``out`` alone, so
+    a use of the statistics would read ``out[1]``); float64 written out in arithmetic (TOPI's
+    ``group_norm`` takes float32 and float16 only)."""
+    x_node, w_node, b_node, n, c, _hw, groups, eps = node.args[:8]
+    bb, op = importer.block_builder, relax.op
+    x = importer.env[x_node]
+    dtype, shape = str(x.ty.dtype), list(x.ty.shape)
+    gamma = importer.env[w_node] if w_node is not None else relax.const(np.ones(c, dtype), dtype)
+    beta = importer.env[b_node] if b_node is not None else relax.const(np.zeros(c, dtype), dtype)
+    xr = bb.emit(op.reshape(x, [n, groups, -1]))
+    mean = bb.emit(op.mean(xr, 2, keepdims=True))
+    centered = bb.emit(op.subtract(xr, mean))
+    rstd = bb.emit(op.rsqrt(op.add(op.mean(op.multiply(centered, centered), 2, keepdims=True),
+                                   relax.const(eps, dtype))))
+    if dtype in ("float32", "float16"):
+        out = bb.emit(op.nn.group_norm(x, gamma, beta, groups, 1, list(range(2, len(shape))), eps))
+    else:
+        channel = [1, c] + [1] * (len(shape) - 2)
+        out = bb.emit(op.reshape(op.multiply(centered, rstd), shape))
+        out = bb.emit(op.add(op.multiply(out, op.reshape(gamma, channel)), op.reshape(beta, channel)))
+    stats = [bb.emit(op.reshape(v, [n, groups])) for v in (mean, rstd)]
+    return bb.emit(relax.Tuple([out, *stats]))

@@ -1,0 +1,124 @@
+"""Random ops: a per-call input for every random value, never a value frozen at compile time.
+
+Dropout in every form, ``bernoulli``, ``rand*``, ``randn*``, ... become :class:`RandomSite`
+markers (``importer.random_input``) that ``passes.random`` turns into per-call inputs, drawn from
+PyTorch's generator at every call (``runtime/random.py``). A random op whose draw depends on
+computed values is refused. Dropout has registered converters; every other random op in a graph
+is converted by :func:`convert_random` (``to_relax`` installs it for the ops it finds).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tvm import relax
+
+from ...errors import ConversionError, UnsupportedOpError
+from ..sites import RandomSite, SizeList, TensorMeta
+from .registry import converter, uses_of_item
+
+if TYPE_CHECKING:
+    from ..importer import BridgeImporter
+
+DROPOUT_OPS = {"dropout.default", "native_dropout.default"}
+# random ops whose tensor arguments give only a shape, dtype and layout: replayable per call
+_SHAPE_ONLY_RANDOM = {
+    "bernoulli.p", "rand_like.default", "randn_like.default", "randint_like.default", "randint_like.low_dtype",
+    "uniform.default", "exponential.default", "geometric.default", "log_normal.default", "cauchy.default",
+    "random.default", "random.from", "random.to", "normal_functional.default",
+}
+# recurrent ops tagged random for their inter-layer dropout: random only when it is on
+_RNN_OPS = {"lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input"}
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """The node draws random values (an RNN only where its inter-layer dropout is on)."""
+    if getattr(node.target, "__name__", "") in _RNN_OPS:
+        dropout, train = node.args[5], node.args[6]
+        return bool(train) and float(dropout) > 0
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def is_train_dropout(node: torch.fx.Node) -> bool:
+    """A dropout that drops something: train mode and ``p > 0``."""
+    if getattr(node.target, "__name__", "") not in DROPOUT_OPS:
+        return False
+    p = float(node.args[1])
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return bool(train) and p > 0.0
+
+
+def _dims(values: Any) -> tuple[int | str, ...]:
+    """Sizes or strides as traced: ints, and the expression of a symbolic one as text (``s0``),
+    which the runtime evaluates with the call's sizes."""
+    return tuple(int(v) if isinstance(v, int) else str(v.node.expr) for v in values)
+
+
+def _size_value(v: Any) -> int | str | None:
+    """A size as traced (an int, or a symbolic one's expression), or None when ``v`` is none."""
+    if isinstance(v, torch.fx.Node):
+        v = v.meta.get("val")
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return int(v)
+    return str(v.node.expr) if isinstance(v, torch.SymInt) else None
+
+
+def _meta(value: Any) -> Any:
+    """A random op's argument as the runtime replays it: a tensor's layout, a size list (fx's own
+    list type, and symbolic sizes, would not reach the op), or the value itself."""
+    if isinstance(value, (list, tuple)) and value and all(_size_value(v) is not None for v in value):
+        return SizeList(tuple(_size_value(v) for v in value))
+    if isinstance(value, torch.fx.Node):
+        v = value.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            raise ConversionError("convert", f"random op argument {value} is not a tensor")
+        return TensorMeta(_dims(v.shape), _dims(v.stride()), v.dtype)
+    if isinstance(value, torch.SymInt):
+        raise UnsupportedOpError("convert", "a random op with a symbolic scalar argument", op="random")
+    return list(value) if isinstance(value, list) else value
+
+
+def convert_random(importer: BridgeImporter, node: torch.fx.Node) -> relax.Var:
+    """Any other random op: replayed per call when its tensor arguments give only a layout."""
+    name = f"{node.target.__name__}"
+    tensor_args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    if name in _RNN_OPS:
+        raise UnsupportedOpError(
+            "convert", f"{name.split('.')[0]} with dropout between its layers in train mode draws its masks "
+            "inside ATen's fused kernel, which the bridge cannot replay; set the RNN's dropout to 0 (or put "
+            "an nn.Dropout between single-layer RNNs), or use fallback=True", op=name)
+    if tensor_args and name not in _SHAPE_ONLY_RANDOM:
+        raise UnsupportedOpError(
+            "convert", f"random op {name} draws from values the module computes; only random ops "
+            "whose tensor arguments give a shape can become per-call inputs (use fallback=True)", op=name)
+    val = node.meta["val"]
+    site = RandomSite("op", _dims(val.shape), _dims(val.stride()), val.dtype, op=node.target,
+                      args=tuple(_meta(a) for a in node.args),
+                      kwargs={k: _meta(v) for k, v in node.kwargs.items()})
+    return importer.random_input(site, str(val.dtype).removeprefix("torch."), [importer.prim(d) for d in val.shape])
+
+
+def _dropout_expr(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    x = importer.env[node.args[0]]
+    if not is_train_dropout(node):
+        return x
+    if uses_of_item(node, 1) and node.target.__name__ == "native_dropout.default":
+        raise UnsupportedOpError("convert", "the boolean mask output of native_dropout is used", op="native_dropout")
+    val = node.args[0].meta["val"]
+    site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(node.args[1]))
+    # the mask's shape from the trace (a Relax type after a tuple getitem may not carry one)
+    mask = importer.random_input(site, str(val.dtype).removeprefix("torch."), [importer.prim(d) for d in val.shape])
+    return importer.block_builder.emit(relax.op.multiply(x, mask))
+
+
+@converter("dropout.default")
+def dropout(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    return _dropout_expr(importer, node)
+
+
+@converter("native_dropout.default")
+def native_dropout(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    out = _dropout_expr(importer, node)
+    return importer.block_builder.emit(relax.Tuple([out, out]))

@@ -1,0 +1,76 @@
+"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, reductions (and
+``index_select``) over a 0-d tensor, ``linalg_vector_norm`` with PyTorch's gradient at zeros."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from tvm import relax
+from tvm.relax.op.grad import no_grad
+
+from .registry import converter, out_dtype
+
+if TYPE_CHECKING:
+    from ..importer import BridgeImporter
+
+
+def _extreme(importer: BridgeImporter, node: torch.fx.Node, reduce: Callable) -> relax.Expr:
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if not x.ty.shape:  # 0-d: over "dim 0" is the value itself
+        return importer.block_builder.emit(relax.op.astype(x, str(x.ty.dtype)))
+    axis = [dim] if isinstance(dim, int) else (list(dim) or None)
+    return importer.block_builder.emit(reduce(x, axis, keepdims=bool(keepdim)))
+
+
+@converter("amax.default")
+def amax(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``amax``: the frontend has no converter (``logsumexp`` decomposes to one)."""
+    return _extreme(importer, node, relax.op.max)
+
+
+@converter("amin.default")
+def amin(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``amin``: the frontend has no converter."""
+    return _extreme(importer, node, relax.op.min)
+
+
+@converter("sum.dim_IntList", "mean.dim", "index_select.default", wraps_default=True)
+def zero_dim_safe(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """Reductions and ``index_select`` over a 0-d tensor (dim 0 or -1 names the value itself),
+    which Relax's axis checks refuse: the value, in the result's dtype and shape."""
+    x = importer.env[node.args[0]]
+    if x.ty.shape is None or len(x.ty.shape) > 0:
+        return default(node)
+    out = relax.op.astype(x, out_dtype(node))
+    return importer.block_builder.emit(relax.op.reshape(out, [int(d) for d in node.meta["val"].shape]))
+
+
+@converter("linalg_vector_norm.default", wraps_default=True)
+def vector_norm(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``linalg_vector_norm``: ``ord=0`` (the frontend divides by it) counts the nonzeros,
+    without gradient; any other finite ``ord > 0`` masks zeros so that the gradient is 0
+    where PyTorch's is (an all-zero vector, and zero entries when ``ord < 1``) instead of NaN."""
+    given = {**dict(zip(("self", "ord", "dim", "keepdim"), node.args)), **node.kwargs}
+    p = float(given.get("ord", 2))
+    if not (p == 0 or (0 < p < math.inf)):
+        return default(node)
+    bb, op = importer.block_builder, relax.op
+    dtype = out_dtype(node)
+    x = bb.emit(op.astype(importer.env[given["self"]], dtype))
+    dim = given.get("dim")
+    axis = None if dim is None else ([dim] if isinstance(dim, int) else list(dim) or None)
+    keep = bool(given.get("keepdim", False))
+    zero, one = relax.const(0.0, dtype), relax.const(1.0, dtype)
+    if p == 0:
+        return bb.emit(op.sum(op.astype(op.not_equal(no_grad(x), zero), dtype), axis, keepdims=keep))
+    a = bb.emit(op.abs(x))
+    nonzero = op.not_equal(a, zero)
+    powered = op.multiply(a, a) if p == 2 else op.where(nonzero, op.power(op.where(nonzero, a, one), relax.const(p, dtype)), zero)
+    s = bb.emit(op.sum(powered, axis, keepdims=keep))
+    empty = op.equal(s, zero)
+    safe = op.where(empty, one, s)
+    root = op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))
+    return bb.emit(op.where(empty, zero, root))

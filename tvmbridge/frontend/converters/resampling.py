@@ -1,0 +1,130 @@
+"""Interpolation (``upsample_nearest2d``, ``upsample_bilinear2d``) exactly as ATen's CPU kernels
+compute it; antialiased and bicubic interpolation refused.
+
+Relax's ``image.resize2d`` (what TVM's frontend makes of ``upsample_*``) rounds nearest
+coordinates with ``half_pixel`` where PyTorch floors ``dst * scale``, and ignores the scale factor
+the caller gave (PyTorch uses ``1/scale_factor``, not ``in/out``): a different picture. The bridge
+converts interpolation itself, axis by axis, as gathers (``take``) at the indices below and, for
+linear modes, a weighted sum of two gathers; the gradients are then ``take``'s, exact scatter-adds.
+The arithmetic follows ``aten/src/ATen/native/UpSample.h`` in the dtype ATen uses (float for
+nearest; the input's opmath type for linear).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+from tvm import relax
+
+from ...errors import UnsupportedOpError
+from ...ir import static_shape
+from .registry import converter
+
+if TYPE_CHECKING:
+    from ..importer import BridgeImporter
+
+
+# --- where ATen reads from, per axis ------------------------------------------------------------
+def source_scale(in_size: int, out_size: int, align_corners: bool, scale: float | None, dtype: str) -> np.generic:
+    """``area_pixel_compute_scale``: ``(in-1)/(out-1)`` with aligned corners, else ``1/scale``
+    where a scale factor was given, else ``in/out``."""
+    t = np.dtype(dtype).type
+    if align_corners:
+        return t(in_size - 1) / t(out_size - 1) if out_size > 1 else t(0)
+    if scale is not None and scale > 0:
+        return t(1.0 / scale)
+    return t(in_size) / t(out_size)
+
+
+def nearest_indices(in_size: int, out_size: int, scale: float | None, exact: bool = False) -> np.ndarray:
+    """``nearest_idx`` (``exact``: ``nearest_neighbor_exact_compute_source_index``), in float."""
+    if out_size == in_size and not exact:
+        return np.arange(out_size, dtype="int64")
+    if out_size == 2 * in_size and not exact:
+        return np.arange(out_size, dtype="int64") >> 1
+    s = source_scale(in_size, out_size, False, scale, "float32")
+    dst = np.arange(out_size, dtype="float32")
+    src = np.floor((dst + np.float32(0.5)) * s if exact else dst * s)
+    return np.minimum(src.astype("int64"), in_size - 1)
+
+
+@dataclass(frozen=True)
+class LinearTaps:
+    """Per output index: the two source indices and their weights (``out = l0*x[i0] + l1*x[i1]``)."""
+
+    i0: np.ndarray
+    i1: np.ndarray
+    l0: np.ndarray
+    l1: np.ndarray
+
+
+def linear_taps(in_size: int, out_size: int, align_corners: bool, scale: float | None, dtype: str) -> LinearTaps | None:
+    """``compute_source_index_and_lambda`` for every output index; ``None`` where the axis keeps
+    its size (ATen then copies)."""
+    if out_size == in_size:
+        return None
+    t = np.dtype(dtype).type
+    ratio = source_scale(in_size, out_size, align_corners, scale, dtype)
+    dst = np.arange(out_size).astype(dtype)
+    real = ratio * dst if align_corners else ratio * (dst + t(0.5)) - t(0.5)
+    if not align_corners:
+        real = np.maximum(real, t(0))
+    i0 = np.minimum(np.floor(real.astype("float32")).astype("int64"), in_size - 1)  # floorf, as ATen
+    l1 = np.clip(real - i0.astype(dtype), t(0), t(1)).astype(dtype)
+    i1 = i0 + (i0 < in_size - 1)
+    return LinearTaps(i0, i1, (t(1) - l1).astype(dtype), l1)
+
+
+# --- the converters -----------------------------------------------------------------------------
+@converter("upsample_nearest2d.vec", "upsample_nearest2d.default", "upsample_bilinear2d.vec",
+           "upsample_bilinear2d.default")
+def upsample(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``upsample_nearest2d``/``upsample_bilinear2d`` as ATen computes them: a gather per axis,
+    and for bilinear a weighted sum of two, the last axis first."""
+    name = node.target.__name__
+    linear, vec = "bilinear" in name, name.endswith(".vec")
+    x = importer.env[node.args[0]]
+    if static_shape(x) is None:
+        raise UnsupportedOpError("convert", "interpolation over a dynamic dimension", op=name)
+    in_dims, out_dims = static_shape(x), [int(d) for d in node.meta["val"].shape]
+    rest = list(node.args[2:])
+    align = bool(rest.pop(0)) if linear else False
+    if vec:
+        scales = list(rest[0]) if rest and rest[0] is not None else [None, None]
+    else:
+        scales = (rest + [None, None])[:2]
+    out = x
+    for axis in (3, 2):
+        out = _resample_axis(importer, out, axis, in_dims[axis], out_dims[axis], align, scales[axis - 2], linear)
+    return out
+
+
+def _resample_axis(importer: BridgeImporter, x: relax.Expr, axis: int, size: int, out: int, align: bool,
+                   scale: float | None, linear: bool) -> relax.Expr:
+    bb, op = importer.block_builder, relax.op
+    if not linear:
+        idx = nearest_indices(size, out, scale)
+        return bb.emit(op.take(x, relax.const(idx, "int64"), axis=axis, mode="clip"))
+    dtype = str(x.ty.dtype)
+    taps = linear_taps(size, out, align, scale, dtype)
+    if taps is None:
+        return x
+    shape = [-1] + [1] * (len(x.ty.shape) - 1 - axis)
+    parts = [op.multiply(op.take(x, relax.const(i, "int64"), axis=axis, mode="clip"),
+                         relax.const(w.reshape(shape), dtype))
+             for i, w in ((taps.i0, taps.l0), (taps.i1, taps.l1))]
+    return bb.emit(op.add(*parts))
+
+
+def _refusal(what: str) -> Callable:
+    def refuse(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+        raise UnsupportedOpError("convert", f"{what} is not supported; use fallback=True to keep PyTorch",
+                                 op=node.target.__name__)
+    return refuse
+
+
+converter("_upsample_bilinear2d_aa.default")(_refusal(
+    "antialiased interpolation (TVM's frontend would convert it as plain bilinear, wrong when downsampling)"))
+converter("upsample_bicubic2d.vec")(_refusal("bicubic interpolation (no exact conversion yet)"))
