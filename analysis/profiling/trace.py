@@ -23,11 +23,12 @@ from torch.fx.node import Node, Target, map_aggregate
 from torch.fx.proxy import Attribute, Proxy
 
 from analysis.profiling.meta import find_fake_mode, to_fake
+from analysis.registry import Registry
 
 __all__ = ["MetaTraceError", "register_shape_impl", "symbolic_trace", "MetaTracer"]
 
 # function or nn.Module class -> rule taking the fake inputs (and the module first for classes)
-_SHAPE_IMPLS: dict[Any, Callable[..., Any]] = {}
+_SHAPE_IMPLS: Registry[Any, Callable[..., Any]] = Registry("shape rule")
 
 # tensor attributes that are answered from the fake value instead of becoming graph nodes
 _CONCRETE_ATTRS = {"dtype", "device", "ndim", "is_cuda", "is_sparse", "is_quantized", "layout",
@@ -48,7 +49,7 @@ def register_shape_impl(target: Any, impl: Callable[..., Any] | None = None) -> 
     """
 
     def register(f: Callable[..., Any]) -> Callable[..., Any]:
-        _SHAPE_IMPLS[target] = f
+        _SHAPE_IMPLS[target] = f  # a later rule for the same target replaces it (a notebook cell run again)
         return f
 
     return register if impl is None else register(impl)

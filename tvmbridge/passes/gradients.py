@@ -18,20 +18,15 @@ from tvm.relax import BlockBuilder, Expr, Var
 from tvm.sym.analyzer import Analyzer
 from tvm.relax.op.grad import no_grad
 
+from analysis.registry import Registry
+
 Gradient = Callable[[Var, Call, Var, BlockBuilder], list[Expr]]
-GRADIENTS: dict[str, Gradient] = {}  # Relax op name -> the bridge's gradient
+GRADIENTS: Registry[str, Gradient] = Registry("gradient")  # Relax op name -> the bridge's gradient
 
 
 def gradient(op_name: str) -> Callable[[Gradient], Gradient]:
     """Make the decorated function the bridge's gradient of Relax op ``op_name`` (once per op)."""
-
-    def register(fn: Gradient) -> Gradient:
-        if op_name in GRADIENTS:
-            raise ValueError(f"a second gradient for {op_name}: {fn.__qualname__} and {GRADIENTS[op_name].__qualname__}")
-        GRADIENTS[op_name] = fn
-        return fn
-
-    return register
+    return GRADIENTS.decorator(op_name)
 
 
 def _dtype(expr: Expr) -> str:

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from analysis.registry import Registry, describe
+
 
 @dataclass(frozen=True)
 class Converter:
@@ -31,26 +33,15 @@ class Converter:
     wraps_default: bool = False
 
 
-CONVERTERS: dict[str, Converter] = {}  # aten overload name ("slice.Tensor"; "getitem") -> converter
+# aten overload name ("slice.Tensor"; "getitem") -> converter
+CONVERTERS: Registry[str, Converter] = Registry("converter")
 
 
 def converter(*ops: str, wraps_default: bool = False) -> Callable[[Callable], Callable]:
     """Make the decorated function the bridge's converter of each aten op in ``ops`` (overload
     names, as ``node.target.__name__`` gives them). ``wraps_default``: it gets TVM's converter
     of the op as its third argument (the op must be in TVM's table)."""
-
-    def register(fn: Callable) -> Callable:
-        for op in ops:  # all checked first: a refused registration registers nothing
-            if op in CONVERTERS:
-                raise ValueError(f"a second converter for {op}: {_where(fn)} and {_where(CONVERTERS[op].fn)}")
-        CONVERTERS.update({op: Converter(fn, wraps_default) for op in ops})
-        return fn
-
-    return register
-
-
-def _where(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    return CONVERTERS.decorator(*ops, wrap=lambda fn: Converter(fn, wraps_default))
 
 
 def bind(importer: Any, defaults: dict[str, Callable]) -> dict[str, Callable[[torch.fx.Node], Any]]:
@@ -63,7 +54,7 @@ def bind(importer: Any, defaults: dict[str, Callable]) -> dict[str, Callable[[to
         elif op in defaults:
             table[op] = functools.partial(entry.fn, importer, default=defaults[op])
         else:
-            raise ValueError(f"{_where(entry.fn)} wraps TVM's converter of {op}, which TVM's table lacks")
+            raise ValueError(f"{describe(entry)} wraps TVM's converter of {op}, which TVM's table lacks")
     return table
 
 
