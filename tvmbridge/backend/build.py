@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -119,7 +122,40 @@ def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) 
     return tuned
 
 
-_RECORDS: dict[tuple, tuple[Any, list[str]]] = {}
+class BoundedCache:
+    """A least-recently-used map of a few entries behind a lock: what is read once and reused
+    (a tuning database's records) without growing with every state of the files a long-running
+    process sees, and safe under the threads that compile variants concurrently."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get_or_read(self, key: Hashable, read: Callable[[], Any]) -> Any:
+        """The entry for ``key``, else ``read()``, kept unless None (the lock is held while it
+        reads, so concurrent compiles read one database once)."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+            value = read()
+            if value is not None:
+                self._entries[key] = value
+                while len(self._entries) > self.size:
+                    self._entries.popitem(last=False)
+            return value
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_RECORDS = BoundedCache(size=4)  # (database, state of its files, target) -> (records, foreign targets)
 
 
 def _records_for(tuning_db: str, target: tvm.target.Target) -> tuple[Any, list[str]] | None:
@@ -130,11 +166,12 @@ def _records_for(tuning_db: str, target: tvm.target.Target) -> tuple[Any, list[s
     paths = [os.path.join(tuning_db, f) for f in DATABASE_FILES]
     stamp = tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size) if os.path.isfile(p) else None for p in paths)
     key = (os.path.abspath(tuning_db), stamp, str(target))
-    if key not in _RECORDS:
-        if (database := open_database(tuning_db)) is None:
-            return None
-        _RECORDS[key] = records_for(database, target)
-    return _RECORDS[key]
+
+    def read() -> tuple[Any, list[str]] | None:
+        database = open_database(tuning_db)
+        return None if database is None else records_for(database, target)
+
+    return _RECORDS.get_or_read(key, read)
 
 
 def _error_summary(exc: BaseException) -> str:
