@@ -44,18 +44,21 @@ class BoundedCache(Generic[V]):
             while len(self._entries) > self.limit:
                 self._entries.popitem(last=False)
 
-    def get_or_make(self, key: Hashable, make: Callable[[], V]) -> V:
-        """The entry, made and kept if missing: made once, under the lock (for values quick to
-        make; a compile uses ``get`` and ``put``)."""
+    def get_or_make(self, key: Hashable, make: Callable[[], V | None]) -> V | None:
+        """The entry, else ``make()``, kept unless None. Made under the lock, so threads asking
+        together make it once (for values made in moments, as reading a tuning database; a
+        compile uses ``get`` and ``put``)."""
         with self._lock:
             value = self._entries.get(key)
-            if value is None:
-                value = self._entries[key] = make()
-            else:
+            if value is not None:
                 self.hits += 1
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.limit:
-                self._entries.popitem(last=False)
+                self._entries.move_to_end(key)
+                return value
+            value = make()
+            if value is not None:
+                self._entries[key] = value
+                while len(self._entries) > self.limit:
+                    self._entries.popitem(last=False)
             return value
 
     def clear(self) -> None:

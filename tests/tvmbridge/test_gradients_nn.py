@@ -1,5 +1,5 @@
-"""Gradients of nn and layout ops (``passes/gradients_nn.py``) and the converters they need
-(``frontend/converters/``): each op as a tiny module through ``add_tvm_dispatch`` in float64,
+"""Gradients of nn and layout ops (``passes/gradients_nn.py``, ``passes/gradients_conv.py``) and the
+converters they need (``frontend/converters/``): each op as a tiny module through ``add_tvm_dispatch`` in float64,
 outputs and every gradient against PyTorch's autograd. Where TVM's own frontend or gradient is
 wrong, a minimal reproduction shows what the bridge works around."""
 from __future__ import annotations

@@ -156,3 +156,35 @@ def test_tuned_database_is_applied_resumed_and_exact(tmp_path):
     assert any(r.resumed for r in second) and records() > n_first
     assert json.loads((tmp_path / "gemm_choices.json").read_text())["format"] == 1  # GEMM choices live there too
     _same_as_pytorch(str(tmp_path))
+
+
+def test_records_cache_is_bounded_and_reads_once():
+    """The records read from tuning databases: a few entries, least recently used evicted first,
+    each read once even when threads ask together, a missing database (None) not kept."""
+    import threading
+    import time
+
+    from tvmbridge.caches import BoundedCache
+
+    cache, reads = BoundedCache(2), []
+
+    def reader(key):
+        def read():
+            reads.append(key)
+            time.sleep(0.01)
+            return None if key == "missing" else f"records of {key}"
+        return read
+
+    threads = [threading.Thread(target=cache.get_or_make, args=("a", reader("a"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reads == ["a"] and cache.get_or_make("a", reader("a")) == "records of a"
+    assert cache.get_or_make("missing", reader("missing")) is None and len(cache) == 1
+    cache.get_or_make("b", reader("b"))
+    cache.get_or_make("a", reader("a"))  # a is now the most recent
+    cache.get_or_make("c", reader("c"))  # evicts b
+    assert len(cache) == 2 and reads == ["a", "missing", "b", "c"]
+    cache.get_or_make("b", reader("b"))
+    assert reads[-1] == "b"

@@ -18,6 +18,7 @@ import torch
 import tvm
 from tvm import relax, te
 
+from ..caches import CACHES
 from ..devices import prepare_cpu_runtime, tvm_device
 from ..kernels.barrier import register_barrier
 from ..kernels.gemm import register_gemms
@@ -119,9 +120,6 @@ def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) 
     return tuned
 
 
-_RECORDS: dict[tuple, tuple[Any, list[str]]] = {}
-
-
 def _records_for(tuning_db: str, target: tvm.target.Target) -> tuple[Any, list[str]] | None:
     """The database's records for ``target`` (``tuning.records_for``), read once per state of its
     files: every variant a dispatch compiles would otherwise parse the whole database again."""
@@ -130,11 +128,12 @@ def _records_for(tuning_db: str, target: tvm.target.Target) -> tuple[Any, list[s
     paths = [os.path.join(tuning_db, f) for f in DATABASE_FILES]
     stamp = tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size) if os.path.isfile(p) else None for p in paths)
     key = (os.path.abspath(tuning_db), stamp, str(target))
-    if key not in _RECORDS:
-        if (database := open_database(tuning_db)) is None:
-            return None
-        _RECORDS[key] = records_for(database, target)
-    return _RECORDS[key]
+
+    def read() -> tuple[Any, list[str]] | None:
+        database = open_database(tuning_db)
+        return None if database is None else records_for(database, target)
+
+    return CACHES.tuning_records.get_or_make(key, read)  # (database, state of its files, target) -> records
 
 
 def _error_summary(exc: BaseException) -> str:

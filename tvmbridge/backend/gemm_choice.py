@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..kernels.gemm import library_call, onednn_available, onednn_fits
+from ..options import GEMM_BACKENDS
 
 FORMAT = 1
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -189,10 +190,13 @@ class ChoiceCache:
 
 class GemmChooser:
     """Picks each GEMM's library under ``backend``: ``"auto"`` measures (through ``cache``), a
-    library name fixes it where it fits."""
+    library name fixes it where it fits. The one impure step of the offload: the plan and the
+    pass (``offload``) only read what it chose."""
 
     def __init__(self, backend: str, cache: ChoiceCache | None = None,
                  timer: Callable[[GemmProblem, list[str]], dict[str, float]] | None = None) -> None:
+        if backend not in GEMM_BACKENDS:
+            raise ValueError(f"unknown matmul backend {backend!r}; expected one of {GEMM_BACKENDS}")
         self.backend = backend
         self.cache = cache
         self.timer = timer
@@ -215,6 +219,10 @@ class GemmChooser:
         if self.cache is not None:
             self.cache.put(decision)
         return decision
+
+    def choose_all(self, problems: list[GemmProblem]) -> dict[GemmProblem, GemmDecision]:
+        """A decision for each distinct problem, asked in order (``offload.plan_offload``'s input)."""
+        return {p: self.choose(p) for p in dict.fromkeys(problems)}
 
 
 def summary(decisions: list[GemmDecision]) -> str:

@@ -10,17 +10,25 @@ Backends, chosen per matmul at compile time (``backend=``): ``"torch"`` (``torch
 x86), ``"onednn"`` (oneDNN's inner product where it fits, else ``torch``), ``"auto"`` (each
 distinct GEMM timed on every library that fits it, on this machine, the choice cached on disk:
 ``gemm_choice``).
+
+Deciding and rewriting are apart, so that the rewrite is a pure function of the module and a
+plan: :func:`gemm_problems` lists what the chooser must decide (pure), the chooser decides (the
+only step that times or touches its disk cache), :func:`plan_offload` turns its choices into an
+:class:`OffloadPlan` (an immutable value: one library per matmul, with the reason, pure), and
+:class:`ApplyOffloadPlan` rewrites the module by that plan and does nothing else.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import tvm
 import tvm_ffi
 from tvm import relax
 
 from ..ir import RewriteBindings, Rule, evaluate_dim, is_op, static_shape
-from ..kernels.gemm import GemmSpec, register_gemms
-from ..options import GEMM_BACKENDS
-from .gemm_choice import ChoiceCache, GemmChooser, GemmDecision, GemmProblem
+from ..kernels.gemm import GemmSpec
+from .gemm_choice import GemmDecision, GemmProblem
 
 
 def _dims(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -81,28 +89,138 @@ def _problem(dtype: str, a: relax.Expr, b: relax.Expr, ta: bool, tb: bool, sizes
     return GemmProblem(dtype, a_shape, b_shape, ta, tb)
 
 
-def _offload_rule(chooser: GemmChooser, sizes: dict[str, int], decisions: list[GemmDecision]) -> Rule:
-    def rule(value: relax.Expr, bound: dict) -> relax.Expr | None:
-        if not is_op(value, "relax.matmul") or getattr(value, "ty", None) is None:
-            return None
-        a, b = value.args
-        out_shape, a_shape, b_shape = _shape(value), _dims(a), _dims(b)
-        if out_shape is None or a_shape is None or b_shape is None or len(a_shape) < 2 or len(b_shape) < 2:
-            return None
-        dtype = str(value.ty.dtype)
-        if dtype not in OFFLOADED_DTYPES or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
-            return None
-        (a, ta), (b, tb) = _operand(a, bound), _operand(b, bound)
-        problem = _problem(dtype, a, b, ta, tb, sizes)
-        if problem is None or 0 in problem.a_shape or 0 in problem.b_shape:
-            library = "torch"
+@dataclass(frozen=True)
+class GemmSite:
+    """A matmul as the pass finds it in the IR, the transposes feeding it folded into flags:
+    what a plan's entries are looked up by. Dims are written as in Relax (a symbolic one by its
+    name), so the same GEMM in the forward and the backward is one site."""
+
+    dtype: str
+    a_shape: tuple[str, ...]
+    b_shape: tuple[str, ...]
+    trans_a: bool
+    trans_b: bool
+
+
+@dataclass(frozen=True)
+class PlannedGemm:
+    """One matmul's library and why; ``decision``: the chooser's, where it was asked (None where
+    the GEMM could not be posed at this compile's sizes, or is empty: those run ``torch``)."""
+
+    site: GemmSite
+    library: str
+    reason: str
+    decision: GemmDecision | None = None
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Which library runs each offloaded matmul of a module, one entry per matmul in program
+    order: an immutable value, made by :func:`plan_offload`, applied by :class:`ApplyOffloadPlan`."""
+
+    gemms: tuple[PlannedGemm, ...] = ()
+
+    @property
+    def decisions(self) -> tuple[GemmDecision, ...]:
+        """The chooser's decisions, one per matmul it was asked about, in program order: what
+        ``explain``, the compile report and the benchmarks show."""
+        return tuple(g.decision for g in self.gemms if g.decision is not None)
+
+    def libraries(self) -> dict[GemmSite, str]:
+        """Each site's library (the same GEMM always gets the same one)."""
+        return {g.site: g.library for g in self.gemms}
+
+
+@dataclass(frozen=True)
+class _Site:
+    """A matched matmul: its site, the operands the library gets, and the output's shape."""
+
+    site: GemmSite
+    a: relax.Expr
+    b: relax.Expr
+    out_shape: list
+
+
+def _match(value: relax.Expr, bound: dict) -> _Site | None:
+    """The offloadable matmul ``value`` is (float, operands of rank >= 2 with shapes), else None."""
+    if not is_op(value, "relax.matmul") or getattr(value, "ty", None) is None:
+        return None
+    a, b = value.args
+    out_shape, a_shape, b_shape = _shape(value), _dims(a), _dims(b)
+    if out_shape is None or a_shape is None or b_shape is None or len(a_shape) < 2 or len(b_shape) < 2:
+        return None
+    dtype = str(value.ty.dtype)
+    if dtype not in OFFLOADED_DTYPES or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
+        return None
+    (a, ta), (b, tb) = _operand(a, bound), _operand(b, bound)
+    site = GemmSite(dtype, tuple(map(str, _shape(a))), tuple(map(str, _shape(b))), ta, tb)
+    return _Site(site, a, b, out_shape)
+
+
+def _matmuls(mod: tvm.IRModule) -> Iterator[_Site]:
+    """Every offloadable matmul of ``mod`` (normalized), in the order the pass rewrites them:
+    functions in module order, bindings in program order (single-block functions, as
+    ``RewriteBindings``)."""
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        body = func.body
+        if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1:
+            continue
+        bound: dict[relax.Var, relax.Expr] = {}
+        for b in body.blocks[0].bindings:
+            bound[b.var] = b.value
+            if (found := _match(b.value, bound)) is not None:
+                yield found
+
+
+def _posed(found: _Site, sizes: Mapping[str, int]) -> tuple[GemmProblem | None, str]:
+    """The GEMM the chooser decides for a matmul at ``sizes``, or None and why it runs ``torch``
+    undecided."""
+    site = found.site
+    problem = _problem(site.dtype, found.a, found.b, site.trans_a, site.trans_b, dict(sizes))
+    if problem is None:
+        return None, "a dim unknown at this compile's sizes"
+    if 0 in problem.a_shape or 0 in problem.b_shape:
+        return None, "an empty operand"
+    return problem, ""
+
+
+def gemm_problems(mod: tvm.IRModule, sizes: Mapping[str, int]) -> list[GemmProblem]:
+    """The distinct GEMMs the chooser must decide for ``mod`` at ``sizes``, in program order."""
+    posed = (_posed(found, sizes)[0] for found in _matmuls(relax.transform.Normalize()(mod)))
+    return list(dict.fromkeys(p for p in posed if p is not None))
+
+
+def plan_offload(mod: tvm.IRModule, sizes: Mapping[str, int],
+                 choices: Mapping[GemmProblem, GemmDecision]) -> OffloadPlan:
+    """The plan for ``mod``: each matmul on the library ``choices`` (the chooser's decisions for
+    :func:`gemm_problems`) gives its GEMM at ``sizes``, ``torch`` where none can be posed. Pure:
+    it measures nothing and reads nothing but its arguments."""
+    gemms = []
+    for found in _matmuls(relax.transform.Normalize()(mod)):
+        problem, why = _posed(found, sizes)
+        if problem is None:
+            gemms.append(PlannedGemm(found.site, "torch", why))
+        elif problem not in choices:
+            raise KeyError(f"no library chosen for the GEMM {problem.key} (choose every gemm_problems entry)")
         else:
-            decision = chooser.choose(problem)
-            decisions.append(decision)
-            library = decision.library
-        return relax.op.call_pure_packed(
-            GemmSpec(library, ta, tb).name, a, b, ty_args=relax.TensorType(out_shape, dtype)
-        )
+            decision = choices[problem]
+            gemms.append(PlannedGemm(found.site, decision.library, decision.reason, decision))
+    return OffloadPlan(tuple(gemms))
+
+
+def _offload_rule(libraries: Mapping[GemmSite, str]) -> Rule:
+    def rule(value: relax.Expr, bound: dict) -> relax.Expr | None:
+        found = _match(value, bound)
+        if found is None:
+            return None
+        if found.site not in libraries:
+            raise ValueError(f"the offload plan has no library for the matmul {found.site} "
+                             "(a plan made for another module?)")
+        spec = GemmSpec(libraries[found.site], found.site.trans_a, found.site.trans_b)
+        return relax.op.call_pure_packed(spec.name, found.a, found.b,
+                                         ty_args=relax.TensorType(found.out_shape, found.site.dtype))
 
     return rule
 
@@ -148,29 +266,19 @@ def _use_counts(mod: tvm.IRModule) -> dict[relax.Var, int]:
     return uses
 
 
-@tvm.transform.module_pass(opt_level=0, name="tvmbridge.OffloadMatmuls")
-class OffloadMatmuls:
-    """Every float ``R.matmul`` (:data:`OFFLOADED_DTYPES`) (static or symbolic shapes) becomes a call of a GEMM library
-    (``backend``: ``"auto"`` measures each distinct GEMM, see ``gemm_choice``; ``"torch"`` or
-    ``"onednn"`` fix it); a following bias add folds into ``addmm``. ``sizes``: the compiling
-    call's symbolic dims, at which a symbolic GEMM is measured. :attr:`decisions` says where
-    each GEMM went and why."""
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.ApplyOffloadPlan")
+class ApplyOffloadPlan:
+    """Every matmul of the plan (float ``R.matmul``, :data:`OFFLOADED_DTYPES`, static or symbolic
+    shapes) becomes a call of the GEMM library the plan gives it; a following bias add folds into
+    ``addmm``. It does nothing else: no timing, no cache, no I/O, so applying one plan to one
+    module twice gives structurally equal modules. A matmul the plan does not know is an error."""
 
-    def __init__(self, backend: str = "auto", sizes: dict[str, int] | None = None,
-                 cache: ChoiceCache | None = None) -> None:
-        if backend not in GEMM_BACKENDS:
-            raise ValueError(f"unknown matmul backend {backend!r}; expected one of {GEMM_BACKENDS}")
-        self.backend = backend
-        self.sizes = dict(sizes or {})
-        self.cache = cache
-        self.decisions: list[GemmDecision] = []
+    def __init__(self, plan: OffloadPlan) -> None:
+        self.plan = plan
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        register_gemms()
-        cache = self.cache if self.cache is not None else ChoiceCache() if self.backend == "auto" else None
-        chooser = GemmChooser(self.backend, cache)
         mod = relax.transform.Normalize()(mod)
-        rules = [_offload_rule(chooser, self.sizes, self.decisions), _bias_rule(_use_counts(mod))]
+        rules = [_offload_rule(self.plan.libraries()), _bias_rule(_use_counts(mod))]
         mod = RewriteBindings(rules)(mod)
         return relax.transform.DeadCodeElimination()(mod)
 

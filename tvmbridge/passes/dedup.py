@@ -2,15 +2,17 @@
 
 The frontend emits a reshape/permute around every linear and attention op, and the reverse sweep adds
 their transposes; chains of them are common. This pass folds permute-of-permute (dropping identity
-permutations), reshape-of-reshape and reshape-to-the-same-shape, then TVM's CSE (duplicate shape
-constants and duplicate calls) and dead-code elimination.
+permutations), then reshape-of-reshape and reshape-to-the-same-shape (TVM's
+``RemoveRedundantReshape``: on the bridge's modules it does what the bridge's own rule did, and
+also folds symbolic shapes, which that rule left), then TVM's CSE (duplicate shape constants and
+duplicate calls) and dead-code elimination.
 """
 from __future__ import annotations
 
 import tvm
 from tvm import relax
 
-from ..ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
+from ..ir import RewriteBindings, cleanup, is_op, static_shape
 
 
 def _lookup(expr: relax.Expr, bound: dict) -> relax.Expr:
@@ -46,24 +48,7 @@ def fold_permutes(value: relax.Expr, bound: dict) -> relax.Expr | None:
     return None
 
 
-def fold_reshapes(value: relax.Expr, bound: dict) -> relax.Expr | None:
-    if not is_op(value, "relax.reshape"):
-        return None
-    x = value.args[0]
-    if same_tensor_type(value, x) if getattr(value, "ty", None) is not None else False:
-        return x
-    inner = _lookup(x, bound)
-    if is_op(inner, "relax.reshape"):
-        base = inner.args[0]
-        target = static_shape(value) if getattr(value, "ty", None) is not None else None
-        if target is None:
-            return None
-        if static_shape(base) == target:
-            return base
-        return relax.op.reshape(base, target)
-    return None
-
-
 def Dedup() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
     """Fold permute and reshape chains, then CSE and dead code."""
-    return rewrite_and_clean([fold_permutes, fold_reshapes])
+    return tvm.transform.Sequential([relax.transform.Normalize(), RewriteBindings([fold_permutes]),
+                                     relax.transform.RemoveRedundantReshape(), *cleanup()])

@@ -7,7 +7,7 @@ only for the inputs that can have one (float user inputs and parameters), so ran
 ``g_i`` get none. Outputs that have no gradient (integer results, updated running statistics,
 index-range flags) get no ``g_i``: they enter the target through ``no_grad``, which keeps them
 alive in the adjoint (the split finds every output there) and lets nothing flow back. The
-gradients Relax lacks are the bridge's own (``gradients``, ``gradients_nn``).
+gradients Relax lacks are the bridge's own (``gradients``, ``gradients_nn``, ``gradients_conv``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from tvm.relax.op.grad import no_grad
 
 from .. import names
 from ..errors import ConversionError
-from . import gradients_nn  # noqa: F401 - fills gradients.GRADIENTS with those of nn and layout ops
+from . import gradients_conv  # noqa: F401 - fills gradients.GRADIENTS with those of conv, norm, pool ops
+from . import gradients_nn  # noqa: F401 - fills gradients.GRADIENTS with those of elementwise and layout ops
 from .low_precision import LOW_PRECISION
 from .reverse_mode import vjp_function
 from ..ir import binding_map, only_dataflow_block, rebuild, same_tensor_type

@@ -19,13 +19,14 @@ from analysis.tensors import tensor_leaves
 from .. import names
 from ..backend import build as backend_build
 from ..backend.fast_math import FastMathFloat32
-from ..backend.gemm_choice import ChoiceCache
-from ..backend.offload import OffloadMatmuls
+from ..backend.gemm_choice import ChoiceCache, GemmChooser
+from ..backend.offload import ApplyOffloadPlan, gemm_problems, plan_offload
 from ..devices import SUPPORTED, target_for
 from ..errors import ConversionError
 from ..frontend.export import TracedModule, trace
 from ..frontend.importer import to_relax
 from ..ir import copy_with_fresh_vars
+from ..kernels.gemm import register_gemms
 from ..kernels.mt19937 import kernel_works
 from ..partition.joint import count_primal_bindings, joint_graph
 from ..partition.policy import choose_captures
@@ -151,14 +152,20 @@ def _low_precision(a: Artifacts) -> Artifacts:
 
 
 def _offload(a: Artifacts) -> Artifacts:
+    """The chooser decides each GEMM (timing under ``auto``), the plan records it, the pass
+    applies it: only the first step measures or touches a cache."""
     backend = a.options.gemm_backend(a.device.type)
     if backend is None:
         return a
     # with a tuning database, the GEMM choices live in it (tvmbridge tune measures them there)
     cache = ChoiceCache(Path(a.options.tuning_db) / "gemm_choices.json") if a.options.tuning_db else None
-    offload = OffloadMatmuls(backend, sizes=a.sizes, cache=cache)
-    halves = offload(a.halves)
-    return dataclasses.replace(a, halves=halves, gemm_choices=tuple(offload.decisions))
+    if cache is None and backend == "auto":
+        cache = ChoiceCache()  # this machine's choices, in the user's cache directory
+    chooser = GemmChooser(backend, cache)
+    choices = chooser.choose_all(gemm_problems(a.halves, a.sizes))
+    plan = plan_offload(a.halves, a.sizes, choices)
+    register_gemms()  # the packed functions the offloaded calls name
+    return dataclasses.replace(a, halves=ApplyOffloadPlan(plan)(a.halves), gemm_choices=plan.decisions)
 
 
 def _fast_math(a: Artifacts) -> Artifacts:

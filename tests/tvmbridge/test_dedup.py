@@ -1,0 +1,50 @@
+"""Dedup (``passes/dedup.py``) on small modules: permute chains by the bridge's rule, reshape
+chains by TVM's ``RemoveRedundantReshape`` (which replaced the bridge's own rule: the same result
+on static shapes, and symbolic ones folded too). Pins what the bridge relies on, so that a TVM
+upgrade that changes the pass is caught here."""
+from __future__ import annotations
+
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from tvmbridge.passes import Dedup
+
+R = relax.op
+N = tirx.Var("n", "int64")
+
+
+def _module(shape: tuple, body) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _count(mod: tvm.IRModule, op: str) -> int:
+    return sum(isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == op
+               for blk in mod["main"].body.blocks for b in blk.bindings)
+
+
+@pytest.mark.parametrize("name,shape,body,left", [
+    ("chain", (2, 3, 4), lambda bb, x: R.reshape(bb.emit(R.reshape(x, (6, 4))), (24,)), 1),
+    ("chain back to the input", (2, 3, 4), lambda bb, x: R.reshape(bb.emit(R.reshape(x, (6, 4))), (2, 3, 4)), 0),
+    ("three in a row", (2, 3, 4), lambda bb, x: R.reshape(bb.emit(R.reshape(bb.emit(R.reshape(x, (6, 4))), (4, 6))), (24,)), 1),
+    ("to its own shape", (2, 3, 4), lambda bb, x: R.reshape(x, (2, 3, 4)), 0),
+    ("symbolic, to its own shape", (N, 4), lambda bb, x: R.reshape(x, (N, 4)), 0),
+    ("symbolic chain", (N, 4), lambda bb, x: R.reshape(bb.emit(R.reshape(x, (N * 4,))), (N, 2, 2)), 1),
+    ("symbolic chain back to the input", (N, 4), lambda bb, x: R.reshape(bb.emit(R.reshape(x, (N * 4,))), (N, 4)), 0),
+])
+def test_reshape_chains_fold(name, shape, body, left):
+    mod = _module(shape, body)
+    out = Dedup()(mod)
+    assert _count(out, "relax.reshape") == left, out.script()
+    tvm.ir.assert_structural_equal(out["main"].ret_ty, mod["main"].ret_ty)
+
+
+def test_permute_chains_fold():
+    mod = _module((2, 3, 4), lambda bb, x: R.permute_dims(bb.emit(R.permute_dims(x, [2, 0, 1])), [1, 2, 0]))
+    assert _count(Dedup()(mod), "relax.permute_dims") == 0

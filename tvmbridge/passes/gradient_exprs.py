@@ -1,0 +1,52 @@
+"""Small Relax expression helpers the bridge's gradient formulas share (``gradients_nn``,
+``gradients_conv``): one place for how a dtype, a constant, a static shape and a broadcast
+gradient's fit are read, so the formula modules agree on them."""
+from __future__ import annotations
+
+from tvm import relax
+from tvm.relax import BlockBuilder, Expr
+
+op = relax.op
+
+
+def dtype_of(expr: Expr) -> str:
+    return str(expr.ty.dtype)
+
+
+def const(value: float, like: Expr) -> Expr:
+    return relax.const(value, dtype_of(like))
+
+
+def scalar(expr: Expr) -> float:
+    """The number a ``PrimValue``/``FloatImm``/``IntImm`` argument holds."""
+    value = getattr(expr, "value", expr)
+    return float(getattr(value, "value", value))
+
+
+def static_dims(expr: Expr, what: str) -> list[int]:
+    """The static shape of a tensor, or a refusal naming the op that needs one."""
+    try:
+        return [int(d) for d in expr.ty.shape]
+    except (TypeError, ValueError, AttributeError):
+        raise NotImplementedError(f"the gradient of {what} needs static shapes; got {expr.ty}") from None
+
+
+def fit_shape(grad: Expr, like: Expr) -> Expr:
+    """``grad`` summed down to ``like``'s shape where a broadcast widened it (to ``like`` itself
+    where either shape is known only by rank)."""
+    gs, ls = _dims(grad), _dims(like)
+    if gs is None or ls is None:
+        return op.collapse_sum_like(grad, like)
+    if len(gs) == len(ls) and all(str(a) == str(b) for a, b in zip(gs, ls)):
+        return grad
+    return op.collapse_sum_to(grad, like.ty.shape)
+
+
+def _dims(expr: Expr) -> list | None:
+    shape = getattr(expr.ty, "shape", None)
+    return list(shape) if isinstance(shape, (relax.ShapeExpr, list, tuple)) else None
+
+
+def emit(ctx: BlockBuilder, expr: Expr) -> Expr:
+    """Normalized so that its type (shape) can be read by the next step."""
+    return ctx.normalize(expr)
