@@ -143,7 +143,7 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
 def _without_no_grad(adjoint: relax.Function) -> relax.Function:
     """Once differentiated, ``no_grad(x)`` is ``x``: each such binding becomes an alias, and the
     idiom ``t - no_grad(t)`` (a gradient path whose value is 0: BatchNorm's, see
-    ``frontend.importer``) becomes zeros, cast zeros stay zeros and ``x + zeros`` is ``x``; so the
+    ``frontend/converters/normalization.py``) becomes zeros, cast zeros stay zeros and ``x + zeros`` is ``x``; so the
     forward computes nothing for such a path, and the capture policy sees plain arithmetic it may
     recompute. The VJP target's ``vjp_prod`` bindings keep their ``no_grad``: the split reads the
     outputs from them."""

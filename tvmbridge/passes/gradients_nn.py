@@ -28,7 +28,7 @@ op = relax.op
 def clip_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """PyTorch's ``clamp`` backward: the gradient passes where ``min <= x <= max`` (bounds
     included), nowhere else (NaN included). ``hardtanh``, which excludes its bounds, is converted
-    without ``clip`` (``frontend.importer``)."""
+    without ``clip`` (``frontend/converters/elementwise.py``)."""
     x = orig_call.args[0]
     if not dtype_of(x).startswith(("float", "bfloat")):  # an integer clamp on the way to a float
         return [no_grad(a) for a in orig_call.args]
