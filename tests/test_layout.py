@@ -108,3 +108,44 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert ("tvmbridge.runtime.dispatch", ["add_tvm_dispatch"], 1) in found
     assert _layer("tvmbridge.runtime.dispatch") > _layer("tvmbridge.passes.bad")
     assert ("tvmbridge.ir", ["_private"], 2) in found
+
+
+MUTABLE_FACTORIES = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque",
+                     "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
+
+
+def _empty_mutable(value: ast.expr | None) -> str | None:
+    """What kind of empty mutable container ``value`` makes, or None: the shape of state that a
+    module fills at run time (a cache, a table), which must live in ``tvmbridge.caches.CACHES``
+    or an ``analysis.registry.Registry`` instead (bounded, locked, duplicates refused)."""
+    if isinstance(value, (ast.Dict, ast.List, ast.Set)):
+        empty = not (value.keys if isinstance(value, ast.Dict) else value.elts)
+        return type(value).__name__.lower() if empty else None
+    if isinstance(value, ast.Call) and not value.args and not value.keywords:
+        name = ast.unparse(value.func).rsplit(".", 1)[-1]
+        return name if name in MUTABLE_FACTORIES else None
+    return None
+
+
+def _module_state(tree: ast.Module) -> list[tuple[int, str, str]]:
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            kind = _empty_mutable(node.value)
+            if kind is not None:
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                found.append((node.lineno, ast.unparse(target), kind))
+    return found
+
+
+def test_no_module_level_caches_or_tables_outside_the_shared_objects():
+    found = [f"{path.relative_to(ROOT)}:{line} {name} = empty {kind}"
+             for _, path in MODULES for line, name, kind in _module_state(ast.parse(path.read_text()))]
+    assert not found, ("module-level mutable state: use tvmbridge.caches.CACHES (a BoundedCache) or an "
+                       f"analysis.registry.Registry: {found}")
+
+
+def test_the_state_rule_sees_a_module_level_cache():
+    tree = ast.parse("_SEEN: dict[str, int] = {}\n_ALSO = collections.OrderedDict()\nTABLE = {'a': 1}\n"
+                     "def f():\n    local = {}\n")
+    assert [(line, name) for line, name, _ in _module_state(tree)] == [(1, "_SEEN"), (2, "_ALSO")]

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+import functools
 from functools import partial
 from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry as _torch_flop_registry
 
+from analysis.registry import Registry
 from analysis.tensors import tensor_leaves
 
 aten = torch.ops.aten
@@ -35,8 +37,8 @@ aten = torch.ops.aten
 # A formula gets the op's args, kwargs and output (real, fake or meta tensors) and returns FLOPs.
 RawFormula = Callable[[tuple[Any, ...], dict[str, Any], Any], int]
 
-_EXTRA_FORMULAS: dict[Any, RawFormula] = {}
-_FORMULA_CACHE: dict[Any, RawFormula | None] = {}
+# op packet or overload -> formula: the built-in rules below, then the user's (which replace them)
+_EXTRA_FORMULAS: Registry[Any, RawFormula] = Registry("flop formula")
 
 
 def register_flop_formula(targets: Any, formula: RawFormula | None = None) -> Any:
@@ -51,7 +53,7 @@ def register_flop_formula(targets: Any, formula: RawFormula | None = None) -> An
             if not isinstance(t, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
                 raise TypeError(f"register_flop_formula: expected an aten op packet, got {t!r}")
             _EXTRA_FORMULAS[t] = f
-        _FORMULA_CACHE.clear()
+        formula_for.cache_clear()
         return f
 
     return register if formula is None else register(formula)
@@ -182,12 +184,9 @@ def _wrap_torch_formula(f: Callable[..., int]) -> RawFormula:
     return lambda args, kwargs, out: int(f(*args, **kwargs, out_val=out))
 
 
+@functools.lru_cache(maxsize=4096)
 def formula_for(func: Any) -> RawFormula | None:
     """The formula counting ``func`` (an OpOverload), or None when the op costs nothing."""
-    try:
-        return _FORMULA_CACHE[func]
-    except KeyError:
-        pass
     packet = getattr(func, "_overloadpacket", func)
     f: RawFormula | None
     if func in _EXTRA_FORMULAS:
@@ -204,7 +203,6 @@ def formula_for(func: Any) -> RawFormula | None:
         f = _per_input_element(1)
     else:
         f = None
-    _FORMULA_CACHE[func] = f
     return f
 
 
