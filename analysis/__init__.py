@@ -6,6 +6,7 @@ peak-memory operator ordering, and the keep-or-recompute min-cut). ``models`` is
 tools, tests and benchmarks share. Public names are resolved lazily so that importing one tool
 does not import all of them.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """``python -m analysis profile <model>``: trace and profile a built-in model, print the table."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,14 @@ def _profile(args: argparse.Namespace) -> int:
         t2 = time.perf_counter()
         symbolic_profile(gm, *meta_args.values())
     except Exception as exc:  # noqa: BLE001 - report what failed, without a traceback
-        print(f"python -m analysis: could not profile {args.model}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        print(f"python -m analysis: could not profile {args.model}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     t3 = time.perf_counter()
     print(profile_table(gm, skip_empty=not args.all))
-    print(f"{args.model}: build {t1 - t0:.2f} s, trace {t2 - t1:.2f} s, profile {t3 - t2:.2f} s "
-          f"({len(gm.graph.nodes)} nodes); torch {torch.__version__}")
+    print(
+        f"{args.model}: build {t1 - t0:.2f} s, trace {t2 - t1:.2f} s, profile {t3 - t2:.2f} s "
+        f"({len(gm.graph.nodes)} nodes); torch {torch.__version__}"
+    )
     return 0
 
 

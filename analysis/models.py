@@ -9,6 +9,7 @@ nothing). :func:`build` is the seeded form the benchmarks use.
 :func:`bert_layer` and :func:`bert_layer_inputs` are the one BertLayer (and its padded-batch
 inputs) every part of the project uses.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -22,35 +23,56 @@ ModelAndArgs = tuple[nn.Module, dict[str, torch.Tensor]]
 SEQ = 128  # sequence length of the memory benchmark's language models
 
 
-def bert_config(hidden: int = 768, layers: int = 12, heads: int = 12, intermediate: int | None = None,
-                vocab: int | None = None, attn: str | None = "eager") -> Any:
+def bert_config(
+    hidden: int = 768,
+    layers: int = 12,
+    heads: int = 12,
+    intermediate: int | None = None,
+    vocab: int | None = None,
+    attn: str | None = "eager",
+) -> Any:
     """A ``transformers.BertConfig``; ``attn="eager"`` is the attention the bridge converts
     (``None`` keeps transformers' default, SDPA)."""
     from transformers import BertConfig
 
     extra = {} if vocab is None else {"vocab_size": vocab}
-    cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     intermediate_size=intermediate or 4 * hidden, **extra)
+    cfg = BertConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=intermediate or 4 * hidden,
+        **extra,
+    )
     if attn is not None:
         cfg._attn_implementation = attn
     return cfg
 
 
-def bert_layer(hidden: int = 768, heads: int = 12, intermediate: int | None = None,
-               dtype: torch.dtype = torch.float32, attn: str | None = "eager") -> nn.Module:
+def bert_layer(
+    hidden: int = 768,
+    heads: int = 12,
+    intermediate: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn: str | None = "eager",
+) -> nn.Module:
     """One ``transformers`` BertLayer in train mode (BERT-base sizes by default)."""
     from transformers.models.bert.modeling_bert import BertLayer
 
     return BertLayer(bert_config(hidden, 1, heads, intermediate, attn=attn)).train().to(dtype)
 
 
-def bert_layer_inputs(batch: int = 1, seq: int = 14, hidden: int = 768, dtype: torch.dtype = torch.float32,
-                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def bert_layer_inputs(
+    batch: int = 1,
+    seq: int = 14,
+    hidden: int = 768,
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden_states, attention_mask)`` for a padded batch: the last quarter of the positions
     (at least one) masked with the dtype's lowest value, as transformers builds its masks."""
     x = torch.randn(batch, seq, hidden, dtype=dtype, generator=generator)
     mask = torch.zeros(batch, 1, 1, seq, dtype=dtype)
-    mask[..., seq - max(1, seq // 4):] = torch.finfo(dtype).min
+    mask[..., seq - max(1, seq // 4) :] = torch.finfo(dtype).min
     return x, mask
 
 
@@ -84,8 +106,11 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                      if stride != 1 or cin != cout else nn.Identity())
+        self.short = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(self.bn1(self.conv1(x)))
@@ -97,8 +122,9 @@ class ResNet18(nn.Module):
 
     def __init__(self, num_classes: int = 1000) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
-                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
         layers, cin = [], 64
         for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
             layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
@@ -116,8 +142,9 @@ class Seq2Seq(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.t = nn.Transformer(d_model=256, nhead=4, num_encoder_layers=2,
-                                num_decoder_layers=2, dim_feedforward=1024, batch_first=True)
+        self.t = nn.Transformer(
+            d_model=256, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=1024, batch_first=True
+        )
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         return self.t(src, tgt)
@@ -139,8 +166,9 @@ def bert(batch: int = 8, seq: int = 128, hidden: int = 768, heads: int = 12, dev
     return bert_layer(hidden, heads, attn=None), {"hidden_states": _randn(batch, seq, hidden, device=device)}
 
 
-def bert_encoder(batch: int = 8, seq: int = 128, hidden: int = 768, heads: int = 12,
-                 layers: int = 12, device: str = "cpu") -> ModelAndArgs:
+def bert_encoder(
+    batch: int = 8, seq: int = 128, hidden: int = 768, heads: int = 12, layers: int = 12, device: str = "cpu"
+) -> ModelAndArgs:
     """A ``transformers`` BertEncoder: the stack of ``layers`` BertLayers of BERT-base."""
     from transformers.models.bert.modeling_bert import BertEncoder
 
@@ -148,8 +176,7 @@ def bert_encoder(batch: int = 8, seq: int = 128, hidden: int = 768, heads: int =
     return model, {"hidden_states": _randn(batch, seq, hidden, device=device)}
 
 
-def gpt2_block(batch: int = 8, seq: int = 128, hidden: int = 768, heads: int = 12,
-               device: str = "cpu") -> ModelAndArgs:
+def gpt2_block(batch: int = 8, seq: int = 128, hidden: int = 768, heads: int = 12, device: str = "cpu") -> ModelAndArgs:
     """One ``transformers`` GPT2Block (GPT-2 small sizes by default)."""
     from transformers import GPT2Config
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -165,8 +192,15 @@ def small_cnn(batch: int = 8, size: int = 32, channels: int = 16, device: str = 
 
 def mlp(batch: int = 8, device: str = "cpu") -> ModelAndArgs:
     """784-1024-1024-1024-10 with ReLUs."""
-    model = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                          nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    model = nn.Sequential(
+        nn.Linear(784, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
     return model, {"input": _randn(batch, 784, device=device)}
 
 
@@ -194,8 +228,14 @@ def vit_s6(batch: int = 8, size: int = 224, device: str = "cpu") -> ModelAndArgs
     """ViT with 6 layers, hidden 384, patch 16, no pooler."""
     from transformers import ViTConfig, ViTModel
 
-    cfg = ViTConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
-                    intermediate_size=1536, image_size=size, patch_size=16)
+    cfg = ViTConfig(
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        intermediate_size=1536,
+        image_size=size,
+        patch_size=16,
+    )
     return ViTModel(cfg, add_pooling_layer=False), {"pixel_values": _randn(batch, 3, size, size, device=device)}
 
 

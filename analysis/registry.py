@@ -1,9 +1,11 @@
 """A table filled once, at import, by decorators: FLOP formulas, shape rules, the bridge's
 converters and gradients. A key registered twice is an error naming both entries, so two
 modules can never silently disagree about which one runs."""
+
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -26,8 +28,9 @@ class Registry(Generic[K, V]):
         """Register every entry, or none of them if any key is taken."""
         for key, value in entries.items():
             if key in self._entries:
-                raise ValueError(f"a second {self.what} for {key}: {describe(value)} and "
-                                 f"{describe(self._entries[key])}")
+                raise ValueError(
+                    f"a second {self.what} for {key}: {describe(value)} and {describe(self._entries[key])}"
+                )
         self._entries.update(entries)
 
     def __setitem__(self, key: K, value: V) -> None:
@@ -39,10 +42,12 @@ class Registry(Generic[K, V]):
 
     def decorator(self, *keys: K, wrap: Callable[[Callable], V] | None = None) -> Callable[[Callable], Callable]:
         """``@registry.decorator(k1, k2)``: the decorated function (or ``wrap(fn)``) under each key."""
+
         def register(fn: Callable) -> Callable:
             value = wrap(fn) if wrap is not None else fn
             self.add({key: value for key in keys})  # type: ignore[misc]
             return fn
+
         return register
 
     def get(self, key: K, default: V | None = None) -> V | None:

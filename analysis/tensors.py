@@ -1,4 +1,5 @@
 """Tensors inside Python values, and storage identity: shared by the profiler and the memory tools."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """Human-readable units for byte and FLOP counts (shared by the profiler table and the CLI)."""
+
 from __future__ import annotations
 
 

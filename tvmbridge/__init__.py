@@ -9,10 +9,12 @@ other options.
 
 The package is laid out as the compile runs: ``frontend`` (trace, convert) -> ``passes`` ->
 ``partition`` (joint graph, capture set, split) -> ``backend`` (offload, fast math, build) ->
-``runtime`` (guard, autograd Function, masks) -> ``dynamo`` (the torch.compile backend); ``kernels`` holds what the compiled code calls at
-run time, ``tools`` the report, pictures, demo and command line. ``pipeline`` runs the stages.
+``runtime`` (guard, autograd Function, masks) -> ``dynamo`` (the torch.compile backend); ``kernels``
+holds what the compiled code calls at run time, ``tools`` the report, pictures, demo and command
+line. ``pipeline`` runs the stages.
 Public names are resolved lazily: importing the package does not import TVM.
 """
+
 from __future__ import annotations
 
 import importlib

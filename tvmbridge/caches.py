@@ -5,12 +5,14 @@ only module-level mutable state of the bridge besides its registries (``tests/te
 checks that): compiles by graph fingerprint (identical layers share one executable) and tuning
 databases read from disk.
 """
+
 from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Generic, TypeVar
 
 V = TypeVar("V")
 

@@ -4,6 +4,7 @@
 for ROCm (HIP) tensors. :func:`prepare_cpu_runtime` sets TVM's thread-pool policy before the first
 TVM kernel runs in this process (the pool reads it once, when it starts).
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,13 @@ from .errors import ConversionError
 SUPPORTED = ("cpu", "cuda")  # torch device types; ROCm tensors are "cuda" devices in torch
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
 }
 
 

@@ -5,6 +5,7 @@ which the pipeline driver wraps around each stage), so that a user sees *what* c
 and *where* instead of a traceback deep inside TVM, and ``add_tvm_dispatch(..., fallback=True)``
 can keep PyTorch for any compile failure.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -5,12 +5,13 @@ Rewrites are rules over bindings: each rule sees a binding's value and the value
 may return a replacement of the same type (or an existing var to alias); :class:`RewriteBindings`
 is the module pass that applies a rule list, :func:`cleanup` the passes that fold what it leaves.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tvm
-import tvm_ffi
 from tvm import relax
 
 from .errors import ConversionError
@@ -22,12 +23,14 @@ Rule = Callable[[relax.Expr, dict[relax.Var, relax.Expr]], relax.Expr | None]
 def only_dataflow_block(func: relax.Function, stage: str) -> relax.DataflowBlock:
     """The function's single dataflow block; anything else is named, not half-handled."""
     body = func.body
-    if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1 or not isinstance(
-        body.blocks[0], relax.DataflowBlock
+    if (
+        not isinstance(body, relax.SeqExpr)
+        or len(body.blocks) != 1
+        or not isinstance(body.blocks[0], relax.DataflowBlock)
     ):
         raise ConversionError(
-            stage, "expected a function with exactly one dataflow block (a pure module without "
-            "control flow or side effects)"
+            stage,
+            "expected a function with exactly one dataflow block (a pure module without control flow or side effects)",
         )
     return body.blocks[0]
 

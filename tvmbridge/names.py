@@ -2,6 +2,7 @@
 
 One place for each, so that the stage that writes a name and the stage that reads it cannot drift.
 """
+
 from __future__ import annotations
 
 MAIN = "main"  # the frontend's function

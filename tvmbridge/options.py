@@ -4,12 +4,14 @@
 :class:`CompileOptions` (or the same names as keyword overrides), so a default lives here only and
 a bad value is refused once, up front, with the valid choices named.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 CAPTURE_POLICIES = ("min-cut", "all")
 GEMM_BACKENDS = ("auto", "torch", "onednn")
@@ -24,53 +26,97 @@ class CompileOptions:
     """How a module is compiled and dispatched. Every field has a default; see ``help(field)``
     in :data:`FIELD_HELP` or ``python -m tvmbridge demo --help``."""
 
-    capture: str | Callable[..., list[str]] = field(default="min-cut", metadata=_doc(
-        "what the backward keeps: 'min-cut' (fewest bytes, only cheap ops recomputed) or 'all' "
-        "(everything the backward reads); or a callable JointGraph -> capture names"))
-    memory_budget: int | float | None = field(default=None, metadata=_doc(
-        "with min-cut: keep at most this many bytes (int) or this fraction of the save-all bytes "
-        "(float in (0, 1]); more is recomputed, matmuls included"))
-    offload_matmul: bool | str | None = field(default=None, metadata=_doc(
-        "dense matmuls in a GEMM library PyTorch ships: 'auto' (each distinct GEMM timed on every "
-        "library that can run it, on this machine, the fastest kept; choices cached in "
-        "$TVMBRIDGE_CACHE_DIR or ~/.cache/tvmbridge), 'torch', 'onednn', or False (TVM's own "
-        "kernels); default: 'auto' on CPU, off elsewhere"))
-    fast_math: bool = field(default=True, metadata=_doc(
-        "float32 only: vectorizable erf/exp/tanh (a few ulps from libm); float64 is never touched"))
-    cpu_schedules: bool = field(default=True, metadata=_doc(
-        "parallel/vectorized schedules for TVM's own CPU kernels"))
-    fuse: bool = field(default=True, metadata=_doc(
-        "operator fusion (FuseOps/FuseTIR); off only to measure what fusion buys"))
-    mask_kernel: bool = field(default=True, metadata=_doc(
-        "draw large float32 CPU dropout masks with the vectorized MT19937 kernel (same masks as "
-        "ATen's bernoulli_); off: ATen's serial bernoulli_"))
-    fallback: bool = field(default=False, metadata=_doc(
-        "on a compile failure warn once and keep PyTorch instead of raising"))
-    warn_on_fallback: bool = field(default=True, metadata=_doc(
-        "warn (tvmbridge.FallbackWarning, once per reason) when a call runs PyTorch because the "
-        "compiled code does not fit it"))
-    verify: bool = field(default=True, metadata=_doc(
-        "check the first call of every compiled variant against PyTorch on that very call (outputs, "
-        "updated buffers, and at its first backward every gradient, same random masks); a mismatch "
-        "beyond float noise discards the variant and runs PyTorch for that signature, with a "
-        "tvmbridge.VerificationWarning naming the worst tensor. Costs one eager forward and "
-        "backward per variant; off only for benchmarks"))
-    dynamic: bool | str | dict = field(default="auto", metadata=_doc(
-        "symbolic dimensions: 'auto' (a dimension in which a call differs from a compiled variant "
-        "is compiled symbolically, one variant for every size), False (a variant per exact shape), "
-        "or {argument: {dim: name}} to compile those dims symbolically from the first compile"))
-    cache_size_limit: int = field(default=8, metadata=_doc(
-        "compiled variants kept per module (one per call signature: shapes, dtypes, train/eval, "
-        "keywords); a call that would need one more runs PyTorch, with a warning"))
-    tuning_db: str | None = field(default=None, metadata=_doc(
-        "a MetaSchedule work directory made by 'tvmbridge tune': its best records replace the default "
-        "schedules of the kernels they cover (the rest keep them, said once), and its GEMM choices are used"))
-    converters: tuple[tuple[str, Callable[..., Any]], ...] = field(default=(), metadata=_doc(
-        "custom converters that replace the bridge's for these aten ops: pairs (overload name such "
-        "as 'gelu.default', fn(node, importer) -> relax.Expr); a dict is accepted"))
+    capture: str | Callable[..., list[str]] = field(
+        default="min-cut",
+        metadata=_doc(
+            "what the backward keeps: 'min-cut' (fewest bytes, only cheap ops recomputed) or 'all' "
+            "(everything the backward reads); or a callable JointGraph -> capture names"
+        ),
+    )
+    memory_budget: int | float | None = field(
+        default=None,
+        metadata=_doc(
+            "with min-cut: keep at most this many bytes (int) or this fraction of the save-all bytes "
+            "(float in (0, 1]); more is recomputed, matmuls included"
+        ),
+    )
+    offload_matmul: bool | str | None = field(
+        default=None,
+        metadata=_doc(
+            "dense matmuls in a GEMM library PyTorch ships: 'auto' (each distinct GEMM timed on every "
+            "library that can run it, on this machine, the fastest kept; choices cached in "
+            "$TVMBRIDGE_CACHE_DIR or ~/.cache/tvmbridge), 'torch', 'onednn', or False (TVM's own "
+            "kernels); default: 'auto' on CPU, off elsewhere"
+        ),
+    )
+    fast_math: bool = field(
+        default=True,
+        metadata=_doc("float32 only: vectorizable erf/exp/tanh (a few ulps from libm); float64 is never touched"),
+    )
+    cpu_schedules: bool = field(default=True, metadata=_doc("parallel/vectorized schedules for TVM's own CPU kernels"))
+    fuse: bool = field(
+        default=True, metadata=_doc("operator fusion (FuseOps/FuseTIR); off only to measure what fusion buys")
+    )
+    mask_kernel: bool = field(
+        default=True,
+        metadata=_doc(
+            "draw large float32 CPU dropout masks with the vectorized MT19937 kernel (same masks as "
+            "ATen's bernoulli_); off: ATen's serial bernoulli_"
+        ),
+    )
+    fallback: bool = field(
+        default=False, metadata=_doc("on a compile failure warn once and keep PyTorch instead of raising")
+    )
+    warn_on_fallback: bool = field(
+        default=True,
+        metadata=_doc(
+            "warn (tvmbridge.FallbackWarning, once per reason) when a call runs PyTorch because the "
+            "compiled code does not fit it"
+        ),
+    )
+    verify: bool = field(
+        default=True,
+        metadata=_doc(
+            "check the first call of every compiled variant against PyTorch on that very call (outputs, "
+            "updated buffers, and at its first backward every gradient, same random masks); a mismatch "
+            "beyond float noise discards the variant and runs PyTorch for that signature, with a "
+            "tvmbridge.VerificationWarning naming the worst tensor. Costs one eager forward and "
+            "backward per variant; off only for benchmarks"
+        ),
+    )
+    dynamic: bool | str | dict = field(
+        default="auto",
+        metadata=_doc(
+            "symbolic dimensions: 'auto' (a dimension in which a call differs from a compiled variant "
+            "is compiled symbolically, one variant for every size), False (a variant per exact shape), "
+            "or {argument: {dim: name}} to compile those dims symbolically from the first compile"
+        ),
+    )
+    cache_size_limit: int = field(
+        default=8,
+        metadata=_doc(
+            "compiled variants kept per module (one per call signature: shapes, dtypes, train/eval, "
+            "keywords); a call that would need one more runs PyTorch, with a warning"
+        ),
+    )
+    tuning_db: str | None = field(
+        default=None,
+        metadata=_doc(
+            "a MetaSchedule work directory made by 'tvmbridge tune': its best records replace the default "
+            "schedules of the kernels they cover (the rest keep them, said once), and its GEMM choices are used"
+        ),
+    )
+    converters: tuple[tuple[str, Callable[..., Any]], ...] = field(
+        default=(),
+        metadata=_doc(
+            "custom converters that replace the bridge's for these aten ops: pairs (overload name such "
+            "as 'gelu.default', fn(node, importer) -> relax.Expr); a dict is accepted"
+        ),
+    )
     verbose: bool = field(default=False, metadata=_doc("print a one-line summary after each compile"))
-    progress: bool | None = field(default=None, metadata=_doc(
-        "a progress bar over the compile stages (default: when stderr is a terminal)"))
+    progress: bool | None = field(
+        default=None, metadata=_doc("a progress bar over the compile stages (default: when stderr is a terminal)")
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.converters, dict):  # frozen: normalise the accepted dict to pairs
@@ -88,14 +134,27 @@ class CompileOptions:
                 f"unknown matmul backend offload_matmul={self.offload_matmul!r}; choose one of "
                 f"{list(GEMM_BACKENDS)}, True (= 'auto'), False (TVM's own kernels) or None (device default)"
             )
-        for name in ("fast_math", "cpu_schedules", "fuse", "mask_kernel", "fallback", "warn_on_fallback", "verify",
-                     "verbose"):
+        for name in (
+            "fast_math",
+            "cpu_schedules",
+            "fuse",
+            "mask_kernel",
+            "fallback",
+            "warn_on_fallback",
+            "verify",
+            "verbose",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name} must be True or False, got {getattr(self, name)!r}")
         if not (self.dynamic in ("auto", False) or isinstance(self.dynamic, dict)):
-            raise ValueError(f"option dynamic must be 'auto', False or {{argument: {{dim: name}}}}, got {self.dynamic!r}")
-        if isinstance(self.cache_size_limit, bool) or not isinstance(self.cache_size_limit, int) \
-                or self.cache_size_limit < 1:
+            raise ValueError(
+                f"option dynamic must be 'auto', False or {{argument: {{dim: name}}}}, got {self.dynamic!r}"
+            )
+        if (
+            isinstance(self.cache_size_limit, bool)
+            or not isinstance(self.cache_size_limit, int)
+            or self.cache_size_limit < 1
+        ):
             raise ValueError(f"option cache_size_limit must be an int >= 1, got {self.cache_size_limit!r}")
         if self.progress is not None and not isinstance(self.progress, bool):
             raise ValueError(f"option progress must be True, False or None, got {self.progress!r}")
@@ -168,7 +227,11 @@ def _parse_budget(text: str) -> int | float:
 
 
 _CLI_TYPES: dict[str, Callable[[str], Any]] = {
-    "capture": str, "tuning_db": str, "memory_budget": _parse_budget, "offload_matmul": _parse_offload, "cache_size_limit": int,
+    "capture": str,
+    "tuning_db": str,
+    "memory_budget": _parse_budget,
+    "offload_matmul": _parse_offload,
+    "cache_size_limit": int,
     "dynamic": lambda text: False if text.lower() in ("0", "false", "no", "off") else text,
 }
 
@@ -180,8 +243,13 @@ def add_option_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] 
         if f.name in skip:
             continue
         kind = _CLI_TYPES.get(f.name, _parse_bool)
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}", type=kind,
-                           default=None, help=f"{FIELD_HELP[f.name]} (default: {f.default!r})")
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f"opt_{f.name}",
+            type=kind,
+            default=None,
+            help=f"{FIELD_HELP[f.name]} (default: {f.default!r})",
+        )
 
 
 def options_from_args(args: argparse.Namespace) -> CompileOptions:

@@ -15,10 +15,12 @@ One cannot serve the other without converting each expression into the other's l
 which would cost more than either evaluation. Neither imports TVM or sympy until it is used, so
 the runtime's guards can import this module without loading either.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .errors import UnsupportedOpError
 
@@ -40,9 +42,15 @@ def _evaluate(expr: str, sizes: tuple[tuple[str, int], ...]) -> int:
 def _tir_ops() -> dict[type, Callable[[int, int], int]]:
     import tvm
 
-    return {tvm.tirx.Add: lambda a, b: a + b, tvm.tirx.Sub: lambda a, b: a - b, tvm.tirx.Mul: lambda a, b: a * b,
-            tvm.tirx.FloorDiv: lambda a, b: a // b, tvm.tirx.FloorMod: lambda a, b: a % b,
-            tvm.tirx.Max: max, tvm.tirx.Min: min}
+    return {
+        tvm.tirx.Add: lambda a, b: a + b,
+        tvm.tirx.Sub: lambda a, b: a - b,
+        tvm.tirx.Mul: lambda a, b: a * b,
+        tvm.tirx.FloorDiv: lambda a, b: a // b,
+        tvm.tirx.FloorMod: lambda a, b: a % b,
+        tvm.tirx.Max: max,
+        tvm.tirx.Min: min,
+    }
 
 
 def evaluate_dim(dim: Any, sizes: dict[str, int]) -> int:

@@ -7,6 +7,7 @@ free (pointer, bytes) with the op that made it, including kernels' internal buff
 temporaries of autograd's C++ backward formulas that no graph node shows. Frees are matched to
 allocations by pointer, so memory allocated before the call never counts as freed. Needs no GPU.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -54,8 +55,7 @@ def _op_name(event: Any) -> str:
     return p.name if p is not None else "(no op)"
 
 
-def allocator_peak(fn: Callable[..., Any], *args: Any, baseline: int | None = None
-                   ) -> AllocatorPeak:
+def allocator_peak(fn: Callable[..., Any], *args: Any, baseline: int | None = None) -> AllocatorPeak:
     """Run ``fn(*args)`` once under the profiler; see `AllocatorPeak`. `baseline` defaults to
     the bytes the arguments hold (the caller keeps them for the whole call)."""
     base = held_bytes(list(args)) if baseline is None else baseline
@@ -77,8 +77,7 @@ def allocator_peak(fn: Callable[..., Any], *args: Any, baseline: int | None = No
     return AllocatorPeak(base + top, base, top_op, sum(e.extra_fields.alloc_size > 0 for e in events))
 
 
-def measure_training_step(model: torch.nn.Module, inputs: ModelInputs,
-                          **kwargs: Any) -> AllocatorPeak:
+def measure_training_step(model: torch.nn.Module, inputs: ModelInputs, **kwargs: Any) -> AllocatorPeak:
     """The allocator's peak of one eager run of the training step that `import_training_step`
     traces (same function, same arguments: parameters, optimizer state, buffers, inputs).
     ``kwargs`` as for `training_step` (target, loss_fn, optimizer)."""

@@ -8,6 +8,7 @@ autograd node's saved tensors, a backward formula's temporaries), so it lives as
 `RESIDENT_KINDS` (weights, optimizer state, inputs, constants) own memory that the caller holds
 for the whole step, so it counts at every step and no order can change it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -18,8 +19,7 @@ INPUT, WEIGHT, OPT_STATE, CONSTANT = "input", "weight", "optimizer_state", "cons
 FORWARD, BACKWARD, OPTIMIZER, OUTPUT, OP = "forward", "backward", "optimizer", "output", "op"
 RESIDENT_KINDS = frozenset({INPUT, WEIGHT, OPT_STATE, CONSTANT})
 # edge kinds
-ACTIVATION, GRADIENT, OPT_TEMP, CONTROL, ALIAS = (
-    "activation", "gradient", "optimizer_temp", "control", "alias")
+ACTIVATION, GRADIENT, OPT_TEMP, CONTROL, ALIAS = ("activation", "gradient", "optimizer_temp", "control", "alias")
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Node:
     name: str
     kind: str = OP
     op: str = ""
-    inputs: list[str] = field(default_factory=list)   # edge names read
+    inputs: list[str] = field(default_factory=list)  # edge names read
     outputs: list[str] = field(default_factory=list)  # edge names produced
 
     @property
@@ -73,8 +73,15 @@ class DataflowGraph:
         self.nodes[name] = node
         return node
 
-    def add_edge(self, name: str, src: str, sinks: Iterable[str] = (), size: int = 0,
-                 kind: str = ACTIVATION, is_output: bool = False) -> Edge:
+    def add_edge(
+        self,
+        name: str,
+        src: str,
+        sinks: Iterable[str] = (),
+        size: int = 0,
+        kind: str = ACTIVATION,
+        is_output: bool = False,
+    ) -> Edge:
         if name in self.edges:
             raise GraphError(f"duplicate edge {name!r}")
         if src not in self.nodes:
@@ -142,9 +149,12 @@ class DataflowGraph:
         return [e for e in self.edges.values() if e.size > 0]
 
     def stats(self) -> dict[str, int]:
-        return {"nodes": len(self.nodes), "edges": len(self.edges),
-                "op_nodes": len(self.op_nodes()),
-                "memory_edges": len(self.memory_edges())}
+        return {
+            "nodes": len(self.nodes),
+            "edges": len(self.edges),
+            "op_nodes": len(self.op_nodes()),
+            "memory_edges": len(self.memory_edges()),
+        }
 
     # ---- orders -------------------------------------------------------------------------
     def check_order(self, order: Sequence[str]) -> None:
@@ -169,7 +179,8 @@ class DataflowGraph:
                 if pos[s] <= pos[e.src]:
                     raise GraphError(
                         f"order is not topological: {s!r} (step {pos[s]}) reads {e.name!r} "
-                        f"made by {e.src!r} (step {pos[e.src]})")
+                        f"made by {e.src!r} (step {pos[e.src]})"
+                    )
 
     def is_topological(self, order: Sequence[str]) -> bool:
         try:

@@ -17,6 +17,7 @@ interchangeable nodes (same predecessors, successors, inputs, output sizes and r
 index order (symmetry breaking). HiGHS gets the warm start through ``setSolution``; without
 highspy installed, scipy's HiGHS runs without it.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,8 +78,7 @@ def twins(prob: ScheduleProblem, desc: list[int]) -> list[tuple[int, int]]:
             succs[p].append(w)
     groups: dict[tuple, list[int]] = {}
     for v in range(len(prob.nodes)):
-        key = (tuple(prob.preds[v]), tuple(sorted(succs[v])), tuple(sorted(reads[v])),
-               tuple(sorted(makes[v])))
+        key = (tuple(prob.preds[v]), tuple(sorted(succs[v])), tuple(sorted(reads[v])), tuple(sorted(makes[v])))
         groups.setdefault(key, []).append(v)
     return [(a, b) for g in groups.values() for a, b in zip(g, g[1:]) if not (desc[a] >> b) & 1]
 
@@ -88,8 +88,15 @@ class OrderILP:
     for `steps`, `const[t]` bytes live at t that the model does not see, and the tensors
     (indices into prob.tensors) it does see."""
 
-    def __init__(self, prob: ScheduleProblem, win: Sequence[tuple[int, int]], steps: range,
-                 const: Sequence[float], tensors: Sequence[int], desc: list[int]) -> None:
+    def __init__(
+        self,
+        prob: ScheduleProblem,
+        win: Sequence[tuple[int, int]],
+        steps: range,
+        const: Sequence[float],
+        tensors: Sequence[int],
+        desc: list[int],
+    ) -> None:
         self.prob, self.win, self.steps, self.desc = prob, list(win), steps, desc
         self.scale = float(max([prob.tensors[i].size for i in tensors] + [1]))
         self.lb: list[float] = []
@@ -148,7 +155,7 @@ class OrderILP:
                 self.row({self.D[v, t]: 1.0, self.D[v, t + 1]: -1.0}, -math.inf, 0.0)
         his = sorted(hi for _, hi in self.win)
         by_step: dict[int, dict[int, float]] = {}
-        for (v, t), c in self.D.items():
+        for (_v, t), c in self.D.items():
             by_step.setdefault(t, {})[c] = 1.0
         for t, terms in sorted(by_step.items()):
             done = bisect_right(his, t)  # nodes whose window ended by t
@@ -194,8 +201,7 @@ class OrderILP:
         if to_end or any(isinstance(v, float) and v == 0.0 for _, v in done):
             return made
         undecided = [x for x, v in done if not isinstance(v, float)]
-        undecided = [x for x in undecided
-                     if not any(y != x and (self.desc[x] >> y) & 1 for y in undecided)]
+        undecided = [x for x in undecided if not any(y != x and (self.desc[x] >> y) & 1 for y in undecided)]
         if not undecided:
             return {}, 0.0
         x = undecided[0]
@@ -214,8 +220,14 @@ class OrderILP:
         return {p: 1.0}, 0.0
 
     # ---- solving ----------------------------------------------------------------------------
-    def solve(self, time_limit: float, gap: float, start: Sequence[int] | None = None,
-              peak_lb: float = 0.0, peak_ub: float = math.inf) -> ILPSolution:
+    def solve(
+        self,
+        time_limit: float,
+        gap: float,
+        start: Sequence[int] | None = None,
+        peak_lb: float = 0.0,
+        peak_ub: float = math.inf,
+    ) -> ILPSolution:
         """Minimise the peak; `start` (an order that fits the windows) is the warm start,
         `peak_lb`/`peak_ub` (bytes) bound the peak column."""
         peak = self.col(False, peak_lb / self.scale, peak_ub / self.scale)
@@ -224,19 +236,31 @@ class OrderILP:
             mem_rows.append(len(self.row_lb))
             self.row({**self.mem[t], peak: -1.0}, -math.inf, -self.mem_const[t - self.steps.start])
         n = len(self.lb)
-        A = coo_matrix((self.r_vals, (self.r_rows, self.r_cols)),
-                       shape=(len(self.row_lb), n)).tocsr()
+        A = coo_matrix((self.r_vals, (self.r_rows, self.r_cols)), shape=(len(self.row_lb), n)).tocsr()
         cost = np.zeros(n)
         cost[peak] = 1.0
         x0 = None if start is None else self._start(start, peak, A, mem_rows)
-        x, optimal, bound, msg = solve_mip(cost, np.asarray(self.lb), np.asarray(self.ub),
-                                           np.asarray(self.integral, dtype=np.int32), A,
-                                           np.asarray(self.row_lb), np.asarray(self.row_ub),
-                                           x0, time_limit, gap)
+        x, optimal, bound, msg = solve_mip(
+            cost,
+            np.asarray(self.lb),
+            np.asarray(self.ub),
+            np.asarray(self.integral, dtype=np.int32),
+            A,
+            np.asarray(self.row_lb),
+            np.asarray(self.row_ub),
+            x0,
+            time_limit,
+            gap,
+        )
         order = None if x is None else self._order(x)
-        return ILPSolution(order, optimal and order is not None,
-                           None if bound is None else bound * self.scale,
-                           f"{msg} ({n} columns, {len(self.row_lb)} rows)", n, len(self.row_lb))
+        return ILPSolution(
+            order,
+            optimal and order is not None,
+            None if bound is None else bound * self.scale,
+            f"{msg} ({n} columns, {len(self.row_lb)} rows)",
+            n,
+            len(self.row_lb),
+        )
 
     def _start(self, start: Sequence[int], peak: int, A, mem_rows: list[int]) -> np.ndarray:
         """The column values of order `start`."""
@@ -263,9 +287,18 @@ class OrderILP:
         return [v for _, v in at]
 
 
-def solve_mip(cost: np.ndarray, lb: np.ndarray, ub: np.ndarray, integral: np.ndarray, A,
-              row_lb: np.ndarray, row_ub: np.ndarray, x0: np.ndarray | None,
-              time_limit: float, gap: float) -> tuple[np.ndarray | None, bool, float | None, str]:
+def solve_mip(
+    cost: np.ndarray,
+    lb: np.ndarray,
+    ub: np.ndarray,
+    integral: np.ndarray,
+    A,
+    row_lb: np.ndarray,
+    row_ub: np.ndarray,
+    x0: np.ndarray | None,
+    time_limit: float,
+    gap: float,
+) -> tuple[np.ndarray | None, bool, float | None, str]:
     """Minimise cost @ x: (solution or None, proved optimal within `gap`, dual bound, status)."""
     try:
         import highspy
@@ -275,9 +308,23 @@ def solve_mip(cost: np.ndarray, lb: np.ndarray, ub: np.ndarray, integral: np.nda
     h.setOptionValue("output_flag", False)
     inf = highspy.kHighsInf
     clip = lambda a: np.clip(a, -inf, inf)  # noqa: E731
-    h.passModel(len(cost), A.shape[0], A.nnz, 2, 1, 0.0, cost, clip(lb), clip(ub), clip(row_lb),
-                clip(row_ub), A.indptr.astype(np.int32), A.indices.astype(np.int32),
-                A.data.astype(np.float64), integral)
+    h.passModel(
+        len(cost),
+        A.shape[0],
+        A.nnz,
+        2,
+        1,
+        0.0,
+        cost,
+        clip(lb),
+        clip(ub),
+        clip(row_lb),
+        clip(row_ub),
+        A.indptr.astype(np.int32),
+        A.indices.astype(np.int32),
+        A.data.astype(np.float64),
+        integral,
+    )
     h.setOptionValue("time_limit", max(float(time_limit), 0.1))
     h.setOptionValue("mip_rel_gap", float(gap))
     if x0 is not None:
@@ -289,17 +336,25 @@ def solve_mip(cost: np.ndarray, lb: np.ndarray, ub: np.ndarray, integral: np.nda
     has = info.primal_solution_status == int(highspy.SolutionStatus.kSolutionStatusFeasible)
     x = np.asarray(h.getSolution().col_value) if has else None
     bound = info.mip_dual_bound if np.isfinite(info.mip_dual_bound) else None
-    return (x, status == highspy.HighsModelStatus.kOptimal, bound,
-            f"HiGHS {h.modelStatusToString(status)}, gap {info.mip_gap:.3g}")
+    return (
+        x,
+        status == highspy.HighsModelStatus.kOptimal,
+        bound,
+        f"HiGHS {h.modelStatusToString(status)}, gap {info.mip_gap:.3g}",
+    )
 
 
 def _solve_scipy(cost, lb, ub, integral, A, row_lb, row_ub, time_limit, gap):
     """HiGHS through scipy (no warm start) when highspy is not installed."""
     from scipy.optimize import LinearConstraint, milp
 
-    res = milp(cost, integrality=integral, bounds=(lb, ub),
-               constraints=LinearConstraint(A, row_lb, row_ub),
-               options={"time_limit": max(time_limit, 1.0), "mip_rel_gap": gap, "disp": False})
+    res = milp(
+        cost,
+        integrality=integral,
+        bounds=(lb, ub),
+        constraints=LinearConstraint(A, row_lb, row_ub),
+        options={"time_limit": max(time_limit, 1.0), "mip_rel_gap": gap, "disp": False},
+    )
     bound = getattr(res, "mip_dual_bound", None)
     bound = None if bound is None or not np.isfinite(bound) else float(bound)
     return res.x, res.status == 0, bound, f"scipy HiGHS: {res.message}"

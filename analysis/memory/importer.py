@@ -12,6 +12,7 @@ released it while tracing (`ReleaseWatch`: autograd nodes hold saved tensors and
 temporaries to their end), so the program order's simulated peak is the eager step's peak as
 the allocator measures it (``allocator``).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,22 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from analysis.memory.dataflow import (ACTIVATION, ALIAS, BACKWARD, CONSTANT, CONTROL, FORWARD,
-                                      GRADIENT, INPUT, OPT_STATE, OPT_TEMP, OPTIMIZER, OUTPUT,
-                                      WEIGHT, DataflowGraph)
+from analysis.memory.dataflow import (
+    ACTIVATION,
+    ALIAS,
+    BACKWARD,
+    CONSTANT,
+    CONTROL,
+    FORWARD,
+    GRADIENT,
+    INPUT,
+    OPT_STATE,
+    OPT_TEMP,
+    OPTIMIZER,
+    OUTPUT,
+    WEIGHT,
+    DataflowGraph,
+)
 from analysis.tensors import storage_key, tensor_leaves
 
 _EDGE_KIND = {FORWARD: ACTIVATION, BACKWARD: GRADIENT, OPTIMIZER: OPT_TEMP, OUTPUT: ACTIVATION}
@@ -42,7 +56,7 @@ class TracedStep:
 
     gm: torch.fx.GraphModule
     args: list[Any]
-    input_kinds: list[str]                 # one per placeholder, in order
+    input_kinds: list[str]  # one per placeholder, in order
     phase_marks: dict[str, int] = field(default_factory=dict)  # phase -> first node index
     param_names: list[str] = field(default_factory=list)
     # storage -> graph length when PyTorch dropped its last reference while tracing (None: held
@@ -73,9 +87,15 @@ def default_loss(output: Any, target: Any = None) -> torch.Tensor:
     return output.float().square().mean()
 
 
-def adam_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None],
-                state: Sequence[torch.Tensor], lr: float = 1e-3, betas=(0.9, 0.999),
-                eps: float = 1e-8, step: int = 1) -> None:
+def adam_update(
+    params: Sequence[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    state: Sequence[torch.Tensor],
+    lr: float = 1e-3,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    step: int = 1,
+) -> None:
     """In-place Adam, the same arithmetic as torch.optim.Adam(foreach=False) at `step`.
 
     `state` holds exp_avg and exp_avg_sq for each parameter, interleaved. Each gradient is
@@ -84,7 +104,7 @@ def adam_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None]
     (at the last use), and an allocator measurement of it checks the simulator.
     """
     b1, b2 = betas
-    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+    bc1, bc2 = 1 - b1**step, 1 - b2**step
     for i, p in enumerate(params):
         g, grads[i] = grads[i], None
         if g is None:
@@ -96,8 +116,13 @@ def adam_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None]
         p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
 
 
-def sgd_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None],
-               state: Sequence[torch.Tensor], lr: float = 1e-2, momentum: float = 0.9) -> None:
+def sgd_update(
+    params: Sequence[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    state: Sequence[torch.Tensor],
+    lr: float = 1e-2,
+    momentum: float = 0.9,
+) -> None:
     """In-place SGD with momentum (torch.optim.SGD after its first step); one buffer each.
     Gradients are dropped once used, as in `adam_update`."""
     for i, (p, buf) in enumerate(zip(params, state)):
@@ -109,8 +134,7 @@ def sgd_update(params: Sequence[torch.Tensor], grads: list[torch.Tensor | None],
         p.add_(buf, alpha=-lr)
 
 
-_OPTIMIZERS: dict[str, tuple[Callable[..., None], int]] = {
-    "adam": (adam_update, 2), "sgd": (sgd_update, 1)}
+_OPTIMIZERS: dict[str, tuple[Callable[..., None], int]] = {"adam": (adam_update, 2), "sgd": (sgd_update, 1)}
 
 
 def _graph_len() -> int | None:
@@ -153,9 +177,13 @@ class StepProgram:
     phase_marks: dict[str, int] = field(default_factory=dict)  # filled while tracing
 
 
-def training_step(model: torch.nn.Module, inputs: ModelInputs, target: torch.Tensor | None = None,
-                  loss_fn: Callable[..., torch.Tensor] = default_loss,
-                  optimizer: str = "adam") -> StepProgram:
+def training_step(
+    model: torch.nn.Module,
+    inputs: ModelInputs,
+    target: torch.Tensor | None = None,
+    loss_fn: Callable[..., torch.Tensor] = default_loss,
+    optimizer: str = "adam",
+) -> StepProgram:
     """Forward, loss, backward (``torch.autograd.grad``) and an in-place optimizer step as one
     function of (params, optimizer state, buffers, inputs[, target]); the arguments are copies."""
     if optimizer not in _OPTIMIZERS:
@@ -187,8 +215,12 @@ def training_step(model: torch.nn.Module, inputs: ModelInputs, target: torch.Ten
         return loss.detach()
 
     args = [params, state, buf_vals, inputs] + ([target] if target is not None else [])
-    kinds = ([WEIGHT] * len(params) + [OPT_STATE] * len(state) + [WEIGHT] * len(buf_vals)
-             + [INPUT] * (len(inputs) + (target is not None)))
+    kinds = (
+        [WEIGHT] * len(params)
+        + [OPT_STATE] * len(state)
+        + [WEIGHT] * len(buf_vals)
+        + [INPUT] * (len(inputs) + (target is not None))
+    )
     return StepProgram(step, args, kinds, names, marks)
 
 
@@ -219,7 +251,7 @@ class ReleaseWatch(TorchDispatchMode):
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._finalizers: list[weakref.finalize] = []
         self._nodes: dict[Any, int] = {}  # autograd node -> number (cleared by close)
-        self._applied: set[int] = set()   # nodes whose post hooks ran
+        self._applied: set[int] = set()  # nodes whose post hooks ran
         self.open = True
 
     def _autograd_node(self) -> int | None:
@@ -235,8 +267,13 @@ class ReleaseWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         node = self._autograd_node() if self.open else None
         out = func(*args, **(kwargs or {}))
-        if (node in self._applied and func is torch.ops.aten.add.Tensor and not kwargs
-                and len(args) == 2 and isinstance(args[0], torch.Tensor)):
+        if (
+            node in self._applied
+            and func is torch.ops.aten.add.Tensor
+            and not kwargs
+            and len(args) == 2
+            and isinstance(args[0], torch.Tensor)
+        ):
             self.accumulations[_graph_len() - 1] = storage_key(args[0])
         for t in tensor_leaves(out):
             if t not in self._seen:
@@ -264,8 +301,7 @@ class ReleaseWatch(TorchDispatchMode):
         return self.released
 
 
-def _trace(fn: Callable[..., Any], args: list[Any], tracing_mode: str
-           ) -> tuple[torch.fx.GraphModule, ReleaseWatch]:
+def _trace(fn: Callable[..., Any], args: list[Any], tracing_mode: str) -> tuple[torch.fx.GraphModule, ReleaseWatch]:
     """make_fx of ``fn`` with a `ReleaseWatch` inside (it records; the graph is unchanged)."""
     watch = ReleaseWatch()
 
@@ -278,21 +314,25 @@ def _trace(fn: Callable[..., Any], args: list[Any], tracing_mode: str
     return gm, watch
 
 
-def trace_training_step(model: torch.nn.Module, inputs: ModelInputs,
-                        target: torch.Tensor | None = None,
-                        loss_fn: Callable[..., torch.Tensor] = default_loss,
-                        optimizer: str = "adam", tracing_mode: str = "fake") -> TracedStep:
+def trace_training_step(
+    model: torch.nn.Module,
+    inputs: ModelInputs,
+    target: torch.Tensor | None = None,
+    loss_fn: Callable[..., torch.Tensor] = default_loss,
+    optimizer: str = "adam",
+    tracing_mode: str = "fake",
+) -> TracedStep:
     """Trace forward, loss, backward and an in-place optimizer step as one FX graph.
 
     ``inputs``: the model's positional inputs, or its keyword inputs as a mapping."""
     prog = training_step(model, inputs, target, loss_fn, optimizer)
     gm, watch = _trace(prog.fn, prog.args, tracing_mode)
-    return TracedStep(gm, prog.args, prog.input_kinds, prog.phase_marks, prog.param_names,
-                      watch.released, watch.accumulations)
+    return TracedStep(
+        gm, prog.args, prog.input_kinds, prog.phase_marks, prog.param_names, watch.released, watch.accumulations
+    )
 
 
-def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs,
-                    tracing_mode: str = "fake") -> TracedStep:
+def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs, tracing_mode: str = "fake") -> TracedStep:
     """Trace an inference forward (no autograd) as one FX graph; weights are inputs."""
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     names = list(tensors)
@@ -307,8 +347,9 @@ def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs,
         return out
 
     gm, watch = _trace(step, [vals, inputs], tracing_mode)
-    return TracedStep(gm, [vals, inputs], [WEIGHT] * len(vals) + [INPUT] * len(inputs),
-                      {}, names, watch.released, watch.accumulations)
+    return TracedStep(
+        gm, [vals, inputs], [WEIGHT] * len(vals) + [INPUT] * len(inputs), {}, names, watch.released, watch.accumulations
+    )
 
 
 # ---- FX -> dataflow ---------------------------------------------------------------------
@@ -450,8 +491,13 @@ class _DataflowBuilder:
         if old is None or old not in self.base_edge or self.traced.released.get(old) != index + 1:
             return None
         val = n.args[0].meta.get("val") if isinstance(n.args[0], torch.fx.Node) else None
-        same = (isinstance(val, torch.Tensor) and val.shape == t.shape and val.dtype == t.dtype
-                and val.is_contiguous() and t.is_contiguous())
+        same = (
+            isinstance(val, torch.Tensor)
+            and val.shape == t.shape
+            and val.dtype == t.dtype
+            and val.is_contiguous()
+            and t.is_contiguous()
+        )
         return old if same else None
 
     def _add_outputs(self, n: torch.fx.Node, kind: str, index: int) -> None:
@@ -482,8 +528,9 @@ def fx_to_dataflow(traced: TracedStep, eager_lifetimes: bool = True) -> Dataflow
     return _DataflowBuilder(traced, eager_lifetimes).build()
 
 
-def import_training_step(model: torch.nn.Module, inputs: ModelInputs,
-                         **kwargs: Any) -> tuple[DataflowGraph, TracedStep]:
+def import_training_step(
+    model: torch.nn.Module, inputs: ModelInputs, **kwargs: Any
+) -> tuple[DataflowGraph, TracedStep]:
     """Trace and import a training step; returns the graph and the trace it came from.
 
     ``inputs`` is positional (``[x]``) or keyword (``{"input_ids": ids, "attention_mask": None}``);
@@ -492,7 +539,8 @@ def import_training_step(model: torch.nn.Module, inputs: ModelInputs,
     return fx_to_dataflow(traced), traced
 
 
-def import_eval_step(model: torch.nn.Module, inputs: ModelInputs,
-                     tracing_mode: str = "fake") -> tuple[DataflowGraph, TracedStep]:
+def import_eval_step(
+    model: torch.nn.Module, inputs: ModelInputs, tracing_mode: str = "fake"
+) -> tuple[DataflowGraph, TracedStep]:
     traced = trace_eval_step(model, inputs, tracing_mode=tracing_mode)
     return fx_to_dataflow(traced), traced

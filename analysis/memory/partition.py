@@ -11,6 +11,7 @@ the backward run with only cheap ops recomputed.
 Pure Python over networkx; no TVM. ``tvmbridge.partition.policy`` builds a :class:`PartitionGraph` from
 a Relax adjoint.
 """
+
 from __future__ import annotations
 
 import math
@@ -88,7 +89,8 @@ def min_cut(graph: PartitionGraph, banned: set[str] | None = None) -> Partition:
     except nx.NetworkXUnbounded:
         raise ValueError("no finite cut: a value the backward needs can neither be kept nor recomputed") from None
     saved = [
-        n for n, node in graph.nodes.items()
+        n
+        for n, node in graph.nodes.items()
         if not node.is_input and f"{n}_in" in reachable and f"{n}_out" in non_reachable
     ]
     # recomputed: on the sink side and needed by the backward (through other recomputed values)

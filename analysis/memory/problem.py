@@ -9,6 +9,7 @@ right after the last of its predecessors, and the problem keeps only the allocat
 ran, and its successors wait for its anchors. `expand` puts the zero-allocation nodes back.
 Memory at a step of the reduced problem equals `simulate` of the expanded order at that node.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -45,9 +46,9 @@ class ScheduleProblem:
     preds: list[list[int]]
     tensors: list[Tensor]
     resident: int
-    zero: list[str]                      # zero-allocation nodes, program order
-    anchors: dict[str, frozenset[int]]   # zero-allocation node -> allocating nodes it waits for
-    outputs: list[str]                   # OUTPUT nodes: they run last
+    zero: list[str]  # zero-allocation nodes, program order
+    anchors: dict[str, frozenset[int]]  # zero-allocation node -> allocating nodes it waits for
+    outputs: list[str]  # OUTPUT nodes: they run last
     index: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -138,8 +139,11 @@ class ScheduleProblem:
         anc_m, desc_m = _closure_matrices(self.preds)
         certain = np.zeros(n)
         for e in self.tensors:
-            live = desc_m[e.src] if e.to_end else (
-                desc_m[e.src] & np.logical_or.reduce(anc_m[list(e.sinks) + [e.src]], axis=0))
+            live = (
+                desc_m[e.src]
+                if e.to_end
+                else (desc_m[e.src] & np.logical_or.reduce(anc_m[list(e.sinks) + [e.src]], axis=0))
+            )
             certain += e.size * live
         mem = self.memory(range(n) if order is None else order)
         at = dict(zip(range(n) if order is None else order, mem))
@@ -211,8 +215,7 @@ def _cut_bound(prob: ScheduleProblem, v: int, anc_m: np.ndarray, desc_m: np.ndar
     return fixed + int(maximum_flow(net, 0, 1).flow_value)
 
 
-def _anchors(graph: DataflowGraph, kept: set[str], ops: list[str],
-             index: dict[str, int]) -> dict[str, frozenset[int]]:
+def _anchors(graph: DataflowGraph, kept: set[str], ops: list[str], index: dict[str, int]) -> dict[str, frozenset[int]]:
     """For each zero-allocation node (in program order), the allocating nodes it waits for."""
     pred = graph.predecessors()
     opset = set(ops)
@@ -232,8 +235,7 @@ def _anchors(graph: DataflowGraph, kept: set[str], ops: list[str],
     return anchors
 
 
-def _effective(names: Sequence[str], kept_index: dict[str, int],
-               anchors: dict[str, frozenset[int]]) -> set[int]:
+def _effective(names: Sequence[str], kept_index: dict[str, int], anchors: dict[str, frozenset[int]]) -> set[int]:
     out: set[int] = set()
     for n in names:
         if n in kept_index:
@@ -262,5 +264,6 @@ def reduce_graph(graph: DataflowGraph, order: Sequence[str] | None = None) -> Sc
         to_end = e.is_output or any(graph.nodes[s].kind == OUTPUT for s in e.sinks)
         sinks = _effective(e.sinks, index, anchors) - {index[e.src]}
         tensors.append(Tensor(e.name, e.size, index[e.src], tuple(sorted(sinks)), to_end))
-    return ScheduleProblem(graph, kept_list, preds, tensors, graph.resident_bytes(),
-                           [n for n in ops if n not in kept], anchors, outputs)
+    return ScheduleProblem(
+        graph, kept_list, preds, tensors, graph.resident_bytes(), [n for n in ops if n not in kept], anchors, outputs
+    )

@@ -12,6 +12,7 @@ and window search (the same ILP over consecutive steps around the peak, every ot
 fixed) uses the time left. The result is never worse than any of the three starting orders, and
 every order returned has been checked to be topological.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -35,9 +36,9 @@ class ScheduleResult:
     order: list[str]
     peak: int
     optimal: bool
-    method: str                       # "ilp", "lns", or the starting order that won
+    method: str  # "ilp", "lns", or the starting order that won
     solve_time: float
-    lower_bound: int | None = None    # proven bound on the optimal peak (bytes), if any
+    lower_bound: int | None = None  # proven bound on the optimal peak (bytes), if any
     log: list[str] = field(default_factory=list)
     baselines: dict[str, int] = field(default_factory=dict)  # peaks of the starting orders
 
@@ -63,12 +64,11 @@ def optimizer_rewrite(graph: DataflowGraph, order: Sequence[str] | None = None) 
     succ = graph.successors()
     kind = {n: graph.nodes[n].kind for n in order}
     grad_dep: dict[str, bool] = {}
-    last_dep: dict[str, int] = {}    # latest position of a non-optimizer ancestor
+    last_dep: dict[str, int] = {}  # latest position of a non-optimizer ancestor
     for n in order:
         ps = [p for p in pred[n] if p in pos]
         grad_dep[n] = kind[n] == BACKWARD or any(grad_dep[p] for p in ps)
-        last_dep[n] = max((pos[p] if kind[p] != OPTIMIZER else last_dep[p] for p in ps),
-                          default=-1)
+        last_dep[n] = max((pos[p] if kind[p] != OPTIMIZER else last_dep[p] for p in ps), default=-1)
     key: dict[str, float] = {}
     for n in reversed(order):
         if kind[n] != OPTIMIZER:
@@ -95,16 +95,18 @@ def greedy_order(graph: DataflowGraph) -> list[str]:
     outputs = [n for n in order if graph.nodes[n].kind == OUTPUT]
     ops = [n for n in order if graph.nodes[n].kind != OUTPUT]
     pos = {n: i for i, n in enumerate(ops)}
-    left = {e.name: sum(s in pos for s in e.sinks) for e in graph.memory_edges()
-            if e.src in pos and not _keeps(graph, e.name)}
+    left = {
+        e.name: sum(s in pos for s in e.sinks)
+        for e in graph.memory_edges()
+        if e.src in pos and not _keeps(graph, e.name)
+    }
     waiting = {n: sum(p in pos for p in ps) for n, ps in graph.predecessors().items() if n in pos}
     succ = graph.successors()
 
     def score(v: str) -> int:
         node = graph.nodes[v]
         freed = sum(graph.edges[e].size for e in node.inputs if left.get(e) == 1)
-        made = sum(graph.edges[e].size for e in node.outputs
-                   if graph.edges[e].sinks or _keeps(graph, e))
+        made = sum(graph.edges[e].size for e in node.outputs if graph.edges[e].sinks or _keeps(graph, e))
         return freed - made
 
     heap = [(-score(n), pos[n], n) for n in ops if waiting[n] == 0]
@@ -138,8 +140,11 @@ def greedy_order(graph: DataflowGraph) -> list[str]:
 # D columns above which the windows are cut to a band around the warm start: Python builds about
 # 30k columns a second here, and HiGHS needs the rest of a minute's budget for them
 ILP_MAX_COLUMNS = 150_000
-def band_windows(win: Sequence[tuple[int, int]], start: Sequence[int], max_cols: int
-                 ) -> tuple[list[tuple[int, int]], int | None]:
+
+
+def band_windows(
+    win: Sequence[tuple[int, int]], start: Sequence[int], max_cols: int
+) -> tuple[list[tuple[int, int]], int | None]:
     """Windows cut to [pos - band, pos + band] around order `start`, with the widest band that
     keeps `max_cols` D columns (band None: the windows fit as they are)."""
     if column_count(win) <= max_cols:
@@ -156,9 +161,14 @@ def band_windows(win: Sequence[tuple[int, int]], start: Sequence[int], max_cols:
     return cut(lo_b), lo_b
 
 
-def solve_problem(prob: ScheduleProblem, start: Sequence[int], time_limit: float,
-                  mip_rel_gap: float = 1e-4, max_cols: int = ILP_MAX_COLUMNS,
-                  lower: int | None = None) -> tuple[ILPSolution, int | None]:
+def solve_problem(
+    prob: ScheduleProblem,
+    start: Sequence[int],
+    time_limit: float,
+    mip_rel_gap: float = 1e-4,
+    max_cols: int = ILP_MAX_COLUMNS,
+    lower: int | None = None,
+) -> tuple[ILPSolution, int | None]:
     """The whole ILP over `prob` from the warm start `start`; returns the solution and the band
     its windows were cut to (None: full ASAP/ALAP windows, so HiGHS's bound is a proof).
     Building the model counts against `time_limit`."""
@@ -166,43 +176,52 @@ def solve_problem(prob: ScheduleProblem, start: Sequence[int], time_limit: float
     anc, desc = prob.reach()
     win, band = band_windows(prob.windows(), start, max_cols)
     T = len(prob)
-    ilp = OrderILP(prob, win, range(T), [float(prob.resident)] * T,
-                   range(len(prob.tensors)), desc)
+    ilp = OrderILP(prob, win, range(T), [float(prob.resident)] * T, range(len(prob.tensors)), desc)
     ilp.build(reduced_deps(prob, anc), twins(prob, desc) if band is None else [])
     peak0 = prob.peak(start)
     left = max(MIN_SOLVE_SECONDS / 2, time_limit - (time.perf_counter() - t0))
-    sol = ilp.solve(left, mip_rel_gap, start, peak_lb=float(lower or 0),
-                    peak_ub=peak0 * (1 + 1e-9) + 1)
+    sol = ilp.solve(left, mip_rel_gap, start, peak_lb=float(lower or 0), peak_ub=peak0 * (1 + 1e-9) + 1)
     return sol, band
 
 
-def _as_result(graph: DataflowGraph, prob: ScheduleProblem, order: Sequence[int], method: str,
-               t0: float, **kw) -> ScheduleResult:
+def _as_result(
+    graph: DataflowGraph, prob: ScheduleProblem, order: Sequence[int], method: str, t0: float, **kw
+) -> ScheduleResult:
     full = prob.expand(order)
     graph.check_order(full)
-    return ScheduleResult(full, simulate(graph, full).peak, method=method,
-                          solve_time=time.perf_counter() - t0, **kw)
+    return ScheduleResult(full, simulate(graph, full).peak, method=method, solve_time=time.perf_counter() - t0, **kw)
 
 
-def ilp_order(graph: DataflowGraph, time_limit: float = 60.0, mip_rel_gap: float = 1e-4,
-              order: Sequence[str] | None = None, start: Sequence[str] | None = None,
-              max_cols: int = ILP_MAX_COLUMNS) -> ScheduleResult:
+def ilp_order(
+    graph: DataflowGraph,
+    time_limit: float = 60.0,
+    mip_rel_gap: float = 1e-4,
+    order: Sequence[str] | None = None,
+    start: Sequence[str] | None = None,
+    max_cols: int = ILP_MAX_COLUMNS,
+) -> ScheduleResult:
     """The whole-graph ILP, warm-started from `start` (default: the better of the program
     order and the greedy order). Raises GraphError if HiGHS returned no order."""
     t0 = time.perf_counter()
     prob = reduce_graph(graph, order)
     if start is None:
-        start = min([graph.program_order(), greedy_order(graph)],
-                    key=lambda o: prob.peak(prob.project(o)))
+        start = min([graph.program_order(), greedy_order(graph)], key=lambda o: prob.peak(prob.project(o)))
     lower = prob.lower_bound(prob.project(start))
     sol, band = solve_problem(prob, prob.project(start), time_limit, mip_rel_gap, max_cols, lower)
     if sol.order is None:
         raise GraphError(f"ILP found no order: {sol.message}")
     proved = band is None and sol.optimal
     bounds = [b for b in (lower, _proof(sol.bound, band)) if b is not None]
-    res = _as_result(graph, prob, sol.order, "ilp", t0, optimal=proved,
-                     lower_bound=max(bounds, default=None),
-                     log=[sol.message + ("" if band is None else f", windows cut to +-{band}")])
+    res = _as_result(
+        graph,
+        prob,
+        sol.order,
+        "ilp",
+        t0,
+        optimal=proved,
+        lower_bound=max(bounds, default=None),
+        log=[sol.message + ("" if band is None else f", windows cut to +-{band}")],
+    )
     if proved:
         res.lower_bound = max(res.lower_bound or 0, int(res.peak * (1 - mip_rel_gap)))
     return res
@@ -236,8 +255,9 @@ def _candidate_windows(mem: list[int], window: int, tried: set[tuple[int, int]])
     return [c for c in dict.fromkeys(cands) if c not in tried]
 
 
-def _window_ilp(prob: ScheduleProblem, cur: list[int], mem: list[int], a: int, b: int,
-                reach: tuple[list[int], list[int]]) -> OrderILP:
+def _window_ilp(
+    prob: ScheduleProblem, cur: list[int], mem: list[int], a: int, b: int, reach: tuple[list[int], list[int]]
+) -> OrderILP:
     """Steps [a, b) of `cur` free (windows from their order inside the segment), every other
     node fixed; tensors that no segment node makes or waits on are a constant."""
     anc, desc = reach
@@ -247,22 +267,28 @@ def _window_ilp(prob: ScheduleProblem, cur: list[int], mem: list[int], a: int, b
     win = [(pos[v], pos[v]) for v in range(len(prob))]
     for v in seg:
         win[v] = (a + (anc[v] & mask).bit_count(), b - 1 - (desc[v] & mask).bit_count())
-    touching = [i for i, e in enumerate(prob.tensors)
-                if e.src in seg or any(s in seg for s in e.sinks)]
+    touching = [i for i, e in enumerate(prob.tensors) if e.src in seg or any(s in seg for s in e.sinks)]
     const = np.asarray(mem[a:b], dtype=float)
     T = len(cur)
     for i in touching:
         e = prob.tensors[i]
         lo = pos[e.src]
         hi = T - 1 if e.to_end else max([lo] + [pos[s] for s in e.sinks])
-        const[max(lo, a) - a:max(min(hi, b - 1) - a + 1, 0)] -= e.size
+        const[max(lo, a) - a : max(min(hi, b - 1) - a + 1, 0)] -= e.size
     ilp = OrderILP(prob, win, range(a, b), const.tolist(), touching, desc)
     ilp.build([(u, w) for u, w in reduced_deps(prob, anc) if u in seg and w in seg], [])
     return ilp
 
 
-def _lns(prob: ScheduleProblem, start: list[int], time_limit: float, window: int,
-         sub_limit: float, gap: float, log: list[str]) -> list[int]:
+def _lns(
+    prob: ScheduleProblem,
+    start: list[int],
+    time_limit: float,
+    window: int,
+    sub_limit: float,
+    gap: float,
+    log: list[str],
+) -> list[int]:
     """Window search from `start` (see `lns_improve`); returns the best order."""
     t0 = time.perf_counter()
     reach = prob.reach()
@@ -291,9 +317,14 @@ def _lns(prob: ScheduleProblem, start: list[int], time_limit: float, window: int
     return cur
 
 
-def lns_improve(graph: DataflowGraph, order: Sequence[str], time_limit: float = 60.0,
-                window: int = 40, sub_limit: float | None = None, mip_rel_gap: float = 1e-4
-                ) -> ScheduleResult:
+def lns_improve(
+    graph: DataflowGraph,
+    order: Sequence[str],
+    time_limit: float = 60.0,
+    window: int = 40,
+    sub_limit: float | None = None,
+    mip_rel_gap: float = 1e-4,
+) -> ScheduleResult:
     """Re-solve the ILP over `window` consecutive steps (of the reduced problem) around the
     peak, every other node fixed, each from the current order as warm start.
 
@@ -318,13 +349,17 @@ def _closed(peak: int, lower: int | None, gap: float) -> bool:
 
 def starting_orders(graph: DataflowGraph) -> dict[str, list[str]]:
     """The program order, the optimizer rewrite and the greedy order."""
-    return {"program": graph.program_order(), "rewrite": optimizer_rewrite(graph),
-            "greedy": greedy_order(graph)}
+    return {"program": graph.program_order(), "rewrite": optimizer_rewrite(graph), "greedy": greedy_order(graph)}
 
 
-def optimal_order(graph: DataflowGraph, time_limit: float = 60.0, mip_rel_gap: float = 1e-4,
-                  max_ilp_cols: int = ILP_MAX_COLUMNS, ilp_share: float = 0.6,
-                  lns_window: int = 40) -> ScheduleResult:
+def optimal_order(
+    graph: DataflowGraph,
+    time_limit: float = 60.0,
+    mip_rel_gap: float = 1e-4,
+    max_ilp_cols: int = ILP_MAX_COLUMNS,
+    ilp_share: float = 0.6,
+    lns_window: int = 40,
+) -> ScheduleResult:
     """Lowest-peak order found within about `time_limit` seconds (module docstring).
 
     The whole ILP gets `ilp_share` of the time, window search the rest unless the ILP proved
@@ -341,8 +376,7 @@ def optimal_order(graph: DataflowGraph, time_limit: float = 60.0, mip_rel_gap: f
     log = [f"lower bound {lower} bytes, {method} order {prob.peak(best)}"]
     proved = _closed(prob.peak(best), lower, mip_rel_gap)
     if not proved:
-        sol, band = solve_problem(prob, best, time_limit * ilp_share, mip_rel_gap, max_ilp_cols,
-                                  lower)
+        sol, band = solve_problem(prob, best, time_limit * ilp_share, mip_rel_gap, max_ilp_cols, lower)
         log.append(sol.message + ("" if band is None else f", windows cut to +-{band}"))
         if sol.order is not None and prob.peak(sol.order) < prob.peak(best):
             best, method = sol.order, "ilp"
@@ -354,13 +388,13 @@ def optimal_order(graph: DataflowGraph, time_limit: float = 60.0, mip_rel_gap: f
         found = _lns(prob, best, left, lns_window, sub, mip_rel_gap, log)
         if prob.peak(found) < prob.peak(best):
             best, method = found, "lns"
-    res = _as_result(graph, prob, best, method, t0, optimal=False, lower_bound=lower, log=log,
-                     baselines=baselines)
+    res = _as_result(graph, prob, best, method, t0, optimal=False, lower_bound=lower, log=log, baselines=baselines)
     return _finish(graph, res, starts, proved, mip_rel_gap, t0)
 
 
-def _finish(graph: DataflowGraph, res: ScheduleResult, starts: dict[str, list[str]],
-            proved: bool, gap: float, t0: float) -> ScheduleResult:
+def _finish(
+    graph: DataflowGraph, res: ScheduleResult, starts: dict[str, list[str]], proved: bool, gap: float, t0: float
+) -> ScheduleResult:
     """Never return worse than a starting order; mark optimality; time the whole search."""
     for name, order in starts.items():
         if res.baselines[name] < res.peak:  # cannot happen (reduction never raises a peak)

@@ -6,6 +6,7 @@ right after its last consumer ran (graph outputs stay until the end; a tensor no
 only during its producer's step). Resident nodes' tensors count at every step. Scratch space that
 a kernel uses internally is not modelled.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -50,8 +51,7 @@ def lifetimes(graph: DataflowGraph, order: Sequence[str]) -> dict[str, tuple[int
     return out
 
 
-def simulate(graph: DataflowGraph, order: Sequence[str] | None = None,
-             check: bool = True) -> MemoryProfile:
+def simulate(graph: DataflowGraph, order: Sequence[str] | None = None, check: bool = True) -> MemoryProfile:
     """Simulate `order` (default: program order); resident nodes in it are skipped."""
     if order is None:
         order = graph.program_order()
@@ -111,8 +111,7 @@ def _fx_sequence(graph: Any, order: Sequence[str] | None) -> list[Any]:
     return seq + rest + [n for n in nodes if n.op == "output"]
 
 
-def measure_fx_peak(gm: Any, *args: Any, order: Sequence[str] | None = None
-                    ) -> tuple[int, list[int], Any]:
+def measure_fx_peak(gm: Any, *args: Any, order: Sequence[str] | None = None) -> tuple[int, list[int], Any]:
     """Run an FX GraphModule node by node on real tensors: (peak, bytes per node, result).
 
     With `order` (names of the importer's dataflow nodes) the nodes run in that order instead,

@@ -18,11 +18,12 @@ backward, attention kernels). PyTorch counts every other op as zero; here they g
 The counts that only this module makes are estimates of work, not measurements: they are stated
 so that totals are comparable between models, not to be exact to the instruction.
 """
+
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-import functools
 from functools import partial
 from typing import Any
 
@@ -70,18 +71,38 @@ def _first_numel(args: tuple[Any, ...]) -> int:
 
 # --- pointwise ---------------------------------------------------------------------------------
 _ZERO_COST = {
-    aten.clone, aten.where, aten.masked_fill, aten.masked_fill_, aten._to_copy, aten.copy,
-    aten.copy_, aten.fill, aten.fill_, aten.zero_, aten.lift_fresh_copy, aten.alias,
-    aten.bernoulli, aten.bernoulli_, aten.zeros_like, aten.ones_like, aten.empty_like,
+    aten.clone,
+    aten.where,
+    aten.masked_fill,
+    aten.masked_fill_,
+    aten._to_copy,
+    aten.copy,
+    aten.copy_,
+    aten.fill,
+    aten.fill_,
+    aten.zero_,
+    aten.lift_fresh_copy,
+    aten.alias,
+    aten.bernoulli,
+    aten.bernoulli_,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.empty_like,
 }
 _POINTWISE_COST: dict[Any, int] = {
     aten.gelu: 5,  # x * 0.5 * (1 + erf(x / sqrt 2))
     aten.gelu_backward: 9,  # g * (cdf + x * pdf): cdf 4, pdf 3 (square, scale, exp), 2 mul/add
-    aten.sigmoid: 4, aten.sigmoid_backward: 3,  # g * y * (1 - y)
+    aten.sigmoid: 4,
+    aten.sigmoid_backward: 3,  # g * y * (1 - y)
     aten.tanh_backward: 3,  # g * (1 - y * y)
-    aten.silu: 5, aten.silu_backward: 8,
-    aten.addcmul: 2, aten.addcmul_: 2, aten.addcdiv: 2, aten.addcdiv_: 2,
-    aten.lerp: 3, aten.lerp_: 3,
+    aten.silu: 5,
+    aten.silu_backward: 8,
+    aten.addcmul: 2,
+    aten.addcmul_: 2,
+    aten.addcdiv: 2,
+    aten.addcdiv_: 2,
+    aten.lerp: 3,
+    aten.lerp_: 3,
 }
 
 

@@ -5,6 +5,7 @@ The formulas it adds up, their convention (a multiply-add is 2 FLOPs, as
 (pointwise, reductions, softmax, norms, pooling) are in ``flop_formulas``; their public names are
 importable from here too, where callers have always found them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,7 +21,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from analysis.profiling.flop_formulas import (  # noqa: F401 - the formulas' API, re-exported here
-    RawFormula, count_op, formula_for, is_torch_counted, register_flop_formula,
+    RawFormula,
+    count_op,
+    formula_for,
+    is_torch_counted,
+    register_flop_formula,
 )
 from analysis.tensors import tensor_leaves
 
@@ -28,13 +33,22 @@ aten = torch.ops.aten
 
 # Ops that only query metadata; PyTorch's counter lets them through untouched, so do we.
 METADATA_OPS = {
-    aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
-    aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default,
-    aten.size.default, aten.sym_size.default, aten.stride.default, aten.sym_stride.default,
-    aten.storage_offset.default, aten.sym_storage_offset.default, aten.numel.default,
-    aten.sym_numel.default, aten.dim.default, torch.ops.prim.layout.default,
+    aten.sym_is_contiguous.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default,
+    aten.is_non_overlapping_and_dense.default,
+    aten.size.default,
+    aten.sym_size.default,
+    aten.stride.default,
+    aten.sym_stride.default,
+    aten.storage_offset.default,
+    aten.sym_storage_offset.default,
+    aten.numel.default,
+    aten.sym_numel.default,
+    aten.dim.default,
+    torch.ops.prim.layout.default,
 }
-
 
 
 def in_backward() -> bool:
@@ -311,9 +325,7 @@ class FlopCounter:
             f, b = self.total("forward", m), self.total("backward", m)
             rows.append(("  " * d + m, human_flops(f), human_flops(b), human_flops(f + b)))
         w = [max(len(r[i]) for r in rows) for i in range(4)]
-        return "\n".join(
-            r[0].ljust(w[0]) + "".join("  " + r[i].rjust(w[i]) for i in range(1, 4)) for r in rows
-        )
+        return "\n".join(r[0].ljust(w[0]) + "".join("  " + r[i].rjust(w[i]) for i in range(1, 4)) for r in rows)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.counts)

@@ -5,6 +5,7 @@ device-aware code and shape-dependent control flow behave as on a real run) but 
 This module is the single place that creates fake modes, so that tracing and profiling share one
 mode with the model's fake parameters (mixing fake tensors of two modes is an error in PyTorch).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -71,13 +72,13 @@ def to_fake(t: Any, mode: FakeTensorMode, device: torch.device | str | None = No
             return x
         if isinstance(x, FakeTensor):
             if x.fake_mode is not mode:
-                raise ValueError("tensor belongs to another FakeTensorMode; build model and inputs "
-                                 "under one MetaTensorMode")
+                raise ValueError(
+                    "tensor belongs to another FakeTensorMode; build model and inputs under one MetaTensorMode"
+                )
             return x
         if x.device.type == "meta":
             with mode:
-                y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
-                                        device=device or "cpu")
+                y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device or "cpu")
             return y.requires_grad_(x.requires_grad) if x.is_floating_point() else y
         return mode.from_tensor(x, static_shapes=True)
 

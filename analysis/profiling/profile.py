@@ -15,6 +15,7 @@ two nodes is counted once; parameters and buffers are never activations). Result
 ``node.meta["profile"]`` (`NodeProfile`), ``node.meta["val"]``/``["tensor_meta"]`` (shapes) and
 ``gm.meta["profile"]`` (`ProfileSummary`).
 """
+
 from __future__ import annotations
 
 import operator
@@ -39,13 +40,23 @@ from analysis.units import human_bytes, human_flops
 
 aten = torch.ops.aten
 
-__all__ = ["NodeProfile", "ProfileSummary", "symbolic_profile", "profile_table",
-           "measure_saved_bytes"]
+__all__ = ["NodeProfile", "ProfileSummary", "symbolic_profile", "profile_table", "measure_saved_bytes"]
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-                      operator.imatmul}
+_INPLACE_OPERATORS = {
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+    operator.imatmul,
+}
 
 
 @dataclass
@@ -98,8 +109,11 @@ def _mutates_first_arg(node: Node, gm: torch.fx.GraphModule) -> bool:
         return str(t).endswith("_") and not str(t).endswith("__")
     if node.op == "call_function":
         name = getattr(t, "__name__", "")
-        return (t in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-                or node.kwargs.get("inplace") is True)
+        return (
+            t in _INPLACE_OPERATORS
+            or (name.endswith("_") and not name.endswith("__"))
+            or node.kwargs.get("inplace") is True
+        )
     if node.op == "call_module":
         return getattr(gm.get_submodule(str(t)), "inplace", False) is True
     return False
@@ -127,8 +141,9 @@ def _bind_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[s
     return bound
 
 
-def symbolic_profile(gm: torch.fx.GraphModule, *args: Any, verbose: bool = False,
-                     **kwargs: Any) -> torch.fx.GraphModule:
+def symbolic_profile(
+    gm: torch.fx.GraphModule, *args: Any, verbose: bool = False, **kwargs: Any
+) -> torch.fx.GraphModule:
     """Profile ``gm`` on fake versions of ``args`` (real, meta-device or fake tensors).
 
     Nothing runs on real data and no real memory is allocated for activations. Returns ``gm``
@@ -136,9 +151,11 @@ def symbolic_profile(gm: torch.fx.GraphModule, *args: Any, verbose: bool = False
     ``verbose=True`` prints `profile_table`.
     """
     state = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
-    mode: FakeTensorMode = (find_fake_mode(tensor_leaves((args, kwargs)) + list(state.values()))
-                            or gm.meta.get("fake_mode")
-                            or FakeTensorMode(allow_non_fake_inputs=True))
+    mode: FakeTensorMode = (
+        find_fake_mode(tensor_leaves((args, kwargs)) + list(state.values()))
+        or gm.meta.get("fake_mode")
+        or FakeTensorMode(allow_non_fake_inputs=True)
+    )
     fake_state = {k: to_fake(v, mode) for k, v in state.items()}
     bound = {n: to_fake(v, mode) for n, v in _bind_inputs(gm, args, kwargs).items()}
     swap = any(not isinstance(v, FakeTensor) for v in state.values())
@@ -173,12 +190,18 @@ class _Liveness:
 
 
 class _Profiler:
-    def __init__(self, gm: torch.fx.GraphModule, mode: FakeTensorMode,
-                 fake_state: dict[str, torch.Tensor], bound: dict[Node, Any]) -> None:
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        mode: FakeTensorMode,
+        fake_state: dict[str, torch.Tensor],
+        bound: dict[Node, Any],
+    ) -> None:
         self.gm, self.mode, self.bound = gm, mode, bound
         self.param_keys = {storage_key(t) for t in fake_state.values()}
-        self.param_bytes = sum(t.untyped_storage().nbytes()
-                               for t in {k: t for t in fake_state.values() for k in [storage_key(t)]}.values())
+        self.param_bytes = sum(
+            t.untyped_storage().nbytes() for t in {k: t for t in fake_state.values() for k in [storage_key(t)]}.values()
+        )
         self.alias: dict[StorageWeakRef, StorageWeakRef] = {}
         self.nbytes: dict[StorageWeakRef, int] = {}
         self.saved: set[StorageWeakRef] = set()
@@ -220,7 +243,8 @@ class _Profiler:
             self.env[node] = out
             node.meta["val"] = out
             node.meta["tensor_meta"] = map_aggregate(
-                out, lambda v: _extract_tensor_metadata(v) if isinstance(v, torch.Tensor) else None)
+                out, lambda v: _extract_tensor_metadata(v) if isinstance(v, torch.Tensor) else None
+            )
             self._account(node, prof, out, saved, created, mem)
             for dead in dies_at.get(i, []):
                 self._release(dead, mem)
@@ -231,8 +255,15 @@ class _Profiler:
                 pending_bw.append((node, tensor_leaves(out), leaves))
         return mem.peak, pending_bw
 
-    def _account(self, node: Node, prof: NodeProfile, out: Any, saved: set[StorageWeakRef],
-                 created: list[torch.Tensor], mem: _Liveness) -> None:
+    def _account(
+        self,
+        node: Node,
+        prof: NodeProfile,
+        out: Any,
+        saved: set[StorageWeakRef],
+        created: list[torch.Tensor],
+        mem: _Liveness,
+    ) -> None:
         """Output, temporary and saved-for-backward bytes of one node; the peak while it runs."""
         out_keys = self.keys_of(out) - self.param_keys
         in_keys = self.keys_of([self.env[a] for a in node.all_input_nodes])
@@ -246,11 +277,11 @@ class _Profiler:
             prof.backward_bytes += self.nbytes[k]
             if k not in out_keys and k not in mem.live:
                 kept_inside.add(k)
-        temp = ({self.canon(t) for t in created} - out_keys - in_keys - saved - mem.live
-                - self.param_keys)
+        temp = {self.canon(t) for t in created} - out_keys - in_keys - saved - mem.live - self.param_keys
         prof.temp_bytes = sum(self.nbytes[k] for k in temp)
-        mem.peak = max(mem.peak, mem.total + prof.output_bytes + prof.temp_bytes
-                       + sum(self.nbytes[k] for k in kept_inside))
+        mem.peak = max(
+            mem.peak, mem.total + prof.output_bytes + prof.temp_bytes + sum(self.nbytes[k] for k in kept_inside)
+        )
         mem.add(new_out | kept_inside)
         for k in out_keys:
             mem.holders[k].add(node)
@@ -272,8 +303,7 @@ class _Profiler:
                 continue
             d = _NodeDispatch()
             with self.mode, d:
-                torch.autograd.grad(outs, leaves, grad_outputs=[torch.empty_like(o) for o in outs],
-                                    allow_unused=True)
+                torch.autograd.grad(outs, leaves, grad_outputs=[torch.empty_like(o) for o in outs], allow_unused=True)
             prof = node.meta["profile"]
             prof.bwd_flops_by_op = dict(d.flops)
             prof.bwd_flops = sum(d.flops.values())
@@ -287,9 +317,14 @@ class _Profiler:
             for op, f in n.meta["profile"].bwd_flops_by_op.items():
                 bwd[op] += f
         self.gm.meta["profile"] = ProfileSummary(
-            fwd_flops=sum(fwd.values()), bwd_flops=sum(bwd.values()), peak_activation_bytes=peak,
+            fwd_flops=sum(fwd.values()),
+            bwd_flops=sum(bwd.values()),
+            peak_activation_bytes=peak,
             backward_bytes=sum(n.meta["profile"].backward_bytes for n in nodes),
-            param_bytes=self.param_bytes, fwd_flops_by_op=dict(fwd), bwd_flops_by_op=dict(bwd))
+            param_bytes=self.param_bytes,
+            fwd_flops_by_op=dict(fwd),
+            bwd_flops_by_op=dict(bwd),
+        )
 
     def _count_grad_accumulation(self, grad_live: set[Node]) -> None:
         """A tensor used by k differentiable consumers gets k gradients: k - 1 adds (the
@@ -311,6 +346,7 @@ class _Profiler:
 
     def _grad_live(self, nodes: list[Node]) -> set[Node]:
         """Nodes whose outputs receive a gradient when the graph outputs are differentiated."""
+
         def needs_grad(n: Node) -> bool:
             return any(t.requires_grad for t in tensor_leaves(self.env.get(n)))
 
@@ -393,8 +429,10 @@ class _Profiler:
             return tree_map(lambda t: leafify(t, is_first), v)  # keeps dict/list/ModelOutput types
 
         first = node.args[0] if node.args else None
-        args = tuple(prep(a, a is first and j == 0) if isinstance(a, Node)
-                     else map_aggregate(a, lambda x: prep(x, False)) for j, a in enumerate(node.args))
+        args = tuple(
+            prep(a, a is first and j == 0) if isinstance(a, Node) else map_aggregate(a, lambda x: prep(x, False))
+            for j, a in enumerate(node.args)
+        )
         kwargs = {k: map_aggregate(v, lambda x: prep(x, False)) for k, v in node.kwargs.items()}
         return args, kwargs, leaves
 
@@ -428,19 +466,46 @@ def _shape_of(node: Node) -> str:
 
 def profile_table(gm: torch.fx.GraphModule, skip_empty: bool = True) -> str:
     """The per-node table of a profiled GraphModule (human units) and a summary line."""
-    head = ("node", "op", "module", "shape", "output", "temp", "param", "backward",
-            "accumulated", "incremental", "fwd FLOPs", "bwd FLOPs")
+    head = (
+        "node",
+        "op",
+        "module",
+        "shape",
+        "output",
+        "temp",
+        "param",
+        "backward",
+        "accumulated",
+        "incremental",
+        "fwd FLOPs",
+        "bwd FLOPs",
+    )
     rows = [head]
     for n in gm.graph.nodes:
         p: NodeProfile = n.meta["profile"]
-        if n.op == "output" or (skip_empty and n.op != "placeholder" and not any(
-                (p.output_bytes, p.temp_bytes, p.param_bytes, p.backward_bytes, p.fwd_flops, p.bwd_flops))):
+        if n.op == "output" or (
+            skip_empty
+            and n.op != "placeholder"
+            and not any((p.output_bytes, p.temp_bytes, p.param_bytes, p.backward_bytes, p.fwd_flops, p.bwd_flops))
+        ):
             continue
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-        rows.append((n.name, f"{n.op}:{target}"[:32], _module_of(n)[:40], _shape_of(n),
-                     human_bytes(p.output_bytes), human_bytes(p.temp_bytes), human_bytes(p.param_bytes),
-                     human_bytes(p.backward_bytes), human_bytes(p.accumulated_bytes),
-                     human_bytes(p.incremental_bytes), human_flops(p.fwd_flops), human_flops(p.bwd_flops)))
+        rows.append(
+            (
+                n.name,
+                f"{n.op}:{target}"[:32],
+                _module_of(n)[:40],
+                _shape_of(n),
+                human_bytes(p.output_bytes),
+                human_bytes(p.temp_bytes),
+                human_bytes(p.param_bytes),
+                human_bytes(p.backward_bytes),
+                human_bytes(p.accumulated_bytes),
+                human_bytes(p.incremental_bytes),
+                human_flops(p.fwd_flops),
+                human_flops(p.bwd_flops),
+            )
+        )
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w[i]) if i < 4 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -450,9 +515,11 @@ def profile_table(gm: torch.fx.GraphModule, skip_empty: bool = True) -> str:
 
 def summary_line(gm: torch.fx.GraphModule) -> str:
     s: ProfileSummary = gm.meta["profile"]
-    return (f"total: forward {human_flops(s.fwd_flops)}, backward {human_flops(s.bwd_flops)}; "
-            f"peak activation memory {human_bytes(s.peak_activation_bytes)}; "
-            f"saved for backward {human_bytes(s.backward_bytes)}; parameters {human_bytes(s.param_bytes)}")
+    return (
+        f"total: forward {human_flops(s.fwd_flops)}, backward {human_flops(s.bwd_flops)}; "
+        f"peak activation memory {human_bytes(s.peak_activation_bytes)}; "
+        f"saved for backward {human_bytes(s.backward_bytes)}; parameters {human_bytes(s.param_bytes)}"
+    )
 
 
 def measure_saved_bytes(fn: Any, *args: Any, exclude: Iterable[torch.Tensor] = (), **kwargs: Any) -> tuple[Any, int]:

@@ -9,6 +9,7 @@ value is kept in ``node.meta["val"]`` (PyTorch's convention for fake values).
 Functions the tracer cannot run on fake tensors (data-dependent Python, numpy, ...) get a rule
 with `register_shape_impl`; registered functions are also kept as leaves (one node each).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -31,8 +32,17 @@ __all__ = ["MetaTraceError", "register_shape_impl", "symbolic_trace", "MetaTrace
 _SHAPE_IMPLS: Registry[Any, Callable[..., Any]] = Registry("shape rule")
 
 # tensor attributes that are answered from the fake value instead of becoming graph nodes
-_CONCRETE_ATTRS = {"dtype", "device", "ndim", "is_cuda", "is_sparse", "is_quantized", "layout",
-                   "requires_grad", "is_leaf"}
+_CONCRETE_ATTRS = {
+    "dtype",
+    "device",
+    "ndim",
+    "is_cuda",
+    "is_sparse",
+    "is_quantized",
+    "layout",
+    "requires_grad",
+    "is_leaf",
+}
 
 
 class MetaTraceError(RuntimeError):
@@ -92,8 +102,9 @@ class MetaAttribute(MetaProxy, Attribute):
 class MetaTracer(torch.fx.Tracer):
     """fx Tracer that computes a fake value for every node as it creates it."""
 
-    def __init__(self, fake_mode: FakeTensorMode, meta_args: dict[str, Any],
-                 placeholder_defaults: dict[str, Any]) -> None:
+    def __init__(
+        self, fake_mode: FakeTensorMode, meta_args: dict[str, Any], placeholder_defaults: dict[str, Any]
+    ) -> None:
         autowrap = tuple(f for f in _SHAPE_IMPLS if callable(f) and not isinstance(f, type))
         super().__init__(autowrap_functions=autowrap)
         self.fake_mode = fake_mode
@@ -101,8 +112,9 @@ class MetaTracer(torch.fx.Tracer):
         self.placeholder_defaults = placeholder_defaults
         self._in_meta = False
 
-    def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
-                             concrete_args: Any = None) -> tuple[Any, list[Any]]:
+    def create_args_for_root(
+        self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
         # fx reads the signature of the unwrapped function but would call the wrapper with it
         # (transformers wraps layer forwards for gradient checkpointing): trace the inner one.
         return super().create_args_for_root(inspect.unwrap(root_fn), is_module, concrete_args)
@@ -113,8 +125,9 @@ class MetaTracer(torch.fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return type(m) in _SHAPE_IMPLS or super().is_leaf_module(m, qualname)
 
-    def call_module(self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
+    def call_module(
+        self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         if self._in_meta:  # a leaf module computing its meta value calls its children directly
             return forward(*args, **kwargs)
         self._orig_forward = forward
@@ -125,16 +138,22 @@ class MetaTracer(torch.fx.Tracer):
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
-    def create_proxy(self, kind: str, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     name: str | None = None, type_expr: Any | None = None,
-                     proxy_factory_fn: Callable[[Node], Proxy] | None = None) -> Proxy:
+    def create_proxy(
+        self,
+        kind: str,
+        target: Target,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        name: str | None = None,
+        type_expr: Any | None = None,
+        proxy_factory_fn: Callable[[Node], Proxy] | None = None,
+    ) -> Proxy:
         rv = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         if kind != "output":
             rv.node.meta["val"] = self._meta(kind, target, args, kwargs, rv.node)
         return rv
 
-    def _meta(self, kind: str, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any],
-              node: Node) -> Any:
+    def _meta(self, kind: str, target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], node: Node) -> Any:
         if kind == "placeholder":
             name = str(target)
             if name in self.meta_args:
@@ -170,7 +189,8 @@ class MetaTracer(torch.fx.Tracer):
             raise MetaTraceError(
                 f"cannot compute the meta value of {kind} {what!r} (node {node.name}): "
                 f"{type(e).__name__}: {e}. If it cannot run on fake tensors, register a rule with "
-                f"analysis.register_shape_impl({what}, fn)") from e
+                f"analysis.register_shape_impl({what}, fn)"
+            ) from e
         finally:
             self._in_meta = False
         raise MetaTraceError(f"unknown node kind {kind}")
@@ -197,7 +217,8 @@ def _concrete(p: Proxy, what: str) -> Any:
     if isinstance(val, torch.Tensor):
         raise MetaTraceError(
             f"{what}() of tensor {p.node.name} depends on its data, which tracing on fake tensors "
-            "cannot know; make the function doing it a leaf with analysis.register_shape_impl")
+            "cannot know; make the function doing it a leaf with analysis.register_shape_impl"
+        )
     return val
 
 
@@ -208,8 +229,9 @@ def _meta_of(p: Proxy) -> Any:
     return val
 
 
-def symbolic_trace(model: torch.nn.Module, meta_args: dict[str, Any] | None = None,
-                   concrete_args: dict[str, Any] | None = None) -> torch.fx.GraphModule:
+def symbolic_trace(
+    model: torch.nn.Module, meta_args: dict[str, Any] | None = None, concrete_args: dict[str, Any] | None = None
+) -> torch.fx.GraphModule:
     """Trace ``model`` into a GraphModule whose nodes carry fake values (``node.meta["val"]``).
 
     ``meta_args`` maps forward parameter names to example tensors (real, meta-device or fake;
@@ -241,14 +263,16 @@ def symbolic_trace(model: torch.nn.Module, meta_args: dict[str, Any] | None = No
             concrete_args[name] = p.default
             defaults[name] = p.default
         else:
-            raise ValueError(f"argument {name!r} of {type(model).__name__}.forward needs a value "
-                             "in meta_args or concrete_args")
+            raise ValueError(
+                f"argument {name!r} of {type(model).__name__}.forward needs a value in meta_args or concrete_args"
+            )
     extra_kwargs = {k: v for k, v in meta_args.items() if k not in sig.parameters}
     if extra_kwargs:
         raise ValueError(f"meta_args for **kwargs are not supported: {sorted(extra_kwargs)}")
 
-    mode = find_fake_mode(list(meta_args.values()) + list(model.parameters())[:1]) \
-        or FakeTensorMode(allow_non_fake_inputs=True)
+    mode = find_fake_mode(list(meta_args.values()) + list(model.parameters())[:1]) or FakeTensorMode(
+        allow_non_fake_inputs=True
+    )
     fake_args = {k: to_fake(v, mode) for k, v in meta_args.items()}
 
     tracer = MetaTracer(mode, fake_args, defaults)

@@ -35,6 +35,7 @@ How many threads run a parallel loop is the TVM runtime's choice, made once per 
 (``devices.prepare_cpu_runtime``); where it is one, the schedules' gain is vectorization and loop
 order. The README gives what each rule buys, measured.
 """
+
 from __future__ import annotations
 
 import math
@@ -245,8 +246,8 @@ def _reduces_rows(sch: s_tir.Schedule, block) -> bool:
     reads = [r for r in stmt.reads if len(r.region) >= 1]
     return bool(reads) and all(
         any(v.same_as(r_var) for v in tirx.analysis.undefined_vars(r.region[-1].min))
-        for r in reads if any(v.same_as(r_var) for reg in r.region
-                              for v in tirx.analysis.undefined_vars(reg.min))
+        for r in reads
+        if any(v.same_as(r_var) for reg in r.region for v in tirx.analysis.undefined_vars(reg.min))
     )
 
 

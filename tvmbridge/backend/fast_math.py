@@ -9,6 +9,7 @@ Float64 (where the checker compares against PyTorch at 1e-10) is never touched. 
 Relax step before legalization, after the split: the graphs the analyses see are unchanged.
 Turn it off with ``add_tvm_dispatch(..., fast_math=False)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,11 @@ def _gelu_fast(x):
 class _Float32FastMath(FastMathCodeGenerator._cls):
     def visit_call_(self, call: Call) -> Expr:
         name = getattr(call.op, "name", "")
-        if (name == "relax.nn.log_softmax" and str(call.args[0].ty.dtype) == "float32"
-                and isinstance(call.args[0].ty.shape, relax.ShapeExpr)):
+        if (
+            name == "relax.nn.log_softmax"
+            and str(call.args[0].ty.dtype) == "float32"
+            and isinstance(call.args[0].ty.shape, relax.ShapeExpr)
+        ):
             return _log_softmax(self.builder_, relax.PyExprMutator.visit_expr(self, call.args[0]), int(call.attrs.axis))
         if name in ("relax.exp", "relax.erf", "relax.tanh", "relax.nn.softmax", "relax.nn.gelu"):
             x = call.args[0]

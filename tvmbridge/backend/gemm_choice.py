@@ -11,6 +11,7 @@ machine: CPU model, ISA flags, torch threads and torch/oneDNN/TVM versions, so a
 measures nothing and a changed machine or library measures again. A cache file that cannot be
 read is a warning and a fresh measurement, never an error.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,9 +21,10 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -30,8 +32,20 @@ from ..kernels.gemm import library_call, onednn_available, onednn_fits
 from ..options import GEMM_BACKENDS
 
 FORMAT = 1
-_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-              "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+_ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+)
 
 
 def cache_dir() -> Path:
@@ -58,9 +72,15 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     onednn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-    return {"cpu": model, "isa": sorted(f for f in _ISA_FLAGS if f in flags), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "tvm": tvm.__version__, "onednn": onednn,
-            "matmul_precision": torch.get_float32_matmul_precision()}
+    return {
+        "cpu": model,
+        "isa": sorted(f for f in _ISA_FLAGS if f in flags),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "tvm": tvm.__version__,
+        "onednn": onednn,
+        "matmul_precision": torch.get_float32_matmul_precision(),
+    }
 
 
 @dataclass(frozen=True)
@@ -150,12 +170,16 @@ class ChoiceCache:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
-            warnings.warn(f"tvmbridge: ignoring the unreadable GEMM choice cache {self.path} ({exc}); "
-                          "measuring again", stacklevel=3)
+            warnings.warn(
+                f"tvmbridge: ignoring the unreadable GEMM choice cache {self.path} ({exc}); measuring again",
+                stacklevel=3,
+            )
             return {}
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("machines"), dict):
-            warnings.warn(f"tvmbridge: ignoring the GEMM choice cache {self.path} (not format {FORMAT}); "
-                          "measuring again", stacklevel=3)
+            warnings.warn(
+                f"tvmbridge: ignoring the GEMM choice cache {self.path} (not format {FORMAT}); measuring again",
+                stacklevel=3,
+            )
             return {}
         return data["machines"]
 
@@ -193,8 +217,12 @@ class GemmChooser:
     library name fixes it where it fits. The one impure step of the offload: the plan and the
     pass (``offload``) only read what it chose."""
 
-    def __init__(self, backend: str, cache: ChoiceCache | None = None,
-                 timer: Callable[[GemmProblem, list[str]], dict[str, float]] | None = None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        cache: ChoiceCache | None = None,
+        timer: Callable[[GemmProblem, list[str]], dict[str, float]] | None = None,
+    ) -> None:
         if backend not in GEMM_BACKENDS:
             raise ValueError(f"unknown matmul backend {backend!r}; expected one of {GEMM_BACKENDS}")
         self.backend = backend
@@ -205,8 +233,10 @@ class GemmChooser:
         candidates = problem.candidates()
         if self.backend != "auto":
             if self.backend == "onednn" and not onednn_available():
-                raise RuntimeError("offload_matmul='onednn': PyTorch's oneDNN (torch.ops.mkldnn."
-                                   "_linear_pointwise) is not available or disabled in this torch build")
+                raise RuntimeError(
+                    "offload_matmul='onednn': PyTorch's oneDNN (torch.ops.mkldnn."
+                    "_linear_pointwise) is not available or disabled in this torch build"
+                )
             library = self.backend if self.backend in candidates else "torch"
             return GemmDecision(problem, library, f"offload_matmul={self.backend!r}")
         if len(candidates) == 1:

@@ -17,6 +17,7 @@ only step that times or touches its disk cache), :func:`plan_offload` turns its 
 :class:`OffloadPlan` (an immutable value: one library per matmul, with the reason, pure), and
 :class:`ApplyOffloadPlan` rewrites the module by that plan and does nothing else.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
@@ -192,8 +193,9 @@ def gemm_problems(mod: tvm.IRModule, sizes: Mapping[str, int]) -> list[GemmProbl
     return list(dict.fromkeys(p for p in posed if p is not None))
 
 
-def plan_offload(mod: tvm.IRModule, sizes: Mapping[str, int],
-                 choices: Mapping[GemmProblem, GemmDecision]) -> OffloadPlan:
+def plan_offload(
+    mod: tvm.IRModule, sizes: Mapping[str, int], choices: Mapping[GemmProblem, GemmDecision]
+) -> OffloadPlan:
     """The plan for ``mod``: each matmul on the library ``choices`` (the chooser's decisions for
     :func:`gemm_problems`) gives its GEMM at ``sizes``, ``torch`` where none can be posed. Pure:
     it measures nothing and reads nothing but its arguments."""
@@ -216,11 +218,13 @@ def _offload_rule(libraries: Mapping[GemmSite, str]) -> Rule:
         if found is None:
             return None
         if found.site not in libraries:
-            raise ValueError(f"the offload plan has no library for the matmul {found.site} "
-                             "(a plan made for another module?)")
+            raise ValueError(
+                f"the offload plan has no library for the matmul {found.site} (a plan made for another module?)"
+            )
         spec = GemmSpec(libraries[found.site], found.site.trans_a, found.site.trans_b)
-        return relax.op.call_pure_packed(spec.name, found.a, found.b,
-                                         ty_args=relax.TensorType(found.out_shape, found.site.dtype))
+        return relax.op.call_pure_packed(
+            spec.name, found.a, found.b, ty_args=relax.TensorType(found.out_shape, found.site.dtype)
+        )
 
     return rule
 
@@ -288,6 +292,7 @@ def offloaded_gemms(func: relax.Function) -> list[tuple[GemmSpec, list[tuple[int
     ``scripts/bench_train.py --gemm-table`` times on each library."""
     return [
         (spec, [static_shape(x) for x in b.value.args[1:]])
-        for block in func.body.blocks for b in block.bindings
+        for block in func.body.blocks
+        for b in block.bindings
         if (spec := offloaded_call(b.value)) is not None
     ]

@@ -15,6 +15,7 @@ Candidates are built by ``build_candidate`` rather than MetaSchedule's default b
 imports every tensor intrinsic TVM has (CUDA's among them) in each fresh build worker; on a small
 machine that import alone ran past the builder's timeout, so every candidate of a kernel failed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,10 +54,14 @@ class TaskResult:
 
     def __str__(self) -> str:
         fmt = lambda v: f"{v:9.3f}" if v is not None else "      n/a"  # noqa: E731
-        notes = [" (records found: resumed)" if self.resumed else "",
-                 f" ({self.failed} failed" + (f": {self.error}" if self.error else "") + ")" if self.failed else ""]
-        return (f"{self.name[:48]:48s} {self.calls:5d} {self.flops / 1e6:10.2f} {fmt(self.default_ms)} "
-                f"{fmt(self.tuned_ms)} {self.trials:6d}{''.join(notes)}")
+        notes = [
+            " (records found: resumed)" if self.resumed else "",
+            f" ({self.failed} failed" + (f": {self.error}" if self.error else "") + ")" if self.failed else "",
+        ]
+        return (
+            f"{self.name[:48]:48s} {self.calls:5d} {self.flops / 1e6:10.2f} {fmt(self.default_ms)} "
+            f"{fmt(self.tuned_ms)} {self.trials:6d}{''.join(notes)}"
+        )
 
 
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params: Any) -> Any:
@@ -82,8 +87,9 @@ def default_trace(mod: tvm.IRModule, target: tvm.target.Target) -> tuple[tvm.IRM
     return sch.mod, sch.trace
 
 
-def default_record(mod: tvm.IRModule, target: tvm.target.Target, workload: Any, builder: Any,
-                   runner: Any) -> Any | None:
+def default_record(
+    mod: tvm.IRModule, target: tvm.target.Target, workload: Any, builder: Any, runner: Any
+) -> Any | None:
     """The default CPU schedule of a task's kernel as a tuning record, measured by ``runner``;
     None when ``default_trace`` has none or it fails to build or run."""
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
@@ -132,8 +138,11 @@ def open_database(work_dir: str | os.PathLike, create: bool = False) -> Any | No
 
     path = Path(work_dir)
     if not create and not all((path / f).is_file() for f in DATABASE_FILES):
-        warnings.warn(f"tvmbridge: no tuning database in {path} (expected {', '.join(DATABASE_FILES)}); "
-                      "using the default schedules", stacklevel=3)
+        warnings.warn(
+            f"tvmbridge: no tuning database in {path} (expected {', '.join(DATABASE_FILES)}); "
+            "using the default schedules",
+            stacklevel=3,
+        )
         return None
     path.mkdir(parents=True, exist_ok=True)
     for name in DATABASE_FILES:
@@ -141,8 +150,11 @@ def open_database(work_dir: str | os.PathLike, create: bool = False) -> Any | No
     try:
         return ms.database.JSONDatabase(work_dir=str(path), allow_missing=create)
     except Exception as exc:  # noqa: BLE001 - TVM raises its own errors for a corrupt file
-        warnings.warn(f"tvmbridge: the tuning database in {path} cannot be read ({str(exc).splitlines()[0][:200]}); "
-                      "using the default schedules", stacklevel=3)
+        warnings.warn(
+            f"tvmbridge: the tuning database in {path} cannot be read ({str(exc).splitlines()[0][:200]}); "
+            "using the default schedules",
+            stacklevel=3,
+        )
         return None
 
 
@@ -151,8 +163,11 @@ TARGET_KEYS = ("mcpu", "arch", "mattr")  # what makes a schedule tuned for one c
 
 def same_target(a: tvm.target.Target | None, b: tvm.target.Target) -> bool:
     """Whether a record made for ``a`` fits ``b``: the same kind and, where given, CPU or GPU model."""
-    return a is not None and a.kind.name == b.kind.name and all(
-        str(a.attrs.get(k, "")) == str(b.attrs.get(k, "")) for k in TARGET_KEYS)
+    return (
+        a is not None
+        and a.kind.name == b.kind.name
+        and all(str(a.attrs.get(k, "")) == str(b.attrs.get(k, "")) for k in TARGET_KEYS)
+    )
 
 
 def records_for(database: Any, target: tvm.target.Target) -> tuple[Any, list[str]]:
@@ -167,8 +182,11 @@ def records_for(database: Any, target: tvm.target.Target) -> tuple[Any, list[str
             foreign.add(str(rec.target) if rec.target is not None else "no target")
             continue
         workload = usable.commit_workload(rec.workload.mod)
-        usable.commit_tuning_record(ms.database.TuningRecord(rec.trace, workload, run_secs=rec.run_secs,
-                                                             target=rec.target, args_info=rec.args_info))
+        usable.commit_tuning_record(
+            ms.database.TuningRecord(
+                rec.trace, workload, run_secs=rec.run_secs, target=rec.target, args_info=rec.args_info
+            )
+        )
     return usable, sorted(foreign)
 
 
@@ -177,8 +195,11 @@ def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: Any) 
     rules leave it); returns the module and the kernels that had none."""
     with target, database:
         tuned = relax.transform.MetaScheduleApplyDatabase()(mod)
-    missing = [gv.name_hint for gv, f in tuned.functions_items()
-               if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)]
+    missing = [
+        gv.name_hint
+        for gv, f in tuned.functions_items()
+        if isinstance(f, tvm.tirx.PrimFunc) and not f.attrs.get("tirx.is_scheduled", False)
+    ]
     return tuned, missing
 
 
@@ -216,9 +237,15 @@ def default_schedule(task_mod: tvm.IRModule, target: tvm.target.Target) -> tvm.I
     return apply_cpu_schedules(task_mod, target) if target.kind.name == "llvm" else task_mod
 
 
-def tune_tasks(tasks: list[Any], target: tvm.target.Target, work_dir: str | os.PathLike, trials_per_task: int,
-               max_trials: int | None = None, progress: bool = True,
-               time_budget_s: float | None = None) -> list[TaskResult]:
+def tune_tasks(
+    tasks: list[Any],
+    target: tvm.target.Target,
+    work_dir: str | os.PathLike,
+    trials_per_task: int,
+    max_trials: int | None = None,
+    progress: bool = True,
+    time_budget_s: float | None = None,
+) -> list[TaskResult]:
     """Tune each task in turn into the database in ``work_dir`` (see the module docstring), the
     kernels that take the most time per call first (default latency times calls), so that a trial
     or time budget goes where it matters; once ``time_budget_s`` has passed, no further task starts."""
@@ -229,8 +256,10 @@ def tune_tasks(tasks: list[Any], target: tvm.target.Target, work_dir: str | os.P
     if database is None:
         raise RuntimeError(f"cannot open or create a tuning database in {work_dir}")
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
-    measured = [(task, _latency_ms(default_schedule(task.dispatched[0], target), target))
-                for task in tqdm(tasks, desc="default latencies", unit="kernel", disable=not progress)]
+    measured = [
+        (task, _latency_ms(default_schedule(task.dispatched[0], target), target))
+        for task in tqdm(tasks, desc="default latencies", unit="kernel", disable=not progress)
+    ]
     measured.sort(key=lambda tm: -(tm[1] or 0.0) * int(tm[0].weight))
     builder, runner = _recording_builder(), ms.runner.LocalRunner()
     results, spent, start = [], 0, time.monotonic()
@@ -243,28 +272,62 @@ def tune_tasks(tasks: list[Any], target: tvm.target.Target, work_dir: str | os.P
     return results
 
 
-def _tune_one(task: Any, default_ms: float | None, target: tvm.target.Target, work_dir: Any, database: Any,
-              builder: Any, runner: Any, budget: int, ms: Any) -> TaskResult:
+def _tune_one(
+    task: Any,
+    default_ms: float | None,
+    target: tvm.target.Target,
+    work_dir: Any,
+    database: Any,
+    builder: Any,
+    runner: Any,
+    budget: int,
+    ms: Any,
+) -> TaskResult:
     mod = task.dispatched[0]
     flops, calls = float(s_tir_analysis.estimate_tir_flops(mod)), int(task.weight)
     done = database.has_workload(mod)  # tuned in an earlier run (its records may all be failures)
     if done or budget <= 0:
-        return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), 0, resumed=bool(done),
-                          failed=_failed(database, mod), calls=calls)
-    ctx = ms.TuneContext(mod=mod, target=target, space_generator="post-order-apply", search_strategy="evolutionary",
-                         task_name=task.task_name)
+        return TaskResult(
+            task.task_name,
+            flops,
+            default_ms,
+            _best_ms(database, mod),
+            0,
+            resumed=bool(done),
+            failed=_failed(database, mod),
+            calls=calls,
+        )
+    ctx = ms.TuneContext(
+        mod=mod,
+        target=target,
+        space_generator="post-order-apply",
+        search_strategy="evolutionary",
+        task_name=task.task_name,
+    )
     builder.errors.clear()
-    ms.tune_tasks(tasks=[ctx], task_weights=[1.0], work_dir=str(work_dir), max_trials_global=budget,
-                  max_trials_per_task=budget, num_trials_per_iter=min(budget, 16), database=database,
-                  builder=builder, runner=runner, cost_model="xgb")
-    error = builder.errors[0].strip().splitlines()[-1][:120] if builder.errors else None  # the message, past any traceback
+    ms.tune_tasks(
+        tasks=[ctx],
+        task_weights=[1.0],
+        work_dir=str(work_dir),
+        max_trials_global=budget,
+        max_trials_per_task=budget,
+        num_trials_per_iter=min(budget, 16),
+        database=database,
+        builder=builder,
+        runner=runner,
+        cost_model="xgb",
+    )
+    error = (
+        builder.errors[0].strip().splitlines()[-1][:120] if builder.errors else None
+    )  # the message, past any traceback
     trials, failed = len(_records(database, mod)), _failed(database, mod)
     # Measured by the runner that timed the candidates, so the compile takes whichever is faster.
     if (default := default_record(mod, target, database.commit_workload(mod), builder, runner)) is not None:
         database.commit_tuning_record(default)
         default_ms = _mean_ms(default.run_secs)
-    return TaskResult(task.task_name, flops, default_ms, _best_ms(database, mod), trials, failed=failed, error=error,
-                      calls=calls)
+    return TaskResult(
+        task.task_name, flops, default_ms, _best_ms(database, mod), trials, failed=failed, error=error, calls=calls
+    )
 
 
 FAILED_RUN_SECS = 1e9  # MetaSchedule records a candidate that failed to build or run as 1e10 s

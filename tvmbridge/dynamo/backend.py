@@ -9,11 +9,13 @@ model, so a graph's forward and backward run on TVM through the same pipeline, w
 net: the first call of each compiled variant is checked against PyTorch, and a graph the bridge
 cannot convert runs PyTorch with a warning (``explain()`` says why).
 """
+
 from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -77,14 +79,19 @@ class CompiledGraph:
             named = frozenset(error.sources).intersection(names) if error is not None else frozenset()
             if named:
                 try:
-                    self.split = SplitGraph(self.source, self.options, named, f"; the bridge cannot convert them: {error}")
+                    self.split = SplitGraph(
+                        self.source, self.options, named, f"; the bridge cannot convert them: {error}"
+                    )
                 except Exception:  # noqa: BLE001 - a graph that cannot be cut runs PyTorch whole, as it would unsplit
                     named = frozenset()
             if named:
                 if self.options.warn_on_fallback:
-                    warnings.warn(f"tvmbridge: a torch.compile graph is split at {', '.join(self.split.kept)}: "
-                                  f"PyTorch runs {'it' if len(named) == 1 else 'them'}, TVM the rest ({error})",
-                                  FallbackWarning, stacklevel=caller_stacklevel())
+                    warnings.warn(
+                        f"tvmbridge: a torch.compile graph is split at {', '.join(self.split.kept)}: "
+                        f"PyTorch runs {'it' if len(named) == 1 else 'them'}, TVM the rest ({error})",
+                        FallbackWarning,
+                        stacklevel=caller_stacklevel(),
+                    )
             # done once a compile was tried (a call no variant could run, under a dispatch mode, tries later)
             d = self.dispatcher
             self._first_done = bool(self.split is not None or d.variants or d.failures)
@@ -114,8 +121,9 @@ class SplitGraph:
     """A graph cut where PyTorch must run (``split``): each piece between compiled as a graph of
     its own (all pieces wrapped, or none: a failure leaves the graph whole)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions,
-                 named: frozenset[str] = frozenset(), why: str = "") -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, options: CompileOptions, named: frozenset[str] = frozenset(), why: str = ""
+    ) -> None:
         fused, names, self.kept = split(gm, named)
         self.why = why
         self.pieces = {name: CompiledGraph(getattr(fused, name), options) for name in names}
@@ -185,13 +193,16 @@ def compile_backend(options: CompileOptions | None = None, **overrides: Any) -> 
         overrides = {**BACKEND_DEFAULTS, **overrides}
     opts = with_overrides(options, overrides)
     if isinstance(opts.dynamic, dict):
-        raise ValueError("dynamic={...} names a module's arguments; under torch.compile, dynamo decides the dynamic "
-                         "dims: use torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic instead")
+        raise ValueError(
+            "dynamic={...} names a module's arguments; under torch.compile, dynamo decides the dynamic "
+            "dims: use torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic instead"
+        )
     return Backend(opts)
 
 
-def tvmbridge(gm: torch.fx.GraphModule, example_inputs: list[Any],
-              options: dict[str, Any] | None = None) -> Callable[..., Any]:
+def tvmbridge(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
     """The backend registered as ``"tvmbridge"``: ``torch.compile(model, backend="tvmbridge",
     options={"memory_budget": 0.3})`` passes ``options`` as :class:`CompileOptions` fields."""
     return _backend_for(options or {})(gm, example_inputs)

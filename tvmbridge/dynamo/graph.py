@@ -12,6 +12,7 @@ bridge compiles calls of tensors, so :class:`InputPlan` sorts the graph's inputs
 * any other size, and every scalar read with ``.item()``, becomes a Python number of the call:
   the compiled code is specialised on its value and guarded by it (a new value compiles anew).
 """
+
 from __future__ import annotations
 
 import operator
@@ -49,7 +50,9 @@ class InputPlan:
     kinds: tuple[str, ...]
     sources: dict[int, tuple[int, int]]
     dynamic_dims: dict[int, dict[int, str]]  # call-argument position -> {dim: symbol} dynamo keeps symbolic
-    symbols: dict[Any, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (input, dim or None: the input itself)
+    symbols: dict[Any, tuple[int, int | None]] = field(
+        default_factory=dict
+    )  # symbol -> (input, dim or None: the input itself)
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule) -> InputPlan:
@@ -70,8 +73,12 @@ class InputPlan:
                 sources[i] = dims_of[_expr(v)]
             elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
                 kinds.append(SIZE)
-            elif isinstance(v, torch.Tensor) and v.dim() == 0 and p.users and all(
-                    u.op == "call_method" and u.target == "item" for u in p.users):
+            elif (
+                isinstance(v, torch.Tensor)
+                and v.dim() == 0
+                and p.users
+                and all(u.op == "call_method" and u.target == "item" for u in p.users)
+            ):
                 kinds.append(SCALAR)
             else:
                 kinds.append(TENSOR)
@@ -86,8 +93,13 @@ class InputPlan:
                 if marks:
                     dynamic[call_position[i]] = marks
         symbols: dict[Any, tuple[int, int | None]] = dict(dims_of)
-        symbols.update({_expr(v): (i, None) for i, v in enumerate(values)
-                        if isinstance(v, torch.SymInt) and _expr(v) is not None and _expr(v).is_Symbol})
+        symbols.update(
+            {
+                _expr(v): (i, None)
+                for i, v in enumerate(values)
+                if isinstance(v, torch.SymInt) and _expr(v) is not None and _expr(v).is_Symbol
+            }
+        )
         return cls(tuple(kinds), sources, dynamic, symbols)
 
     def size_of(self, symbol: Any, args: Any) -> int:
@@ -147,8 +159,11 @@ def inline_bodies(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     recompute. Done before anything reads the graph's inputs or splits it."""
     try:
         for node in list(gm.graph.nodes):
-            if (node.op == "call_function" and isinstance(node.target, HigherOrderOperator)
-                    and getattr(node.target, "__name__", None) in INLINED):
+            if (
+                node.op == "call_function"
+                and isinstance(node.target, HigherOrderOperator)
+                and getattr(node.target, "__name__", None) in INLINED
+            ):
                 _inline(gm, node)
     finally:  # a body left whole is still the same program
         gm.delete_all_unused_submodules()
@@ -184,8 +199,9 @@ class OutputPlan:
             if expr is not None and not expr.free_symbols <= set(plan.symbols):
                 expr = None
             if expr is None and not isinstance(value, (int, float, bool, type(None))):
-                raise ValueError(f"graph output {i} is {type(value).__name__} {value!r}, not a tensor or a size "
-                                 "of the inputs")
+                raise ValueError(
+                    f"graph output {i} is {type(value).__name__} {value!r}, not a tensor or a size of the inputs"
+                )
             others[i] = expr if expr is not None else value
         return cls(len(outputs), others)
 
@@ -217,8 +233,10 @@ def prepared(gm: torch.fx.GraphModule, plan: InputPlan, outputs: OutputPlan | No
     left in it (a custom Function's own backward) is refused."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
-            raise ValueError(f"the graph calls {getattr(node.target, '__name__', node.target)} (a custom "
-                             "autograd.Function's own backward, or another higher-order op): TVM cannot run it")
+            raise ValueError(
+                f"the graph calls {getattr(node.target, '__name__', node.target)} (a custom "
+                "autograd.Function's own backward, or another higher-order op): TVM cannot run it"
+            )
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     for kind, p in zip(plan.kinds, placeholders):
         if kind == SCALAR:

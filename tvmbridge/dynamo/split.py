@@ -10,6 +10,7 @@ edges, as a capability partitioner does) keeps every piece under the grad mode a
 was captured under, keeps writes before and after the ops that read them, and keeps the random
 ops' draws in eager's order.
 """
+
 from __future__ import annotations
 
 import operator
@@ -28,15 +29,23 @@ def runs_in_pytorch(node: torch.fx.Node, named: frozenset[str] = frozenset()) ->
     a node ``named`` (one the bridge could not convert)."""
     if node.op in ("placeholder", "get_attr", "output"):
         return False
-    return node.name in named or (node.op == "call_function" and isinstance(node.target, HigherOrderOperator)
-                                  and getattr(node.target, "__name__", "") not in INLINED)
+    return node.name in named or (
+        node.op == "call_function"
+        and isinstance(node.target, HigherOrderOperator)
+        and getattr(node.target, "__name__", "") not in INLINED
+    )
 
 
 def _writes_an_input(node: torch.fx.Node) -> bool:
     name = str(getattr(node.target, "__name__", node.target))
     first = node.args[0] if node.args else None
-    return (node.op in ("call_method", "call_function") and name.endswith("_") and not name.startswith("_")
-            and isinstance(first, torch.fx.Node) and first.op == "placeholder")
+    return (
+        node.op in ("call_method", "call_function")
+        and name.endswith("_")
+        and not name.startswith("_")
+        and isinstance(first, torch.fx.Node)
+        and first.op == "placeholder"
+    )
 
 
 def _barrier(node: torch.fx.Node, named: frozenset[str]) -> bool:
@@ -44,8 +53,12 @@ def _barrier(node: torch.fx.Node, named: frozenset[str]) -> bool:
     if runs_in_pytorch(node, named) or getattr(node.target, "__name__", "") in _STATEFUL or _writes_an_input(node):
         return True
     # the results of an op PyTorch runs are taken apart where it runs
-    return (node.op == "call_function" and node.target is operator.getitem
-            and isinstance(node.args[0], torch.fx.Node) and runs_in_pytorch(node.args[0], named))
+    return (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], torch.fx.Node)
+        and runs_in_pytorch(node.args[0], named)
+    )
 
 
 def needs_split(gm: torch.fx.GraphModule) -> bool:
@@ -66,8 +79,9 @@ def _runs(gm: torch.fx.GraphModule, named: frozenset[str]) -> list[dict[torch.fx
     return [r for r in runs if r]
 
 
-def split(gm: torch.fx.GraphModule, named: frozenset[str] = frozenset()
-          ) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
+def split(
+    gm: torch.fx.GraphModule, named: frozenset[str] = frozenset()
+) -> tuple[torch.fx.GraphModule, list[str], list[str]]:
     """``gm`` with its compilable runs as submodules: the split graph, the pieces' names, and
     what PyTorch runs between them (for ``explain``). ``named``: nodes PyTorch runs too."""
     fused = fuse_by_partitions(gm, _runs(gm, named), prefix="tvm_piece_")

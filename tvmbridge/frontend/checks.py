@@ -1,9 +1,10 @@
 """What the bridge refuses before converting, each with where in the user's code it came from:
 an op no converter takes, a size that depends on tensor values, a zero-size value."""
+
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.export import ExportedProgram
@@ -26,10 +27,13 @@ def known_ops() -> set[str]:
 def unsupported_ops(ep: ExportedProgram) -> list[str]:
     """aten ops in the graph that the importer has no converter for (random ops are all handled)."""
     known = known_ops()
-    return sorted({
-        n.target.__name__ for n in ep.graph.nodes
-        if n.op == "call_function" and n.target.__name__ not in known and not is_random(n)
-    })
+    return sorted(
+        {
+            n.target.__name__
+            for n in ep.graph.nodes
+            if n.op == "call_function" and n.target.__name__ not in known and not is_random(n)
+        }
+    )
 
 
 def dropped_by_cat(node: torch.fx.Node, val: torch.Tensor) -> bool:
@@ -91,20 +95,26 @@ def refuse_unconvertible(ep: ExportedProgram) -> None:
     missing = unsupported_ops(ep)
     if missing:
         raise UnsupportedOpError(
-            "convert", f"no Relax converter for {', '.join(missing)}; add one in tvmbridge/frontend/converters/ "
+            "convert",
+            f"no Relax converter for {', '.join(missing)}; add one in tvmbridge/frontend/converters/ "
             "(a function under the @converter decorator) or call with fallback=True to keep PyTorch",
-            op=missing[0], sources=_origins_of(ep, lambda n: getattr(n.target, "__name__", "") in missing),
+            op=missing[0],
+            sources=_origins_of(ep, lambda n: getattr(n.target, "__name__", "") in missing),
         )
     dependent = data_dependent_values(ep)
     if dependent:
         raise ConversionError(
-            "convert", f"{dependent[0]} has a size that depends on the values of a tensor (boolean-mask indexing "
+            "convert",
+            f"{dependent[0]} has a size that depends on the values of a tensor (boolean-mask indexing "
             "x[mask], nonzero, masked_select, unique): compiled code needs sizes known from the input shapes; "
             "write it with torch.where (e.g. a loss over masked positions as a masked mean), or use fallback=True",
-            sources=_origins_of(ep, lambda n: any(d.startswith(f"{n.name} = ") for d in dependent)))
+            sources=_origins_of(ep, lambda n: any(d.startswith(f"{n.name} = ") for d in dependent)),
+        )
     empty = zero_size_values(ep)
     if empty:
         raise ConversionError(
-            "convert", f"{empty[0]} has a zero-size dimension: TVM's kernels and gradients do not handle empty "
+            "convert",
+            f"{empty[0]} has a zero-size dimension: TVM's kernels and gradients do not handle empty "
             "tensors (wrong strides, unsorted split indices); call with fallback=True to keep PyTorch",
-            sources=_origins_of(ep, lambda n: any(e.startswith(f"{n.name} (") for e in empty)))
+            sources=_origins_of(ep, lambda n: any(e.startswith(f"{n.name} (") for e in empty)),
+        )

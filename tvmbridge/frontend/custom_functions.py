@@ -6,15 +6,16 @@ gradient-reversal layer's, any hand-written backward would silently become the f
 gradient. While the bridge traces, ``Function.apply`` records the classes applied in the tracing
 thread (other threads pass through untouched); the patch is undone when the last trace ends.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.autograd.function import Function
 from torch.utils.checkpoint import CheckpointFunction
-
 
 _ORIGINAL_APPLY = Function.__dict__["apply"]
 # the Functions torch.library generates for a custom op's registered backward: the trace keeps the

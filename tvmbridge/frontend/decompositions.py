@@ -9,6 +9,7 @@ no converter can take it with dropout. It is written out as ATen's
 ``dropout_p > 0``): scale q and k by sqrt(scale) each, add the mask, ``_safe_softmax``, then
 ``aten.dropout``, whose mask the runtime draws from PyTorch's generator exactly as eager does.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,16 @@ import torch
 aten = torch.ops.aten
 
 
-def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
+def sdpa_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``scaled_dot_product_attention`` as ATen's math kernel computes it (attention.cpp):
     bfloat16/float16 inputs (autocast) are upcast to float32 and the result cast back."""
     low = query.dtype in (torch.bfloat16, torch.float16)
@@ -29,7 +37,9 @@ def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         out = sdpa_math(*wide, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         return out.to(query.dtype)
     negative = scale is not None and scale < 0
-    factor = math.sqrt(abs(scale) if negative else scale) if scale is not None else 1 / math.sqrt(math.sqrt(query.shape[-1]))
+    factor = (
+        math.sqrt(abs(scale) if negative else scale) if scale is not None else 1 / math.sqrt(math.sqrt(query.shape[-1]))
+    )
     q = query * (-factor if negative else factor)
     if is_causal:
         causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
@@ -51,8 +61,11 @@ def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True: attend) as ATen adds it: 0 where kept, -inf where masked."""
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device),
-                       torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+    return torch.where(
+        mask,
+        torch.zeros((), dtype=dtype, device=mask.device),
+        torch.full((), float("-inf"), dtype=dtype, device=mask.device),
+    )
 
 
 def hardswish_kinks(x: torch.Tensor) -> torch.Tensor:

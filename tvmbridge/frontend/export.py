@@ -8,6 +8,7 @@ is compiled in as a constant, so ``load_state_dict``, an optimizer step or a rep
 statistics in train mode) come back as extra outputs, after the module's own. What the export
 learned is kept in :class:`TracedModule` for the guard and the runtime.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -65,8 +66,10 @@ class ModuleState:
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleState:
         names, is_param, seen, aliases = [], [], {}, {}
-        for kind, items in ((True, module.named_parameters(remove_duplicate=False)),
-                            (False, module.named_buffers(remove_duplicate=False))):
+        for kind, items in (
+            (True, module.named_parameters(remove_duplicate=False)),
+            (False, module.named_buffers(remove_duplicate=False)),
+        ):
             for name, t in items:
                 if id(t) in seen:
                     aliases[name] = seen[id(t)]
@@ -116,7 +119,7 @@ class TracedModule:
         """The module's output from the compiled code's user outputs. An output copied from a
         constant (a cache's ``torch.tensor(window)``) is one buffer of the compiled code on every
         call: each call hands out its own copy, so that a user's in-place edit stays theirs."""
-        values = [o.clone() if i in self.constant_outputs else o for i, o in enumerate(outs[:self.num_user_outputs])]
+        values = [o.clone() if i in self.constant_outputs else o for i, o in enumerate(outs[: self.num_user_outputs])]
         return unflatten_output(values, self.out_spec)
 
     @property
@@ -145,8 +148,15 @@ class FlatCall(torch.nn.Module):
     ``updated`` buffers, then of the ``updated_inputs`` (by position among the call's tensors;
     both updated on clones, so the export sees values, not mutations)."""
 
-    def __init__(self, inner: torch.nn.Module, in_spec: pytree.TreeSpec, leaves: list[Any],
-                 state: ModuleState, updated: tuple[str, ...] = (), updated_inputs: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        inner: torch.nn.Module,
+        in_spec: pytree.TreeSpec,
+        leaves: list[Any],
+        state: ModuleState,
+        updated: tuple[str, ...] = (),
+        updated_inputs: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "inner", inner)  # not a submodule: its state comes in as inputs
         self.in_spec = in_spec
@@ -159,11 +169,11 @@ class FlatCall(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self.template)
-        user = [t.clone() if j in self.updated_inputs else t for j, t in enumerate(tensors[:len(self.slots)])]
+        user = [t.clone() if j in self.updated_inputs else t for j, t in enumerate(tensors[: len(self.slots)])]
         for i, t in zip(self.slots, user):
             leaves[i] = t
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
-        values = dict(zip(self.state.names, tensors[len(self.slots):]))
+        values = dict(zip(self.state.names, tensors[len(self.slots) :]))
         for name in self.updated:
             values[name] = values[name].clone()
         out = torch.func.functional_call(self.inner, values, args, kwargs, tie_weights=True, strict=False)
@@ -181,16 +191,18 @@ def _dynamic_shapes(num_inputs: int, dynamic: dict[int, frozenset[int]]) -> tupl
     return (tuple({d: auto for d in sorted(dynamic[i])} if i in dynamic else None for i in range(num_inputs)),)
 
 
-def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
-            dynamic: dict[int, frozenset[int]] | None = None) -> ExportedProgram:
+def _export(
+    module: torch.nn.Module, flat: FlatCall, inputs: tuple, dynamic: dict[int, frozenset[int]] | None = None
+) -> ExportedProgram:
     with warnings.catch_warnings():
         # torch.export deep-copies tree specs and trips torch's own LeafSpec deprecation
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             # grad on: export marks a no_grad block only where it differs from the mode it traces under
             with custom_functions_seen() as custom, torch.enable_grad():
-                ep = torch.export.export(flat, args=inputs, strict=False,
-                                         dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {}))
+                ep = torch.export.export(
+                    flat, args=inputs, strict=False, dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {})
+                )
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
             hint = ""
             if "Cache" in str(exc):  # transformers' key/value caches
@@ -201,10 +213,12 @@ def _export(module: torch.nn.Module, flat: FlatCall, inputs: tuple,
     if custom:
         names = ", ".join(sorted({c.__qualname__ for c in custom}))
         raise ConversionError(
-            "trace", f"{type(module).__name__}'s forward applies a custom autograd.Function ({names}) whose own "
+            "trace",
+            f"{type(module).__name__}'s forward applies a custom autograd.Function ({names}) whose own "
             "backward TVM cannot run: its gradient would become the gradient of its forward. Use "
             "torch.compile(model, backend='tvmbridge'), which runs it in PyTorch and the rest on TVM; or dispatch "
-            "the submodules around it; or keep PyTorch for this module (fallback=True)")
+            "the submodules around it; or keep PyTorch for this module (fallback=True)",
+        )
     return ep
 
 
@@ -217,8 +231,11 @@ def _detach_no_grad_regions(ep: ExportedProgram) -> None:
             continue
         graph = module.graph
         for node in list(graph.nodes):
-            if (node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
-                    and node.args[0] is False):
+            if (
+                node.op == "call_function"
+                and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
+                and node.args[0] is False
+            ):
                 for user in list(node.users):
                     if not isinstance(user.meta.get("val"), torch.Tensor):
                         continue
@@ -241,8 +258,9 @@ def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
             ) from exc
 
 
-def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
-          dynamic: dict[int, frozenset[int]] | None = None) -> TracedModule:
+def trace(
+    module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic: dict[int, frozenset[int]] | None = None
+) -> TracedModule:
     """Export ``module`` for one call and decompose to core ATen (the form that is converted).
     ``dynamic`` marks dims of the call's tensors (by position among them) to trace symbolically."""
     call_args, call_kwargs = canonical_call(module.forward, args, kwargs)
@@ -264,16 +282,25 @@ def trace(module: torch.nn.Module, args: tuple, kwargs: dict | None = None,
     others = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
     if len(user_inputs) != len(inputs) or any(s.kind != InputKind.CONSTANT_TENSOR for s in others):
         raise ConversionError(
-            "trace", f"expected {len(inputs)} tensor inputs in the export (the call's {len(tensors)} and the "
+            "trace",
+            f"expected {len(inputs)} tensor inputs in the export (the call's {len(tensors)} and the "
             f"module's {len(state.names)} parameters and buffers) and lifted constants, found "
-            f"{[s.kind.name for s in ep.graph_signature.input_specs]}"
+            f"{[s.kind.name for s in ep.graph_signature.input_specs]}",
         )
     return TracedModule(
-        exported=ep, in_spec=in_spec, out_spec=flat.seen.out_spec,
+        exported=ep,
+        in_spec=in_spec,
+        out_spec=flat.seen.out_spec,
         constant_leaves={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
-        num_user_inputs=len(tensors), state=state, num_user_outputs=num_user_outputs,
-        updated_buffers=updated, updated_inputs=updated_inputs, input_dims=_input_dims(ep, len(tensors)),
-        ranges=_ranges(ep), autocast=autocast, no_grad_path=_inputs_without_grad_path(ep, num_user_outputs),
+        num_user_inputs=len(tensors),
+        state=state,
+        num_user_outputs=num_user_outputs,
+        updated_buffers=updated,
+        updated_inputs=updated_inputs,
+        input_dims=_input_dims(ep, len(tensors)),
+        ranges=_ranges(ep),
+        autocast=autocast,
+        no_grad_path=_inputs_without_grad_path(ep, num_user_outputs),
         constant_outputs=_constant_outputs(ep, num_user_outputs),
     )
 
@@ -302,8 +329,10 @@ def _inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> fro
 
     def is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout) carries a tuple
         val = node.meta.get("val")
-        return any(isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
-                   for v in (val if isinstance(val, (tuple, list)) else (val,)))
+        return any(
+            isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
+            for v in (val if isinstance(val, (tuple, list)) else (val,))
+        )
 
     reached: set[torch.fx.Node] = set()
     stack = [o for o in outputs if isinstance(o, torch.fx.Node) and is_float(o)]
@@ -348,8 +377,9 @@ def _user_input_specs(ep: ExportedProgram) -> list:
     return [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
-def _updated_tensors(ep: ExportedProgram, tensors: tuple[torch.Tensor, ...],
-                     state: ModuleState) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _updated_tensors(
+    ep: ExportedProgram, tensors: tuple[torch.Tensor, ...], state: ModuleState
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """What the call writes in place: buffers (running statistics) by state name, and the call's
     own tensors by position (a graph from torch.compile takes the buffers as inputs). Parameters
     and tensors that require grad may not be written (a forward that writes what it is
@@ -364,8 +394,11 @@ def _updated_tensors(ep: ExportedProgram, tensors: tuple[torch.Tensor, ...],
     if params:
         raise ConversionError("trace", f"the module writes its own parameters in forward ({', '.join(params)})")
     if any(tensors[i].requires_grad for i in inputs):
-        raise ConversionError("trace", "the module writes in place into an input that requires grad; only inputs "
-                              "without a gradient (buffers, counters) can be written")
+        raise ConversionError(
+            "trace",
+            "the module writes in place into an input that requires grad; only inputs "
+            "without a gradient (buffers, counters) can be written",
+        )
     return names, inputs
 
 
@@ -375,7 +408,7 @@ def _check_outputs(ep: ExportedProgram) -> int:
     for o in out_nodes:
         if not isinstance(o, torch.fx.Node) or not isinstance(o.meta.get("val"), torch.Tensor):
             raise ConversionError(
-                "trace", f"output {o!r} is not a tensor; only (nested tuples of) tensors can be "
-                "returned by a compiled module"
+                "trace",
+                f"output {o!r} is not a tensor; only (nested tuples of) tensors can be returned by a compiled module",
             )
     return len(out_nodes)

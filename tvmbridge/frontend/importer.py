@@ -7,10 +7,12 @@ silently wrong for training, adds those it lacks and refuses what neither conver
 (random sites, index-range flags, the shape symbols); :func:`to_relax` checks the graph
 (``checks``), converts it, and appends the flags (and probes) to the outputs.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import tvm
@@ -82,14 +84,20 @@ class BridgeImporter(ExportedProgramImporter):
     @staticmethod
     def _named(name: str, fn: Callable) -> Callable:
         """``fn`` with its failures as errors that name the aten op and where it came from."""
+
         def convert(node: torch.fx.Node, *rest: Any) -> Any:
             try:
-                with stage_errors("convert", op=name, what=f"the Relax frontend failed on {node.format_node()}",
-                                  error=UnsupportedOpError):
+                with stage_errors(
+                    "convert",
+                    op=name,
+                    what=f"the Relax frontend failed on {node.format_node()}",
+                    error=UnsupportedOpError,
+                ):
                     return fn(node, *rest)
             except ConversionError as exc:
                 exc.sources = exc.sources or origins([node])
                 raise
+
         return convert
 
     def random_input(self, site: RandomSite, dtype: str, shape: list) -> relax.Var:
@@ -97,8 +105,11 @@ class BridgeImporter(ExportedProgramImporter):
         function parameter)."""
         index = len(self.random_sites)
         self.random_sites.append(site)
-        return self.block_builder.emit(relax.op.call_pure_packed(
-            names.RANDOM_SITE, relax.prim_value(index), ty_args=relax.TensorType(shape, dtype)))
+        return self.block_builder.emit(
+            relax.op.call_pure_packed(
+                names.RANDOM_SITE, relax.prim_value(index), ty_args=relax.TensorType(shape, dtype)
+            )
+        )
 
     def range_flag(self, inside: relax.Expr) -> None:
         """Fold ``all(inside)`` into one index-range flag for every ``take``/``x[idx]``: separate
@@ -121,9 +132,14 @@ def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) 
     ep = traced.exported
     refuse_unconvertible(ep)
     importer = BridgeImporter()
-    random_ops = {n.target.__name__ for n in ep.graph.nodes
-                  if n.op == "call_function" and is_random(n) and n.target.__name__ not in DROPOUT_OPS}
-    custom = {name: importer._named(name, lambda node, _importer: convert_random(importer, node)) for name in random_ops}
+    random_ops = {
+        n.target.__name__
+        for n in ep.graph.nodes
+        if n.op == "call_function" and is_random(n) and n.target.__name__ not in DROPOUT_OPS
+    }
+    custom = {
+        name: importer._named(name, lambda node, _importer: convert_random(importer, node)) for name in random_ops
+    }
     custom.update({name: importer._named(name, fn) for name, fn in converters})
     with stage_errors("convert"):
         mod = importer.from_exported_program(ep, True, False, False, custom)
@@ -145,8 +161,14 @@ def _probe_values(ep: ExportedProgram, env: dict, func: relax.Function) -> list[
     out = []
     for node in ep.graph.nodes:
         val, var = node.meta.get("val"), env.get(node)
-        if (node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point()
-                and val.numel() and var in bound and isinstance(var.ty, relax.TensorType)):
+        if (
+            node.op == "call_function"
+            and isinstance(val, torch.Tensor)
+            and val.is_floating_point()
+            and val.numel()
+            and var in bound
+            and isinstance(var.ty, relax.TensorType)
+        ):
             out.append((node.name, var))
     return out
 

@@ -10,6 +10,7 @@ inputs to its result dtype (the promoted one, as TensorIterator does). Matrix pr
 convolutions do not promote: PyTorch raises for mixed inputs (a float64 batch into a float32
 model), and so does this pass, where the fake tensors of the trace let it through.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,22 +24,33 @@ from ..errors import ConversionError
 aten = torch.ops.aten
 
 # kernels that accept a low-precision input with float32 parameters and compute in float32
-MIXED_TYPE_NORMS = frozenset({
-    aten.native_layer_norm.default,
-    aten.native_group_norm.default,
-    aten.native_batch_norm.default,
-    aten._native_batch_norm_legit.default,
-    aten._native_batch_norm_legit.no_stats,
-    aten._native_batch_norm_legit_no_training.default,
-    aten._native_batch_norm_legit_functional.default,
-})
+MIXED_TYPE_NORMS = frozenset(
+    {
+        aten.native_layer_norm.default,
+        aten.native_group_norm.default,
+        aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default,
+        aten._native_batch_norm_legit.no_stats,
+        aten._native_batch_norm_legit_no_training.default,
+        aten._native_batch_norm_legit_functional.default,
+    }
+)
 
 
 # kernels that require one dtype (no promotion): a mixed call is an error in PyTorch
-SAME_DTYPE_KERNELS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.mv.default,
-    aten.addmv.default, aten.dot.default, aten.convolution.default, aten._convolution.default,
-})
+SAME_DTYPE_KERNELS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.mv.default,
+        aten.addmv.default,
+        aten.dot.default,
+        aten.convolution.default,
+        aten._convolution.default,
+    }
+)
 
 
 def _float_val(node: object) -> torch.Tensor | None:
@@ -76,9 +88,13 @@ def make_dtype_mixing_explicit(graph: Graph) -> int:
         widest = functools.reduce(torch.promote_types, dtypes)
         if node.target in SAME_DTYPE_KERNELS:
             names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-            raise ConversionError("trace", f"{node.target} gets {names} inputs, which PyTorch refuses (its "
-                                  "kernels need one dtype): convert the inputs to the module's dtype, or the "
-                                  "module to the inputs'", op=str(node.target))
+            raise ConversionError(
+                "trace",
+                f"{node.target} gets {names} inputs, which PyTorch refuses (its "
+                "kernels need one dtype): convert the inputs to the module's dtype, or the "
+                "module to the inputs'",
+                op=str(node.target),
+            )
         if node.target in MIXED_TYPE_NORMS:
             compute = widest
         else:
@@ -120,8 +136,13 @@ def _typed_int_scalars(graph: Graph, node: Node) -> int:
     """A Python int beside an integer tensor (``pos // 2`` on int64) as a 0-d tensor of that
     tensor's dtype: TVM's frontend makes every int scalar an int32 constant, which Relax's
     binary ops refuse beside int64 (PyTorch computes in the tensor's dtype)."""
-    ints = [a.meta["val"].dtype for a in node.args if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor)
-            and not (a.meta["val"].is_floating_point() or a.meta["val"].is_complex() or a.meta["val"].dtype == torch.bool)]
+    ints = [
+        a.meta["val"].dtype
+        for a in node.args
+        if isinstance(a, Node)
+        and isinstance(a.meta.get("val"), torch.Tensor)
+        and not (a.meta["val"].is_floating_point() or a.meta["val"].is_complex() or a.meta["val"].dtype == torch.bool)
+    ]
     if not ints or ints[0] == torch.int32:
         return 0
     schema = getattr(getattr(node.target, "_schema", None), "arguments", [])

@@ -8,6 +8,7 @@ each leaf that is an object holding tensors is taken apart here: its tensors bec
 its structure a template, from which every call rebuilds an equal object around the call's
 tensors (no copies).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -134,7 +135,7 @@ def unflatten_output(values: list[Any], layout: OutputLayout) -> Any:
     """The module's output around ``values`` (what ``flatten_output`` gave, in its order)."""
     leaves, start = [], 0
     for i, count in enumerate(layout.counts):
-        part = list(values[start:start + count])
+        part = list(values[start : start + count])
         leaves.append(_fill(layout.templates[i], part) if i in layout.templates else part[0])
         start += count
     return pytree.tree_unflatten(leaves, layout.spec)

@@ -5,6 +5,7 @@ retrace and decomposition). Its root names the node of the graph the trace ran: 
 graph, the node dynamo captured. A conversion failure that names those nodes tells the
 ``torch.compile`` backend where to cut the graph so that PyTorch runs just them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

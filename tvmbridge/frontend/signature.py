@@ -3,10 +3,12 @@
 The same call written with positional or keyword arguments, or with a default passed explicitly,
 must give one signature: the guard compares calls in this form and the export traces it.
 """
+
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

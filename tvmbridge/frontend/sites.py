@@ -4,6 +4,7 @@ Plain data, read by the runtime (``runtime/random.py`` draws each site from PyTo
 and by the pipeline; sizes the trace left symbolic are kept as their expressions' text and
 evaluated at each call's sizes (:func:`tvmbridge.sizes.evaluate_dims`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +65,15 @@ class RandomSite:
     def symbolic(self) -> bool:
         metas = [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, TensorMeta)]
         lists = [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, SizeList)]
-        return any(isinstance(d, str) for d in (*self.shape, *self.stride, *(x for m in metas for x in m.shape),
-                                                  *(x for s in lists for x in s.dims)))
+        return any(
+            isinstance(d, str)
+            for d in (
+                *self.shape,
+                *self.stride,
+                *(x for m in metas for x in m.shape),
+                *(x for s in lists for x in s.dims),
+            )
+        )
 
     def bind(self, sizes: dict[str, int]) -> RandomSite:
         """This site at the call's sizes (``sizes``: symbol name -> size)."""
@@ -73,5 +81,10 @@ class RandomSite:
             return self
         args = tuple(a.bind(sizes) if isinstance(a, (TensorMeta, SizeList)) else a for a in self.args)
         kwargs = {k: v.bind(sizes) if isinstance(v, (TensorMeta, SizeList)) else v for k, v in self.kwargs.items()}
-        return dataclasses.replace(self, shape=evaluate_dims(self.shape, sizes),
-                                   stride=evaluate_dims(self.stride, sizes), args=args, kwargs=kwargs)
+        return dataclasses.replace(
+            self,
+            shape=evaluate_dims(self.shape, sizes),
+            stride=evaluate_dims(self.stride, sizes),
+            args=args,
+            kwargs=kwargs,
+        )

@@ -6,6 +6,7 @@ PyTorch's float arithmetic to the bit (BatchNorm's running statistics), a value 
 this opaque call: it is stored by one kernel and read by the next, rounded as PyTorch rounds it.
 A copy, not the input itself: the VM plans memory as if a packed call's result were new.
 """
+
 from __future__ import annotations
 
 import functools

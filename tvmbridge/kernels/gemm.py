@@ -16,13 +16,15 @@ Both are IEEE float32 GEMMs whose results differ by summation order only, unless
 ``torch.backends.mkldnn.matmul``'s precision, which then holds for eager PyTorch as well; in
 bfloat16 (autocast) both accumulate in float32 and round the result once.
 """
+
 from __future__ import annotations
 
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import tvm_ffi
@@ -62,7 +64,9 @@ class GemmSpec:
         return 2 * math.prod(a_shape[:-2]) * m * k * n
 
 
-ALL_SPECS = [GemmSpec(lib, ta, tb, bias) for lib in LIBRARIES for ta, tb, bias in itertools.product((False, True), repeat=3)]
+ALL_SPECS = [
+    GemmSpec(lib, ta, tb, bias) for lib in LIBRARIES for ta, tb, bias in itertools.product((False, True), repeat=3)
+]
 _BY_NAME = {s.name: s for s in ALL_SPECS}
 
 
@@ -73,8 +77,14 @@ def onednn_fits(dtype: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], 
     """Where oneDNN's inner product applies: float32 or bfloat16 (where :func:`onednn_works` for
     it), a 2-D right operand, a left operand it can read as rows of ``k`` without a gather (2-D,
     or N-D untransposed), and no empty dimension."""
-    return (dtype in ONEDNN_DTYPES and len(b_shape) == 2 and (len(a_shape) == 2 or not trans_a)
-            and 0 not in a_shape and 0 not in b_shape and (dtype == "float32" or onednn_works(dtype)))
+    return (
+        dtype in ONEDNN_DTYPES
+        and len(b_shape) == 2
+        and (len(a_shape) == 2 or not trans_a)
+        and 0 not in a_shape
+        and 0 not in b_shape
+        and (dtype == "float32" or onednn_works(dtype))
+    )
 
 
 def library_call(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
@@ -90,11 +100,13 @@ def library_call(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Te
             # which oneDNN reads in either layout.
             with no_autocast():
                 return linear(a, b.mT, bias, "none", [], "")
+
         return onednn
 
     def torch_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         with no_autocast():
             return torch.matmul(a, b) if bias is None else torch.addmm(bias, a, b)
+
     return torch_gemm
 
 
@@ -111,8 +123,10 @@ def packed_function(spec: GemmSpec) -> Callable[..., Any]:
         return tvm_ffi.from_dlpack(y if y.is_contiguous() else y.contiguous())
 
     if spec.bias:
+
         def addmm(a: Any, b: Any, c: Any) -> Any:
             return from_torch(gemm(*operands(a, b), to_torch(c)))
+
         return addmm
 
     def matmul(a: Any, b: Any) -> Any:
@@ -145,6 +159,8 @@ def onednn_works(dtype: str = "float32") -> bool:
         x, w, bias = (t.to(getattr(torch, dtype)) for t in (x, w, bias))
         y = library_call("onednn")(x.mT.contiguous().mT, w.mT, bias)
         tol = 1e-5 if dtype == "float32" else 2e-2
-        return bool(y.dtype == x.dtype and torch.allclose(y.float(), torch.addmm(bias, x, w.mT).float(), rtol=tol, atol=tol))
+        return bool(
+            y.dtype == x.dtype and torch.allclose(y.float(), torch.addmm(bias, x, w.mT).float(), rtol=tol, atol=tol)
+        )
     except Exception:  # noqa: BLE001 - any failure means: do not use it
         return False

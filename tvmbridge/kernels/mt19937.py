@@ -14,6 +14,7 @@ ATen's CPU bernoulli algorithm. :func:`kernel_works` checks both once per proces
 ``Tensor.bernoulli_`` itself (across a twist boundary, masks and generator state); where they do
 not match, callers keep PyTorch's ``bernoulli_``: never a different mask.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,9 +71,15 @@ def _build():
 
     @T.prim_func
     def mt_bernoulli(
-        state_in: T.Buffer((624,), "uint32"), state: T.Buffer((624,), "uint32"),
-        start: T.int64, avail: T.int64, nblocks: T.int64, th_hi: T.uint32, th_lo: T.uint32,
-        words_h: T.handle, out_h: T.handle,
+        state_in: T.Buffer((624,), "uint32"),
+        state: T.Buffer((624,), "uint32"),
+        start: T.int64,
+        avail: T.int64,
+        nblocks: T.int64,
+        th_hi: T.uint32,
+        th_lo: T.uint32,
+        words_h: T.handle,
+        out_h: T.handle,
     ):
         T.func_attr({"global_symbol": "mt_bernoulli", "tirx.noalias": True})
         w = T.int64()
@@ -87,24 +94,27 @@ def _build():
             # twist, in ATen's order (next_state); vectors of 16 are exact here: a run reads
             # words not yet rewritten (i+1, i+397) or rewritten >= 227 words earlier (i-227)
             for c in range(14):  # i in [0, 224)
-                for l in T.vectorized(16):
-                    state[c * 16 + l] = _twist(state[c * 16 + l], state[c * 16 + l + 1], state[c * 16 + l + 397])
+                for lane in T.vectorized(16):
+                    state[c * 16 + lane] = _twist(
+                        state[c * 16 + lane], state[c * 16 + lane + 1], state[c * 16 + lane + 397]
+                    )
             for i in range(224, 227):
                 state[i] = _twist(state[i], state[i + 1], state[i + 397])
             for c in range(24):  # i in [227, 611)
-                for l in T.vectorized(16):
-                    state[227 + c * 16 + l] = _twist(
-                        state[227 + c * 16 + l], state[228 + c * 16 + l], state[c * 16 + l])
+                for lane in T.vectorized(16):
+                    state[227 + c * 16 + lane] = _twist(
+                        state[227 + c * 16 + lane], state[228 + c * 16 + lane], state[c * 16 + lane]
+                    )
             for i in range(611, 623):
                 state[i] = _twist(state[i], state[i + 1], state[i - 227])
             state[623] = _twist(state[623], state[0], state[396])
             for c in range(39):
-                for l in T.vectorized(16):
-                    words[avail + b * 624 + c * 16 + l] = _temper(state[c * 16 + l])
+                for lane in T.vectorized(16):
+                    words[avail + b * 624 + c * 16 + lane] = _temper(state[c * 16 + lane])
         # element i: random64 = words[2i] << 32 | words[2i+1] (ATen's random64)
         for c in T.parallel(n // 16):
-            for l in T.vectorized(16):
-                out[c * 16 + l] = _keep(words[2 * (c * 16 + l)], words[2 * (c * 16 + l) + 1], th_hi, th_lo)
+            for lane in T.vectorized(16):
+                out[c * 16 + lane] = _keep(words[2 * (c * 16 + lane)], words[2 * (c * 16 + lane) + 1], th_hi, th_lo)
         for i in range(n // 16 * 16, n):
             out[i] = _keep(words[2 * i], words[2 * i + 1], th_hi, th_lo)
 
@@ -130,9 +140,9 @@ def bernoulli_(out: torch.Tensor, p: float) -> torch.Tensor:
     with _STATE_LOCK:
         raw = torch.get_rng_state()
         buf = raw.numpy()
-        left = int(np.frombuffer(buf[_LEFT:_LEFT + 4].tobytes(), "<i4")[0])
-        nxt = int(np.frombuffer(buf[_NEXT:_NEXT + 8].tobytes(), "<u8")[0])
-        state = np.frombuffer(buf[_STATE:_STATE + 8 * N].tobytes(), "<u8").astype(np.uint32)
+        left = int(np.frombuffer(buf[_LEFT : _LEFT + 4].tobytes(), "<i4")[0])
+        nxt = int(np.frombuffer(buf[_NEXT : _NEXT + 8].tobytes(), "<u8")[0])
+        state = np.frombuffer(buf[_STATE : _STATE + 8 * N].tobytes(), "<u8").astype(np.uint32)
         avail = left - 1  # draws before the generator twists (it twists lazily, on the next one)
         if not 0 <= avail <= N - nxt:
             raise RuntimeError(f"unexpected CPU generator state (left={left}, next={nxt})")
@@ -145,19 +155,24 @@ def bernoulli_(out: torch.Tensor, p: float) -> torch.Tensor:
         _kernel()(
             tvm_ffi.from_dlpack(torch.from_numpy(state).clone()),  # clone: 64-byte aligned, as TVM assumes
             tvm_ffi.from_dlpack(new_state),
-            nxt, first, blocks, threshold >> 32, threshold & 0xFFFFFFFF,
-            tvm_ffi.from_dlpack(words), tvm_ffi.from_dlpack(out.view(-1)),
+            nxt,
+            first,
+            blocks,
+            threshold >> 32,
+            threshold & 0xFFFFFFFF,
+            tvm_ffi.from_dlpack(words),
+            tvm_ffi.from_dlpack(out.view(-1)),
         )
         if blocks == 0:
             left, nxt = left - need, nxt + need
         else:
             used = need - first - (blocks - 1) * N  # words taken from the last block, 1..624
             left, nxt = N + 1 - used, used
-            new = np.frombuffer(buf[_STATE:_STATE + 8 * N].tobytes(), "<u8").copy()
+            new = np.frombuffer(buf[_STATE : _STATE + 8 * N].tobytes(), "<u8").copy()
             new[:] = new_state.numpy()
-            buf[_STATE:_STATE + 8 * N] = np.frombuffer(new.tobytes(), np.uint8)
-        buf[_LEFT:_LEFT + 4] = np.frombuffer(np.int32(left).tobytes(), np.uint8)
-        buf[_NEXT:_NEXT + 8] = np.frombuffer(np.uint64(nxt).tobytes(), np.uint8)
+            buf[_STATE : _STATE + 8 * N] = np.frombuffer(new.tobytes(), np.uint8)
+        buf[_LEFT : _LEFT + 4] = np.frombuffer(np.int32(left).tobytes(), np.uint8)
+        buf[_NEXT : _NEXT + 8] = np.frombuffer(np.uint64(nxt).tobytes(), np.uint8)
         torch.set_rng_state(raw)
     return out
 

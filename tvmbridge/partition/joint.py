@@ -6,6 +6,7 @@ first) and the *adjoint* bindings it added. :class:`JointGraph` describes every 
 key, its op, its inputs, its bytes and its part; the policy decides over it what to capture and
 ``split`` carries the decision out.
 """
+
 from __future__ import annotations
 
 import math
@@ -131,7 +132,12 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str,
         shape, dtype, nbytes = tensor_info(b.var, sizes)
         k = keys[b.var]
         nodes[k] = JointNode(
-            k, op_name(b.value), [keys[v] for v in free_vars(b.value)], shape, dtype, nbytes,
+            k,
+            op_name(b.value),
+            [keys[v] for v in free_vars(b.value)],
+            shape,
+            dtype,
+            nbytes,
             is_forward=i < num_primal_bindings,
         )
     outputs = output_vars(adj, len(grad.differentiable), grad.repeats)

@@ -11,10 +11,11 @@ A policy is a function ``JointGraph -> list of primal value keys``; ``split`` ca
   recomputation, cheapest FLOPs per byte first, for fewer bytes.
 * ``"all"``: keep every tensor the backward reads (the 2020 experiment's choice).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from analysis.memory.partition import PartitionGraph, PartitionNode, min_cut_with_budget
 
@@ -28,16 +29,49 @@ CapturePolicy = Callable[[JointGraph], list[str]]
 # much as keeping it saves. They are kept unless a memory budget asks for more (then they are the
 # first to be recomputed).
 ELEMENTWISE = {
-    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.power", "relax.negative",
-    "relax.sqrt", "relax.rsqrt", "relax.abs", "relax.maximum", "relax.minimum", "relax.clip",
-    "relax.where", "relax.astype", "relax.nn.relu", "relax.square",
-    "relax.equal", "relax.not_equal", "relax.greater", "relax.greater_equal", "relax.less",
-    "relax.less_equal", "relax.zeros", "relax.ones", "relax.full", "relax.zeros_like", "relax.ones_like",
+    "relax.add",
+    "relax.subtract",
+    "relax.multiply",
+    "relax.divide",
+    "relax.power",
+    "relax.negative",
+    "relax.sqrt",
+    "relax.rsqrt",
+    "relax.abs",
+    "relax.maximum",
+    "relax.minimum",
+    "relax.clip",
+    "relax.where",
+    "relax.astype",
+    "relax.nn.relu",
+    "relax.square",
+    "relax.equal",
+    "relax.not_equal",
+    "relax.greater",
+    "relax.greater_equal",
+    "relax.less",
+    "relax.less_equal",
+    "relax.zeros",
+    "relax.ones",
+    "relax.full",
+    "relax.zeros_like",
+    "relax.ones_like",
     "relax.full_like",
 }
 LAYOUT = {
-    "relax.reshape", "relax.permute_dims", "relax.broadcast_to", "relax.expand_dims", "relax.squeeze",
-    "relax.flatten", "relax.strided_slice", "relax.concat", "relax.split", "tuple", "getitem", "var", "const",
+    "relax.reshape",
+    "relax.permute_dims",
+    "relax.broadcast_to",
+    "relax.expand_dims",
+    "relax.squeeze",
+    "relax.flatten",
+    "relax.strided_slice",
+    "relax.concat",
+    "relax.split",
+    "tuple",
+    "getitem",
+    "var",
+    "const",
 }
 REDUCTIONS = {"relax.sum", "relax.mean", "relax.variance", "relax.max", "relax.min"}
 READ_WRITE_LIMIT = 4  # a recomputed op may read at most this many times the bytes it writes

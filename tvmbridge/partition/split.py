@@ -6,6 +6,7 @@ gradients, recomputes whatever primal values it needs that were not captured, an
 gradients. Which values are captured is the policy's choice (``policy``); this module carries it
 out and checks it is complete.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,8 +15,8 @@ from tvm import relax
 
 from .. import names
 from ..errors import ConversionError
-from ..passes.gradient import GradientResult
 from ..ir import rebuild
+from ..passes.gradient import GradientResult
 from .joint import JointGraph, free_vars, result_grads
 
 

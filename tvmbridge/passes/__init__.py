@@ -6,10 +6,11 @@ decomposition, dedup, gradient (with the gradients Relax lacks registered), simp
 ``DecomposeForTraining``, ``Dedup``, ``Simplify``), so TVM's ``PassContext`` instruments work on
 them; ``build_adjoint`` returns extra data and stays a function.
 """
+
 from .dedup import Dedup
-from .random import ExternalizeRandom
 from .gradient import GradientResult, build_adjoint
 from .layer_norm import DecomposeForTraining
+from .random import ExternalizeRandom
 from .simplify import Simplify
 
 __all__ = [

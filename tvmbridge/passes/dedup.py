@@ -7,6 +7,7 @@ permutations), then reshape-of-reshape and reshape-to-the-same-shape (TVM's
 also folds symbolic shapes, which that rule left), then TVM's CSE (duplicate shape constants and
 duplicate calls) and dead-code elimination.
 """
+
 from __future__ import annotations
 
 import tvm
@@ -50,5 +51,11 @@ def fold_permutes(value: relax.Expr, bound: dict) -> relax.Expr | None:
 
 def Dedup() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
     """Fold permute and reshape chains, then CSE and dead code."""
-    return tvm.transform.Sequential([relax.transform.Normalize(), RewriteBindings([fold_permutes]),
-                                     relax.transform.RemoveRedundantReshape(), *cleanup()])
+    return tvm.transform.Sequential(
+        [
+            relax.transform.Normalize(),
+            RewriteBindings([fold_permutes]),
+            relax.transform.RemoveRedundantReshape(),
+            *cleanup(),
+        ]
+    )

@@ -9,6 +9,7 @@ index-range flags) get no ``g_i``: they enter the target through ``no_grad``, wh
 alive in the adjoint (the split finds every output there) and lets nothing flow back. The
 gradients Relax lacks are the bridge's own (``gradients``, ``gradients_nn``, ``gradients_conv``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,11 +20,13 @@ from tvm.relax.op.grad import no_grad
 
 from .. import names
 from ..errors import ConversionError
-from . import gradients_conv  # noqa: F401 - fills gradients.GRADIENTS with those of conv, norm, pool ops
-from . import gradients_nn  # noqa: F401 - fills gradients.GRADIENTS with those of elementwise and layout ops
+from ..ir import binding_map, only_dataflow_block, rebuild, same_tensor_type
+from . import (
+    gradients_conv,  # noqa: F401 - fills gradients.GRADIENTS with those of conv, norm, pool ops
+    gradients_nn,  # noqa: F401 - fills gradients.GRADIENTS with those of elementwise and layout ops
+)
 from .low_precision import LOW_PRECISION
 from .reverse_mode import vjp_function
-from ..ir import binding_map, only_dataflow_block, rebuild, same_tensor_type
 
 NO_GRAD, SUBTRACT, ASTYPE, ADD = (tvm.ir.Op.get(f"relax.{n}") for n in ("grad.no_grad", "subtract", "astype", "add"))
 
@@ -134,8 +137,10 @@ def build_adjoint(func: relax.Function, grad_param_indices: list[int], different
         adjoint = _narrow_params(adjoint, widened, grad_param_indices)
     adjoint = _without_no_grad(adjoint)
     return GradientResult(
-        adjoint=adjoint, num_primal_params=len(func.params),
-        grad_out_params=list(adjoint.params[len(func.params):]), differentiable=tuple(differentiable),
+        adjoint=adjoint,
+        num_primal_params=len(func.params),
+        grad_out_params=list(adjoint.params[len(func.params) :]),
+        differentiable=tuple(differentiable),
         repeats=repeats,
     )
 

@@ -1,6 +1,7 @@
 """Small Relax expression helpers the bridge's gradient formulas share (``gradients_nn``,
 ``gradients_conv``): one place for how a dtype, a constant, a static shape and a broadcast
 gradient's fit are read, so the formula modules agree on them."""
+
 from __future__ import annotations
 
 from tvm import relax

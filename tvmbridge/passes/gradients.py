@@ -6,17 +6,19 @@ is registered with TVM: another user of ``relax.transform.Gradient`` in the proc
 gradients. Every
 formula is exact: no op is swapped for an approximation (exact GELU stays erf-based).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tvm
 from tvm import relax
 from tvm.ir import Call
 from tvm.relax import BlockBuilder, Expr, Var
-from tvm.sym.analyzer import Analyzer
 from tvm.relax.op.grad import no_grad
+from tvm.sym.analyzer import Analyzer
 
 from analysis.registry import Registry
 
@@ -124,9 +126,7 @@ def _ints(expr: Expr) -> list[int]:
 
 
 @gradient("relax.strided_slice")
-def strided_slice_grad(
-    orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder
-) -> list[Expr]:
+def strided_slice_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """Pad the gradient with zeros back to the input's extent, one sliced axis at a time (a
     stepped slice's gradient spread ``step`` apart first); the bounds follow Python slicing
     (negative begins wrap, ends clip). A unit-step slice along a symbolic axis (the last
@@ -181,7 +181,7 @@ def _pad_symbolic(grad: Expr, shape: list, axis: int, begin: Any, size: Any) -> 
         if part is not None:
             parts.append(part)
         elif _static(extent) != 0:
-            parts.append(op.zeros(relax.ShapeExpr([*shape[:axis], extent, *shape[axis + 1:]]), _dtype(grad)))
+            parts.append(op.zeros(relax.ShapeExpr([*shape[:axis], extent, *shape[axis + 1 :]]), _dtype(grad)))
     return parts[0] if len(parts) == 1 else op.concat(parts, axis=axis)
 
 
@@ -196,10 +196,10 @@ def _spread(grad: Expr, shape: list[int], axis: int, step: int, room: int) -> Ex
     shape = [_static(d) for d in shape]
     if any(d is None for d in shape):
         raise NotImplementedError("gradient of a stepped slice with symbolic sizes")
-    expanded = shape[:axis + 1] + [1] + shape[axis + 1:]
+    expanded = shape[: axis + 1] + [1] + shape[axis + 1 :]
     pads = [0] * (2 * len(expanded))
     pads[2 * (axis + 1) + 1] = step - 1
-    wide = shape[:axis] + [shape[axis] * step] + shape[axis + 1:]
+    wide = shape[:axis] + [shape[axis] * step] + shape[axis + 1 :]
     spread = op.reshape(op.nn.pad(op.reshape(grad, expanded), pads), wide)
     if wide[axis] > room:
         spread = op.strided_slice(spread, [axis], [0], [room])
@@ -247,10 +247,10 @@ def take_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
     count = 1
     for d in index.ty.shape:
         count = count * d
-    others = [*shape[:axis], *shape[axis + 1:]]
+    others = [*shape[:axis], *shape[axis + 1 :]]
     if not isinstance(count, (int, tvm.tirx.IntImm)) and all(isinstance(d, (int, tvm.tirx.IntImm)) for d in others):
         count = -1  # one symbolic axis: let reshape infer it
-    grad_shape = [*shape[:axis], count, *shape[axis + 1:]]
+    grad_shape = [*shape[:axis], count, *shape[axis + 1 :]]
     order = [axis, *[i for i in range(ndim) if i != axis]]
     back = [order.index(i) for i in range(ndim)]
     grad = op.permute_dims(op.reshape(output_grad, grad_shape), order)

@@ -6,6 +6,7 @@ the bridge's level, above Relax's, as ``gradients_nn``. Every formula is PyTorch
 autograd formula; a case a formula does not cover raises, which the gradient stage reports as an
 ``UnsupportedOpError`` naming the op: never an approximate number.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,9 @@ op = relax.op
 
 
 # --- convolutions: written as 2-D convolutions (1-D ones with a unit height) --------------------
-def conv_data_grad(g: Expr, w: Expr, x_dims: list[int], strides: list[int], padding: list[int],
-                   dilation: list[int], groups: int) -> Expr:
+def conv_data_grad(
+    g: Expr, w: Expr, x_dims: list[int], strides: list[int], padding: list[int], dilation: list[int], groups: int
+) -> Expr:
     """The input gradient of a 2-D convolution (NCHW, OIHW): the transposed convolution of the
     output gradient, with the output padding that gives back the input's size (Relax's own
     ``conv2d`` gradient leaves dilation out of that size)."""
@@ -32,12 +34,14 @@ def conv_data_grad(g: Expr, w: Expr, x_dims: list[int], strides: list[int], padd
     for i in range(2):
         covered = (g_dims[2 + i] - 1) * strides[i] - padding[i] - padding[i + 2] + dilation[i] * (k_dims[2 + i] - 1) + 1
         extra.append(x_dims[2 + i] - covered)
-    return op.nn.conv2d_transpose(g, w, strides, padding, extra, dilation, groups, kernel_layout="IOHW",
-                                  out_dtype=dtype_of(g))
+    return op.nn.conv2d_transpose(
+        g, w, strides, padding, extra, dilation, groups, kernel_layout="IOHW", out_dtype=dtype_of(g)
+    )
 
 
-def conv_weight_grad(x: Expr, g: Expr, k_dims: list[int], strides: list[int], padding: list[int],
-                     dilation: list[int], groups: int) -> Expr:
+def conv_weight_grad(
+    x: Expr, g: Expr, k_dims: list[int], strides: list[int], padding: list[int], dilation: list[int], groups: int
+) -> Expr:
     """The weight gradient of a 2-D convolution (NCHW, OIHW): a convolution of the input, batch
     and channels swapped (per group), with the output gradient as kernel; stride and dilation
     trade places, and the result is cut to the kernel's size."""
@@ -53,9 +57,13 @@ def conv_weight_grad(x: Expr, g: Expr, k_dims: list[int], strides: list[int], pa
 
 def conv2d_attrs(attrs: object) -> tuple[list[int], list[int], list[int], int]:
     """Strides, padding (top, left, bottom, right), dilation, groups of an NCHW/OIHW conv."""
-    if (str(attrs.data_layout), str(attrs.out_layout)) != ("NCHW", "NCHW") or \
-            str(attrs.kernel_layout) not in ("OIHW", "IOHW"):
-        raise NotImplementedError(f"the gradient of a relax.nn convolution in layout {attrs.data_layout}/{attrs.kernel_layout}")
+    if (str(attrs.data_layout), str(attrs.out_layout)) != ("NCHW", "NCHW") or str(attrs.kernel_layout) not in (
+        "OIHW",
+        "IOHW",
+    ):
+        raise NotImplementedError(
+            f"the gradient of a relax.nn convolution in layout {attrs.data_layout}/{attrs.kernel_layout}"
+        )
     pad = [int(p) for p in attrs.padding]
     pad = pad * 2 if len(pad) == 2 else pad
     return [int(s) for s in attrs.strides], pad, [int(d) for d in attrs.dilation], int(attrs.groups)
@@ -88,9 +96,13 @@ def conv2d_transpose_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx:
     x, w = orig_call.args
     strides, padding, dilation, groups = conv2d_attrs(orig_call.attrs)
     if str(orig_call.attrs.kernel_layout) != "IOHW":
-        raise NotImplementedError(f"the gradient of relax.nn.conv2d_transpose with kernel layout {orig_call.attrs.kernel_layout}")
+        raise NotImplementedError(
+            f"the gradient of relax.nn.conv2d_transpose with kernel layout {orig_call.attrs.kernel_layout}"
+        )
     dx = op.nn.conv2d(output_grad, w, strides, padding, dilation, groups, out_dtype=dtype_of(x))
-    dw = conv_weight_grad(output_grad, x, static_dims(w, "relax.nn.conv2d_transpose"), strides, padding, dilation, groups)
+    dw = conv_weight_grad(
+        output_grad, x, static_dims(w, "relax.nn.conv2d_transpose"), strides, padding, dilation, groups
+    )
     return [dx, dw]
 
 
@@ -107,7 +119,9 @@ def conv1d_as_2d(orig_call: Call, output_grad: Var, ctx: BlockBuilder, kernel_la
     """A 1-D convolution's 2-D attributes (:func:`conv1d_attrs`) and its input, weight and output
     gradient with a unit height inserted, for the 2-D gradients."""
     if str(orig_call.attrs.kernel_layout) != kernel_layout:
-        raise NotImplementedError(f"the gradient of {orig_call.op.name} with kernel layout {orig_call.attrs.kernel_layout}")
+        raise NotImplementedError(
+            f"the gradient of {orig_call.op.name} with kernel layout {orig_call.attrs.kernel_layout}"
+        )
     x, w = orig_call.args
     return (*conv1d_attrs(orig_call.attrs), tuple(emit(ctx, op.expand_dims(t, 2)) for t in (x, w, output_grad)))
 
@@ -150,8 +164,10 @@ def group_norm_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
     xhat = emit(ctx, op.multiply(centered, rstd))
     channel = [1, c] + [1] * (len(dims) - 2)
     dxhat = op.reshape(op.multiply(output_grad, op.reshape(gamma, channel)), grouped)
-    inner = op.subtract(op.subtract(dxhat, op.mean(dxhat, 2, keepdims=True)),
-                        op.multiply(xhat, op.mean(op.multiply(dxhat, xhat), 2, keepdims=True)))
+    inner = op.subtract(
+        op.subtract(dxhat, op.mean(dxhat, 2, keepdims=True)),
+        op.multiply(xhat, op.mean(op.multiply(dxhat, xhat), 2, keepdims=True)),
+    )
     dx = op.reshape(op.multiply(rstd, inner), x.ty.shape)
     reduce = [0] + list(range(2, len(dims)))
     dgamma = op.sum(op.multiply(output_grad, op.reshape(xhat, x.ty.shape)), reduce)

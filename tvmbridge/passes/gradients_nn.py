@@ -8,9 +8,10 @@ on a ``clamp`` bound): those are where Relax's own gradients differ from PyTorch
 replaced here. A case a formula does not cover raises, which the gradient stage reports as an
 ``UnsupportedOpError`` naming the op: never an approximate number.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from tvm import relax
 from tvm.ir import Call
@@ -89,16 +90,20 @@ def tie_split(output_grad: Expr, mine: Expr, other: Expr, loses: Expr) -> Expr:
 def maximum_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """Ties split the gradient in halves (Relax's own gives it all to the first argument)."""
     x, y = orig_call.args
-    return [fit_shape(emit(ctx, tie_split(output_grad, x, y, op.less(x, y))), x),
-            fit_shape(emit(ctx, tie_split(output_grad, y, x, op.less(y, x))), y)]
+    return [
+        fit_shape(emit(ctx, tie_split(output_grad, x, y, op.less(x, y))), x),
+        fit_shape(emit(ctx, tie_split(output_grad, y, x, op.less(y, x))), y),
+    ]
 
 
 @gradient("relax.minimum")
 def minimum_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """Ties split the gradient in halves (Relax's own gives it all to the first argument)."""
     x, y = orig_call.args
-    return [fit_shape(emit(ctx, tie_split(output_grad, x, y, op.greater(x, y))), x),
-            fit_shape(emit(ctx, tie_split(output_grad, y, x, op.greater(y, x))), y)]
+    return [
+        fit_shape(emit(ctx, tie_split(output_grad, x, y, op.greater(x, y))), x),
+        fit_shape(emit(ctx, tie_split(output_grad, y, x, op.greater(y, x))), y),
+    ]
 
 
 @gradient("relax.sign")
@@ -112,7 +117,6 @@ def zero_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
     return [op.zeros(x.ty.shape, dtype_of(x))]
 
 
-
 @gradient("relax.arange")
 def arange_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """A constant range (index arithmetic of decomposed interpolations): nothing to pass back."""
@@ -122,8 +126,10 @@ def arange_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuil
 # --- elementwise functions Relax has no gradient for: PyTorch's derivatives.yaml formulas -------
 def unary(fn: Callable[[Expr, Expr, Expr], Expr]) -> Callable:
     """A gradient ``[fn(x, y, g)]`` for a one-input op (``y`` its output)."""
+
     def grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
         return [fn(orig_call.args[0], orig_var, output_grad)]
+
     return grad
 
 
@@ -162,11 +168,13 @@ def atan2_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuild
 
 def remainder_grad(rounded: Callable[[Expr, Expr], Expr]) -> Callable:
     """``x - q * y`` with ``q = rounded(x / y)`` piecewise constant: ``g`` and ``-g * q``."""
+
     def grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
         x, y = orig_call.args
         q = rounded(op.divide(x, y), x)
         gy = emit(ctx, op.negative(op.multiply(output_grad, q)))
         return [fit_shape(emit(ctx, output_grad), x), fit_shape(gy, y)]
+
     return grad
 
 
@@ -213,7 +221,6 @@ def extreme_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBui
     return [op.multiply(op.divide(g, count), mask)]
 
 
-
 # --- layout -------------------------------------------------------------------------------------
 @gradient("relax.flip")
 def flip_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
@@ -244,8 +251,11 @@ def split_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuild
     if isinstance(orig_var.ty, relax.TensorType):  # one section: the split is the tensor itself
         return [output_grad] + rest
     axis = int(orig_call.attrs.axis)
-    keep = [i for i, f in enumerate(orig_var.ty.fields)
-            if not any(isinstance(getattr(d, "value", None), int) and d.value == 0 for d in f.shape)]
+    keep = [
+        i
+        for i, f in enumerate(orig_var.ty.fields)
+        if not any(isinstance(getattr(d, "value", None), int) and d.value == 0 for d in f.shape)
+    ]
     parts = [emit(ctx, relax.TupleGetItem(output_grad, i)) for i in keep]
     return [parts[0] if len(parts) == 1 else op.concat(parts, axis)] + rest
 

@@ -13,6 +13,7 @@ once, as eager's ``addmm`` does: so the pass runs after the offload has folded b
 them); a matmul TVM runs itself keeps its low-precision operands with a float32 accumulator. Ops
 that only move data are left alone (exact in any dtype).
 """
+
 from __future__ import annotations
 
 import tvm
@@ -22,14 +23,38 @@ from tvm.relax import Call, Expr, expr_functor
 LOW_PRECISION = ("bfloat16", "float16")
 
 # exact in any dtype, or run by a library in the low dtype on purpose
-_KEEP = frozenset({
-    "relax.astype", "relax.reshape", "relax.permute_dims", "relax.expand_dims",
-    "relax.squeeze", "relax.flatten", "relax.broadcast_to", "relax.concat", "relax.split",
-    "relax.strided_slice", "relax.dynamic_strided_slice", "relax.take", "relax.gather_elements",
-    "relax.gather_nd", "relax.tile", "relax.flip", "relax.repeat", "relax.layout_transform",
-    "relax.where", "relax.stop_gradient", "relax.zeros_like", "relax.ones_like", "relax.full_like",
-    "relax.zeros", "relax.ones", "relax.full", "relax.scatter_elements", "relax.scatter_nd",
-})
+_KEEP = frozenset(
+    {
+        "relax.astype",
+        "relax.reshape",
+        "relax.permute_dims",
+        "relax.expand_dims",
+        "relax.squeeze",
+        "relax.flatten",
+        "relax.broadcast_to",
+        "relax.concat",
+        "relax.split",
+        "relax.strided_slice",
+        "relax.dynamic_strided_slice",
+        "relax.take",
+        "relax.gather_elements",
+        "relax.gather_nd",
+        "relax.tile",
+        "relax.flip",
+        "relax.repeat",
+        "relax.layout_transform",
+        "relax.where",
+        "relax.stop_gradient",
+        "relax.zeros_like",
+        "relax.ones_like",
+        "relax.full_like",
+        "relax.zeros",
+        "relax.ones",
+        "relax.full",
+        "relax.scatter_elements",
+        "relax.scatter_nd",
+    }
+)
 
 
 def _dtype(expr: Expr) -> str | None:
@@ -49,8 +74,12 @@ class _Float32Opmath(relax.PyExprMutator):
         chain of elementwise ops stays in float32, rounded where PyTorch or a GEMM reads it),
         else ``value`` converted."""
         bound = self.lookup_binding(value) if isinstance(value, relax.Var) else None
-        if (isinstance(bound, Call) and getattr(bound.op, "name", "") == "relax.astype"
-                and _dtype(bound.args[0]) == "float32" and self.elide_rounding):
+        if (
+            isinstance(bound, Call)
+            and getattr(bound.op, "name", "") == "relax.astype"
+            and _dtype(bound.args[0]) == "float32"
+            and self.elide_rounding
+        ):
             return bound.args[0]
         return relax.op.astype(value, "float32")
 

@@ -6,6 +6,7 @@ draw them (``runtime/random.py``); a dropout's input holds the scaled mask, so t
 ``x * mask`` is the very floating-point operation PyTorch performs. Random values are inputs, not
 captured values: the backward reads them like any other input and recomputation stays exact.
 """
+
 from __future__ import annotations
 
 import tvm

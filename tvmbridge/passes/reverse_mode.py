@@ -12,9 +12,10 @@ registered). The bridge's own gradients (``gradients.GRADIENTS``) are looked up 
 TVM's; nothing is registered with TVM. The result has ``Gradient``'s layout: the forward
 bindings, then the backward, returning ``(target, (grads...))``.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Union
+from collections.abc import Callable
 
 import tvm
 from tvm import relax
@@ -27,7 +28,7 @@ NO_GRAD = tvm.ir.Op.get("relax.grad.no_grad")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 MATMUL = tvm.ir.Op.get("relax.matmul")
 
-Adjoint = Union[relax.Expr, list, None]  # a tensor's adjoint, or per field of a tuple (None: zero)
+Adjoint = relax.Expr | list | None  # a tensor's adjoint, or per field of a tuple (None: zero)
 
 
 def vjp_function(func: relax.Function, require: list[relax.Var], name: str) -> relax.Function:
@@ -77,8 +78,10 @@ def _gradient_of(op: tvm.ir.Op) -> Callable:
     fn = GRADIENTS.get(op.name) or op.get_attr("FPrimalGradient")
     if fn is None:
         raise UnsupportedOpError(
-            "gradient", f"no gradient for {op.name}; register one in tvmbridge.passes.gradients "
-            "(@gradient) or use fallback=True", op=op.name)
+            "gradient",
+            f"no gradient for {op.name}; register one in tvmbridge.passes.gradients (@gradient) or use fallback=True",
+            op=op.name,
+        )
     return fn
 
 
@@ -179,13 +182,21 @@ def _without_transposed_products(func: relax.Function) -> relax.Function:
         inner = bound.get(value.args[0]) if _is_last_two_transpose(value) else None
         if inner is not None and _is_last_two_transpose(inner):
             value, changed = inner.args[0], True
-        elif (inner is not None and isinstance(inner, relax.Call) and inner.op.same_as(MATMUL)
-              and all(a.ty.ndim > 1 for a in inner.args)):
+        elif (
+            inner is not None
+            and isinstance(inner, relax.Call)
+            and inner.op.same_as(MATMUL)
+            and all(a.ty.ndim > 1 for a in inner.args)
+        ):
             a, b_ = (_transposed(x, bound, bindings) for x in inner.args)
             value, changed = relax.Call(MATMUL, [b_, a], inner.attrs), True
         bound[b.var] = value
         bindings.append(relax.VarBinding(b.var, value))
-    return relax.analysis.remove_all_unused(rebuild(func, list(func.params), bindings, func.body.body)) if changed else func
+    return (
+        relax.analysis.remove_all_unused(rebuild(func, list(func.params), bindings, func.body.body))
+        if changed
+        else func
+    )
 
 
 def _is_last_two_transpose(value: relax.Expr) -> bool:
@@ -208,8 +219,11 @@ def _transposed(x: relax.Expr, bound: dict, bindings: list) -> relax.Expr:
     ndim = x.ty.ndim
     value = relax.op.permute_dims(x, list(range(ndim - 2)) + [ndim - 1, ndim - 2])
     shape = x.ty.shape
-    ty = (relax.TensorType(None, str(x.ty.dtype), ndim=ndim) if shape is None
-          else relax.TensorType([*list(shape.values)[:-2], shape[-1], shape[-2]], str(x.ty.dtype)))
+    ty = (
+        relax.TensorType(None, str(x.ty.dtype), ndim=ndim)
+        if shape is None
+        else relax.TensorType([*list(shape.values)[:-2], shape[-1], shape[-2]], str(x.ty.dtype))
+    )
     var = relax.DataflowVar(f"{x.name}_t", ty)
     bindings.append(relax.VarBinding(var, value))
     bound[var] = value

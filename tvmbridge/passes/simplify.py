@@ -7,6 +7,7 @@ reads ``x``, so ``x`` would be captured for nothing) and cost kernels. Rules:
 ``broadcast_to``/``collapse_sum_to``/``reshape`` to the same shape ``-> x``; then CSE and DCE.
 A rule fires only when the result keeps the exact shape and dtype, so nothing is silently broadcast.
 """
+
 from __future__ import annotations
 
 import numpy as np

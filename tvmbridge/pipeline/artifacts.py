@@ -4,10 +4,12 @@ Each stage declares the fields of :class:`Artifacts` it reads and those it write
 (``pipeline.driver``) checks both, so a stage that starts to depend on another's output, or
 changes one it does not own, fails where it is written, not in a later stage.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import tvm

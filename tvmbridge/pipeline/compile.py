@@ -4,6 +4,7 @@
 looks it up in ``CACHES.compiles``: identical layers of one model compile once (the state is an
 input). The result is plain data; ``runtime.compiled`` makes it callable.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +24,9 @@ from ..frontend.sites import RandomSite
 from ..options import CompileOptions
 from ..partition.policy import capture_all, op_flops
 from ..partition.split import SplitResult
+from . import stages
 from .artifacts import Artifacts
 from .driver import run_stages
-from . import stages
 
 
 @dataclass
@@ -60,7 +61,9 @@ class CompileResult:
         a rerun of PyTorch's forward for a double backward) sees them as they were before the write."""
         traced = self.traced
         n_user = traced.num_user_inputs
-        return frozenset({*traced.updated_inputs, *(n_user + traced.state.names.index(n) for n in traced.updated_buffers)})
+        return frozenset(
+            {*traced.updated_inputs, *(n_user + traced.state.names.index(n) for n in traced.updated_buffers)}
+        )
 
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""
@@ -89,9 +92,16 @@ class CompileResult:
         )
 
 
-def compile_result(module: torch.nn.Module, args: tuple, kwargs: dict, options: CompileOptions, *,
-                   device: torch.device | None = None, dynamic: dict[int, frozenset[int]] | None = None,
-                   reuse: bool = False) -> CompileResult:
+def compile_result(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    options: CompileOptions,
+    *,
+    device: torch.device | None = None,
+    dynamic: dict[int, frozenset[int]] | None = None,
+    reuse: bool = False,
+) -> CompileResult:
     """Forward and backward of ``module`` compiled for the signature of ``(args, kwargs)``
     (``dynamic``: dims of the call's tensors, by position among them, to compile symbolically).
     With ``reuse``, a traced graph equal to one compiled before reuses that compile."""
@@ -100,16 +110,25 @@ def compile_result(module: torch.nn.Module, args: tuple, kwargs: dict, options: 
     key = graph_fingerprint(after_trace) if reuse else None
     reused = CACHES.compiles.get(key) if key is not None else None
     if reused is not None:  # another module's trace (the call's form, outputs), the same executable
-        return dataclasses.replace(reused, traced=after_trace.traced, sizes=dict(after_trace.sizes),
-                                   compile_seconds={**seconds, "reused": 1.0})
+        return dataclasses.replace(
+            reused, traced=after_trace.traced, sizes=dict(after_trace.sizes), compile_seconds={**seconds, "reused": 1.0}
+        )
     done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:])
     seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
     result = CompileResult(
-        traced=done.traced, device=done.device, options=options, random_sites=list(done.random_sites),
+        traced=done.traced,
+        device=done.device,
+        options=options,
+        random_sites=list(done.random_sites),
         num_index_checks=done.num_index_checks,
-        grad_param_indices=list(done.grad_param_indices), differentiable=done.gradient.differentiable,
-        adjoint=done.gradient.adjoint, split=done.split, executable=done.executable,
-        compile_seconds=seconds, stages={**shown, **shown_rest}, sizes=dict(done.sizes),
+        grad_param_indices=list(done.grad_param_indices),
+        differentiable=done.gradient.differentiable,
+        adjoint=done.gradient.adjoint,
+        split=done.split,
+        executable=done.executable,
+        compile_seconds=seconds,
+        stages={**shown, **shown_rest},
+        sizes=dict(done.sizes),
         gemm_choices=done.gemm_choices,
     )
     if key is not None:
@@ -134,9 +153,23 @@ def graph_fingerprint(a: Artifacts) -> str:
             h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
     state = a.traced.state
     grads = tuple(t.requires_grad for t in state.lookup(a.module))
-    h.update(repr((sorted(map(str, ep.range_constraints.items())), state.names, state.is_parameter,
-                   sorted(state.aliases.items()), grads, a.traced.updated_buffers, a.traced.updated_inputs,
-                   a.traced.num_user_outputs,
-                   a.traced.input_dims, str(a.traced.out_spec), repr(a.options), str(a.device),
-                   str(a.traced.autocast))).encode())
+    h.update(
+        repr(
+            (
+                sorted(map(str, ep.range_constraints.items())),
+                state.names,
+                state.is_parameter,
+                sorted(state.aliases.items()),
+                grads,
+                a.traced.updated_buffers,
+                a.traced.updated_inputs,
+                a.traced.num_user_outputs,
+                a.traced.input_dims,
+                str(a.traced.out_spec),
+                repr(a.options),
+                str(a.device),
+                str(a.traced.autocast),
+            )
+        ).encode()
+    )
     return h.hexdigest()

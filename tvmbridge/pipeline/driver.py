@@ -4,6 +4,7 @@ A stage sees only the fields it declares (``Stage.reads`` and ``Stage.writes``):
 as a :class:`Undeclared` placeholder that raises on use, and a field it returns changed that it
 does not declare writing is an error. So the declarations are the stage's real dependencies.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,9 @@ def run_stage(stage: Stage, artifacts: Artifacts) -> Artifacts:
     made = stage.run(dataclasses.replace(artifacts, **hidden))
     changed = [n for n, placeholder in hidden.items() if getattr(made, n) is not placeholder]
     if changed:
-        raise RuntimeError(f"stage {stage.name} changed Artifacts.{', '.join(changed)}, which it does not declare "
-                           "in Stage.writes")
+        raise RuntimeError(
+            f"stage {stage.name} changed Artifacts.{', '.join(changed)}, which it does not declare in Stage.writes"
+        )
     return dataclasses.replace(made, **{n: getattr(artifacts, n) for n in hidden})
 
 

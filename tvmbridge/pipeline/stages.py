@@ -4,6 +4,7 @@ inputs -> trace -> convert -> random -> layer_norm -> dedup -> gradient -> simpl
 -> split -> offload -> low_precision -> fast_math -> build. Each returns new artifacts (nothing is
 changed in place) and declares what it reads and writes (checked by ``pipeline.driver``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,16 +43,20 @@ def _inputs(a: Artifacts) -> Artifacts:
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ConversionError(
-            "inputs", f"inputs and parameters are on different devices ({', '.join(sorted(map(str, devices)))}); "
-            "move them to one device before add_tvm_dispatch"
+            "inputs",
+            f"inputs and parameters are on different devices ({', '.join(sorted(map(str, devices)))}); "
+            "move them to one device before add_tvm_dispatch",
         )
     device = a.device or next(iter(devices), torch.device("cpu"))
     if device.type not in SUPPORTED:
         raise ConversionError("inputs", f"device {device} is not supported by TVM dispatch (cpu, cuda, rocm)")
     empty = [tuple(t.shape) for t in tensor_leaves((a.args, a.kwargs)) if t.numel() == 0]
     if empty:  # TVM's reductions over an empty axis do not give PyTorch's zeros
-        raise ConversionError("inputs", f"the sample has a zero-size dimension {empty[0]}; compile for a "
-                              "non-empty sample (calls with empty tensors then run PyTorch)")
+        raise ConversionError(
+            "inputs",
+            f"the sample has a zero-size dimension {empty[0]}; compile for a "
+            "non-empty sample (calls with empty tensors then run PyTorch)",
+        )
     return dataclasses.replace(a, device=device)
 
 
@@ -60,7 +65,9 @@ def _trace(a: Artifacts) -> Artifacts:
     # variant's guard accepts calls under that state only
     traced = trace(a.module, a.args, a.kwargs, a.dynamic)
     if a.dynamic and not traced.symbolic:
-        raise ConversionError("trace", "no dimension stayed symbolic: the module's code fixes every size marked dynamic")
+        raise ConversionError(
+            "trace", "no dimension stayed symbolic: the module's code fixes every size marked dynamic"
+        )
     return dataclasses.replace(a, traced=traced, sizes=symbol_sizes(traced, tensor_leaves((a.args, a.kwargs))))
 
 
@@ -76,8 +83,9 @@ def symbol_sizes(traced: TracedModule, tensors: list[torch.Tensor]) -> dict[str,
 
 def _convert(a: Artifacts) -> Artifacts:
     converted = to_relax(a.traced, a.options.converters)
-    return dataclasses.replace(a, primal=converted.mod, random_sites=converted.random_sites,
-                               num_index_checks=converted.num_index_checks)
+    return dataclasses.replace(
+        a, primal=converted.mod, random_sites=converted.random_sites, num_index_checks=converted.num_index_checks
+    )
 
 
 def _random(a: Artifacts) -> Artifacts:
@@ -141,8 +149,9 @@ def _split(a: Artifacts) -> Artifacts:
     # halves share the adjoint's vars (the backward recomputes primal values), so each gets its own.
     fresh = copy_with_fresh_vars
     infer = fresh(a.primal[names.MAIN]).with_attr("global_symbol", names.FORWARD_INFER)
-    mod = tvm.IRModule({names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer,
-                        names.BACKWARD: fresh(halves.backward)})
+    mod = tvm.IRModule(
+        {names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer, names.BACKWARD: fresh(halves.backward)}
+    )
     mod = tvm.transform.Sequential([Dedup(), Simplify()])(mod)
     return dataclasses.replace(a, split=halves, halves=mod)
 
@@ -173,8 +182,9 @@ def _fast_math(a: Artifacts) -> Artifacts:
 
 
 def _build(a: Artifacts) -> Artifacts:
-    exe = backend_build.compile_module(a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse,
-                                       a.options.tuning_db)
+    exe = backend_build.compile_module(
+        a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse, a.options.tuning_db
+    )
     if a.device.type == "cpu" and a.random_sites and a.options.mask_kernel:
         kernel_works()  # builds and checks the mask kernel now, not on the first call
     backend_build.load(exe, a.device)  # loads in this thread now: a failure is the build stage's
@@ -188,22 +198,43 @@ def _adjoint(a: Artifacts) -> tvm.IRModule:
 STAGES: tuple[Stage, ...] = (
     Stage("inputs", _inputs, lambda a: a.device, reads=(*INPUTS, "device"), writes=("device",)),
     Stage("trace", _trace, lambda a: a.traced.exported, reads=(*INPUTS, "dynamic"), writes=("traced", "sizes")),
-    Stage("convert", _convert, lambda a: a.primal, reads=("traced", "options"),
-          writes=("primal", "random_sites", "num_index_checks")),
+    Stage(
+        "convert",
+        _convert,
+        lambda a: a.primal,
+        reads=("traced", "options"),
+        writes=("primal", "random_sites", "num_index_checks"),
+    ),
     Stage("random", _random, lambda a: a.primal, reads=("primal",), writes=("primal",)),
     Stage("layer_norm", _layer_norm, lambda a: a.primal, reads=("primal",), writes=("primal",)),
     Stage("dedup", _dedup, lambda a: a.primal, reads=("primal",), writes=("primal",)),
-    Stage("gradient", _gradient, _adjoint, reads=("primal", "traced", "module"),
-          writes=("grad_param_indices", "gradient")),
+    Stage(
+        "gradient", _gradient, _adjoint, reads=("primal", "traced", "module"), writes=("grad_param_indices", "gradient")
+    ),
     Stage("simplify", _simplify, _adjoint, reads=("gradient", "primal", "sizes"), writes=("gradient", "joint")),
     Stage("capture", _capture, lambda a: list(a.captures), reads=("joint", "options"), writes=("captures",)),
-    Stage("split", _split, lambda a: a.halves, reads=("gradient", "joint", "captures", "primal"),
-          writes=("split", "halves")),
-    Stage("offload", _offload, lambda a: a.halves, reads=("halves", "options", "device", "sizes"),
-          writes=("halves", "gemm_choices")),
+    Stage(
+        "split",
+        _split,
+        lambda a: a.halves,
+        reads=("gradient", "joint", "captures", "primal"),
+        writes=("split", "halves"),
+    ),
+    Stage(
+        "offload",
+        _offload,
+        lambda a: a.halves,
+        reads=("halves", "options", "device", "sizes"),
+        writes=("halves", "gemm_choices"),
+    ),
     Stage("low_precision", _low_precision, lambda a: a.halves, reads=("halves",), writes=("halves",)),
     Stage("fast_math", _fast_math, lambda a: a.halves, reads=("halves", "options"), writes=("halves",)),
-    Stage("build", _build, lambda a: a.executable, reads=("halves", "device", "options", "random_sites"),
-          writes=("executable",)),
+    Stage(
+        "build",
+        _build,
+        lambda a: a.executable,
+        reads=("halves", "device", "options", "random_sites"),
+        writes=("executable",),
+    ),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)

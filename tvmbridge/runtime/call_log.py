@@ -2,6 +2,7 @@
 
 The hot path only counts and keeps the variant it ran: the wording happens when someone asks.
 """
+
 from __future__ import annotations
 
 import collections
@@ -61,9 +62,11 @@ class CallLog:
             last = f"ran the compiled code ({number}: {last.label})"
         lines = [f"{name}: last call {last}", f"calls: {self.calls_tvm} compiled, {self.calls_fallback} PyTorch"]
         for i, v in enumerate(variants, 1):
-            lines.append(f"  variant {i} ({v.label}): {v.calls} calls, compiled in "
-                         f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}; "
-                         f"GEMMs: {gemm_summary(list(v.compiled.gemm_choices))}")
+            lines.append(
+                f"  variant {i} ({v.label}): {v.calls} calls, compiled in "
+                f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}; "
+                f"GEMMs: {gemm_summary(list(v.compiled.gemm_choices))}"
+            )
         lines += [f"  {n} x PyTorch: {reason}" for reason, n in self.fallback_reasons.most_common()]
         lines += [f"  discarded: {why}" for why in self.discarded]
         return "\n".join(lines)

@@ -5,6 +5,7 @@ as PyTorch raises it), then the generator is rewound and the compiled code runs,
 random values. Outputs and updated buffers are compared now; gradients at the call's first
 backward. A disagreement discards the variant and this call returns PyTorch's result.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -39,8 +40,9 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: tuple, kwargs: dict,
-                needs_grad: bool) -> Any:
+def run_checked(
+    dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: tuple, kwargs: dict, needs_grad: bool
+) -> Any:
     """Run the call both ways; return the compiled result where it agrees, PyTorch's otherwise."""
     compiled = variant.compiled
     traced = compiled.traced
@@ -62,18 +64,27 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     if needs_grad:
         differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
         leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
-        check = GradientCheck(leaves, inputs, variant.tensor_names(), lambda found: _gradients_checked(
-            dispatcher, variant, args, kwargs, found), precision)
+        check = GradientCheck(
+            leaves,
+            inputs,
+            variant.tensor_names(),
+            lambda found: _gradients_checked(dispatcher, variant, args, kwargs, found),
+            precision,
+        )
     try:
         outs = dispatcher.execute(variant, fitted, needs_grad, before, args, kwargs, check)
     except CompiledCallError as exc:  # PyTorch's result stands
         found = f"the compiled code failed on its first call ({exc})"
     else:
         pairs = [(where, outs[i], want) for i, (where, want) in enumerate(paths)]
-        pairs += [(label, outs[n_user + j], want)
-                  for j, ((label, _), want) in enumerate(zip(update_targets(compiled, fitted.tensors), eager_state))]
+        pairs += [
+            (label, outs[n_user + j], want)
+            for j, ((label, _), want) in enumerate(zip(update_targets(compiled, fitted.tensors), eager_state))
+        ]
         discrepancy = worst(pairs, precision)
-        found = None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
+        found = (
+            None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
+        )
     if found is None:
         variant.trust.outputs = True
         return dispatcher.finish(compiled, fitted.tensors, outs)
@@ -85,10 +96,12 @@ def run_checked(dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: 
     return eager_out
 
 
-def _gradients_checked(dispatcher: Dispatcher, variant: Variant, args: tuple, kwargs: dict,
-                       found: Discrepancy | None) -> None:
+def _gradients_checked(
+    dispatcher: Dispatcher, variant: Variant, args: tuple, kwargs: dict, found: Discrepancy | None
+) -> None:
     if found is None:
         variant.trust.gradients = True
     else:
-        dispatcher.discard(variant, args, kwargs,
-                           f"its gradients disagreed with PyTorch's on its first backward: {found}")
+        dispatcher.discard(
+            variant, args, kwargs, f"its gradients disagreed with PyTorch's on its first backward: {found}"
+        )

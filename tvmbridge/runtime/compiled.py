@@ -4,12 +4,14 @@
 variants with it): the pipeline's :class:`~tvmbridge.pipeline.compile.CompileResult` (shared
 with other modules of an equal graph) with VMs of its own.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from tvm import relax

@@ -14,6 +14,7 @@ compiled code), writes the buffers the module updates (BatchNorm's running stati
 the embeddings' index-range flags, and is opaque to ``torch.compile`` (a graph break).
 A dispatched module can be deep-copied, pickled and saved: the copy recompiles on first use.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,13 +30,13 @@ from analysis.tensors import tensor_leaves
 from ..backend.build import release_cached_memory
 from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning, caller_stacklevel
 from ..options import CompileOptions, with_overrides
+from .call_log import CallLog
+from .checked import rng_states, run_checked, set_rng_states
 from .compiled import CompiledModule
+from .eager import EagerForward, update_targets
 from .function import Call, CompiledCallError, TVMFunction, infer
 from .guards import Mismatch, check_index_flags
 from .locks import TRACING
-from .call_log import CallLog
-from .checked import rng_states, run_checked, set_rng_states
-from .eager import EagerForward, update_targets
 from .random import draw
 from .variant_set import Outcome, Selection, VariantSet
 from .variants import Fitted, Variant, empty_input
@@ -43,6 +44,7 @@ from .verify import GradientCheck
 
 if TYPE_CHECKING:
     from .report import CaptureReport
+
 
 def _tracing(args: tuple, kwargs: dict) -> bool:
     """Inside torch.compile/torch.export, or called with fake or meta tensors (a tracer, the
@@ -55,8 +57,11 @@ def _tracing(args: tuple, kwargs: dict) -> bool:
 def _unfit_anywhere() -> Mismatch | None:
     """What no compiled variant can run, whatever its signature."""
     if torch._C._len_torch_dispatch_stack():
-        return Mismatch("dispatch mode", "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): "
-                        "it must see PyTorch's ops", recompile=False)
+        return Mismatch(
+            "dispatch mode",
+            "a TorchDispatchMode is active (a FLOP counter, a profiler, ...): it must see PyTorch's ops",
+            recompile=False,
+        )
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)", recompile=False)
     return None
@@ -137,7 +142,8 @@ class Dispatcher:
         train mode), unless one fits it already. A failure raises ``ConversionError``."""
         variants = self.variant_set
         return variants.fitting(args, kwargs) or variants.compile_variant(
-            args, kwargs, "compiled ahead of time", variants.dynamic_dims(args, kwargs))
+            args, kwargs, "compiled ahead of time", variants.dynamic_dims(args, kwargs)
+        )
 
     def try_compile(self, *args: Any, **kwargs: Any) -> ConversionError | None:
         """Compile a variant for this call now unless one fits; its failure, or None. A failure is
@@ -196,14 +202,25 @@ class Dispatcher:
         if refused is not None:
             return Selection.pytorch(refused)
         if reason is not None and reason.structural and self.log.first_time(reason.key):
-            warnings.warn(f"tvmbridge: {type(self.module).__name__} compiles another variant for a call whose "
-                          f"arguments differ from the sample's: {reason.message}; if the caller always calls it this "
-                          "way, pass that call as the sample to compile once", RecompileWarning,
-                          stacklevel=caller_stacklevel())
+            warnings.warn(
+                f"tvmbridge: {type(self.module).__name__} compiles another variant for a call whose "
+                f"arguments differ from the sample's: {reason.message}; if the caller always calls it this "
+                "way, pass that call as the sample to compile once",
+                RecompileWarning,
+                stacklevel=caller_stacklevel(),
+            )
         return self.variant_set.compile_for(args, kwargs, key, reason)
 
-    def execute(self, variant: Variant, fitted: Fitted, needs_grad: bool, rng: dict | None, args: tuple,
-                kwargs: dict, check: GradientCheck | None = None) -> list[torch.Tensor]:
+    def execute(
+        self,
+        variant: Variant,
+        fitted: Fitted,
+        needs_grad: bool,
+        rng: dict | None,
+        args: tuple,
+        kwargs: dict,
+        check: GradientCheck | None = None,
+    ) -> list[torch.Tensor]:
         """The compiled code on the call's tensors and freshly drawn random values: its flat outputs."""
         compiled, tensors, sizes = variant.compiled, fitted.tensors, fitted.sizes
         sites = [site.bind(sizes) for site in compiled.random_sites] if sizes else compiled.random_sites
@@ -221,10 +238,10 @@ class Dispatcher:
         """Index flags checked, updated buffers and inputs written back, the module's own output rebuilt."""
         traced = compiled.traced
         n_user, n_updates = traced.num_user_outputs, traced.num_updates
-        check_index_flags(outs[n_user + n_updates:])
+        check_index_flags(outs[n_user + n_updates :])
         if n_updates:
             with torch.no_grad():
-                for (_, target), new in zip(update_targets(compiled, tensors), outs[n_user:n_user + n_updates]):
+                for (_, target), new in zip(update_targets(compiled, tensors), outs[n_user : n_user + n_updates]):
                     target.copy_(new)
         return traced.output_of(list(outs))
 
@@ -233,17 +250,23 @@ class Dispatcher:
         reason = self.variant_set.discard(variant, args, kwargs, message, len(self.log.discarded))
         self.log.discarded_variant(reason)
         if warn:
-            warnings.warn(f"tvmbridge: {type(self.module).__name__}: {reason.message}; PyTorch runs these calls "
-                          "from now on (please report this: it is a bug of the bridge)", VerificationWarning,
-                          stacklevel=caller_stacklevel())
+            warnings.warn(
+                f"tvmbridge: {type(self.module).__name__}: {reason.message}; PyTorch runs these calls "
+                "from now on (please report this: it is a bug of the bridge)",
+                VerificationWarning,
+                stacklevel=caller_stacklevel(),
+            )
         self.log.first_time(reason.key)
         return reason
 
     def fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
         """PyTorch runs the call, with a warning the first time for each reason."""
         if self.log.ran_pytorch(reason) and self.options.warn_on_fallback:
-            warnings.warn(f"tvmbridge: fell back to PyTorch for {type(self.module).__name__}: {reason.message}",
-                          FallbackWarning, stacklevel=caller_stacklevel())
+            warnings.warn(
+                f"tvmbridge: fell back to PyTorch for {type(self.module).__name__}: {reason.message}",
+                FallbackWarning,
+                stacklevel=caller_stacklevel(),
+            )
         TRACING.wait_idle()
         return self.eager(*args, **kwargs)
 
@@ -304,8 +327,9 @@ def add_tvm_dispatch(
         except ConversionError as exc:
             if not opts.fallback:
                 raise
-            warnings.warn(f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning, stacklevel=2
+            )
             return module
     module._tvm_dispatch = dispatcher
     module.forward = dispatcher
@@ -322,4 +346,3 @@ def remove_tvm_dispatch(module: torch.nn.Module) -> torch.nn.Module:
     module.__dict__.pop("remove_tvm_dispatch", None)
     module._tvm_dispatch = None
     return module
-

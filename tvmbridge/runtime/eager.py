@@ -5,6 +5,7 @@ It is the class's ``forward`` bound at each call, or a ``forward`` the user set 
 before dispatching. While PyTorch's forward runs for the bridge (:meth:`EagerForward.call`),
 calls that reach the dispatcher again on this thread run it too (``active``).
 """
+
 from __future__ import annotations
 
 import threading
@@ -70,18 +71,23 @@ class EagerForward:
         of the buffers and inputs it updates, in the compiled outputs' order (updated on clones,
         so they are not updated twice)."""
         traced = compiled.traced
-        user = [t.clone() if i in traced.updated_inputs else t for i, t in enumerate(tensors[:traced.num_user_inputs])]
+        user = [t.clone() if i in traced.updated_inputs else t for i, t in enumerate(tensors[: traced.num_user_inputs])]
         pending = iter(user)
-        leaves = [traced.constant_leaves[i] if i in traced.constant_leaves else next(pending)
-                  for i in range(traced.in_spec.num_leaves)]
+        leaves = [
+            traced.constant_leaves[i] if i in traced.constant_leaves else next(pending)
+            for i in range(traced.in_spec.num_leaves)
+        ]
         args, kwargs = pytree.tree_unflatten(leaves, traced.in_spec)
-        state = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
+        state = dict(zip(traced.state.names, tensors[traced.num_user_inputs :]))
         state.update({n: state[n].clone() for n in traced.updated_buffers})
         self.local.active = True
         try:  # under the autocast the variant was traced under, whatever is in effect now; the module's
             # tensors swapped for these meanwhile; its forward alone (its own hooks run around this call)
-            with TRACING.writing(), AutocastState.entered(traced.autocast, compiled.device.type), \
-                    _reparametrize_module(self.module, state, tie_weights=True, strict=False):
+            with (
+                TRACING.writing(),
+                AutocastState.entered(traced.autocast, compiled.device.type),
+                _reparametrize_module(self.module, state, tie_weights=True, strict=False),
+            ):
                 out = self(*args, **kwargs)
         finally:
             self.local.active = False
@@ -91,6 +97,7 @@ class EagerForward:
 def update_targets(compiled: CompiledModule, tensors: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """The tensors a call writes in place, named, in the compiled outputs' order."""
     traced = compiled.traced
-    by_name = dict(zip(traced.state.names, tensors[traced.num_user_inputs:]))
-    return ([(f"buffer {n}", by_name[n]) for n in traced.updated_buffers]
-            + [(f"input {i}", tensors[i]) for i in traced.updated_inputs])
+    by_name = dict(zip(traced.state.names, tensors[traced.num_user_inputs :]))
+    return [(f"buffer {n}", by_name[n]) for n in traced.updated_buffers] + [
+        (f"input {i}", tensors[i]) for i in traced.updated_inputs
+    ]

@@ -13,10 +13,12 @@ be differentiated through TVM's code, so it differentiates PyTorch's own forward
 the same inputs with the random generator as it was at the call (as ``torch.utils.checkpoint``
 does): higher-order gradients are PyTorch's.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import tvm_ffi
@@ -189,8 +191,13 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
         outputs = call.eager(inputs)
     pairs = [(o, g) for o, g, d in zip(outputs, grad_outputs, call.compiled.differentiable) if d and g is not None]
     wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
-    grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
-                                [g for _, g in pairs], create_graph=create_graph, allow_unused=True)
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs],
+        [inputs[i] for i in wanted],
+        [g for _, g in pairs],
+        create_graph=create_graph,
+        allow_unused=True,
+    )
     result: list[torch.Tensor | None] = [None] * len(ctx.inputs)
     for i, g in zip(wanted, grads):
         result[i] = g

@@ -8,12 +8,14 @@ state layout (which parameters and buffers, tied how, with what shape, dtype, de
 on the submodules themselves and on the hooks present. Any difference is a :class:`Mismatch`
 naming what changed; the dispatcher then runs PyTorch instead of stale compiled code.
 """
+
 from __future__ import annotations
 
 import copy
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,16 +25,37 @@ from ..frontend.export import AutocastState, ModuleState
 from ..sizes import evaluate_dims
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
-_MODULE_INTERNALS = frozenset({
-    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-    "_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-    "_is_full_backward_hook", "_compiled_call_impl", "forward", "_tvm_dispatch", "remove_tvm_dispatch",
-})
+_MODULE_INTERNALS = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_is_full_backward_hook",
+        "_compiled_call_impl",
+        "forward",
+        "_tvm_dispatch",
+        "remove_tvm_dispatch",
+    }
+)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
 _MISSING = object()
 
 
@@ -63,8 +86,11 @@ def autocast_mismatch(compiled_under: AutocastState | None, device_type: str) ->
     now = AutocastState.current(device_type)
     if now == compiled_under:
         return None
-    return Mismatch("autocast", f"the call runs {now or 'without autocast'}, it was compiled "
-                    f"{'under ' + str(compiled_under) if compiled_under else 'without autocast'}")
+    return Mismatch(
+        "autocast",
+        f"the call runs {now or 'without autocast'}, it was compiled "
+        f"{'under ' + str(compiled_under) if compiled_under else 'without autocast'}",
+    )
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -94,8 +120,15 @@ def _short(value: Any) -> str:
 class InputGuard:
     """The call's structure, tensor metadata and non-tensor values, as compiled."""
 
-    def __init__(self, leaves: list[Any], spec: pytree.TreeSpec, labels: list[str], call: tuple[tuple, dict],
-                 positional: int | None, dims: SymbolicDims | None = None) -> None:
+    def __init__(
+        self,
+        leaves: list[Any],
+        spec: pytree.TreeSpec,
+        labels: list[str],
+        call: tuple[tuple, dict],
+        positional: int | None,
+        dims: SymbolicDims | None = None,
+    ) -> None:
         self.spec = spec
         self.labels = labels
         self.num_args, self.kwargs = len(call[0]), dict(call[1])
@@ -119,20 +152,28 @@ class InputGuard:
         """What differs in a call whose structure is not the compiled one."""
         args, kwargs = call
         if len(args) != self.num_args:
-            return Mismatch("positional count", f"{len(args)} positional arguments, compiled for {self.num_args}",
-                            structural=True)
+            return Mismatch(
+                "positional count", f"{len(args)} positional arguments, compiled for {self.num_args}", structural=True
+            )
         for name, value in self.kwargs.items():
             if name not in kwargs:
-                return Mismatch(f"{name} omitted", f"{name} is left at its default, compiled for {name}={value!r}",
-                                structural=True)
+                return Mismatch(
+                    f"{name} omitted", f"{name} is left at its default, compiled for {name}={value!r}", structural=True
+                )
         for name in kwargs:
             if name not in self.kwargs:
-                return Mismatch(f"{name} given", f"{name}={_short(kwargs[name])} is given, compiled with it left at "
-                                "its default", structural=True)
-        return Mismatch("call structure", "the nesting of tuples/lists/dicts in the arguments differs from the compiled call")
+                return Mismatch(
+                    f"{name} given",
+                    f"{name}={_short(kwargs[name])} is given, compiled with it left at its default",
+                    structural=True,
+                )
+        return Mismatch(
+            "call structure", "the nesting of tuples/lists/dicts in the arguments differs from the compiled call"
+        )
 
-    def check(self, leaves: list[Any], spec: pytree.TreeSpec, call: tuple[tuple, dict],
-              sizes: dict[str, int] | None = None) -> Mismatch | None:
+    def check(
+        self, leaves: list[Any], spec: pytree.TreeSpec, call: tuple[tuple, dict], sizes: dict[str, int] | None = None
+    ) -> Mismatch | None:
         """Why the call does not fit, or None; a symbolic variant's sizes go into ``sizes``."""
         if spec != self.spec:
             return self.structure(call)
@@ -145,7 +186,9 @@ class InputGuard:
                 if isinstance(x, torch.Tensor) or not (x is c or (type(x) is type(c) and x == c)):
                     return Mismatch(f"{self.labels[i]} value", f"{self.labels[i]} is {x!r}, compiled for {c!r}")
             elif not isinstance(x, torch.Tensor):
-                return Mismatch(f"{self.labels[i]} type", f"{self.labels[i]} is a {type(x).__name__}, compiled for a tensor")
+                return Mismatch(
+                    f"{self.labels[i]} type", f"{self.labels[i]} is a {type(x).__name__}, compiled for a tensor"
+                )
             elif self.dims is not None:
                 reason = self.dims.check_tensor(i, self.labels[i], x, want, sizes, derived)
                 if reason is not None:
@@ -172,8 +215,9 @@ class SymbolicDims:
     def attach(self, tensor_leaves: list[int]) -> None:
         self.leaf_dims = dict(zip(tensor_leaves, self.per_tensor))
 
-    def check_tensor(self, leaf: int, label: str, x: torch.Tensor, key: tuple, sizes: dict[str, int],
-                     derived: list) -> Mismatch | None:
+    def check_tensor(
+        self, leaf: int, label: str, x: torch.Tensor, key: tuple, sizes: dict[str, int], derived: list
+    ) -> Mismatch | None:
         """Whether tensor leaf ``leaf`` fits, binding its symbols into ``sizes``."""
         _, dtype, device = key
         dims = self.leaf_dims[leaf]
@@ -264,7 +308,9 @@ class StateGuard:
                 self.hooks += [(f"{path} {h}", getattr(m, h), len(getattr(m, h))) for h in _HOOKS]
         self.hooks += [(h, getattr(nn_module, h), len(getattr(nn_module, h))) for h in _GLOBAL_HOOKS]
         self.slots = [self._slot(module, name) for name in state.names]
-        self.alias_slots = [(self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()]
+        self.alias_slots = [
+            (self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()
+        ]
 
     @staticmethod
     def _slot(module: torch.nn.Module, name: str) -> tuple[dict, str]:
@@ -280,8 +326,11 @@ class StateGuard:
                 return Mismatch(label, f"{label} is {shown}, compiled for {expected!r}")
         for label, hooks, n in self.hooks:
             if len(hooks) != n:
-                return Mismatch(label, f"{label}: {len(hooks)} registered, compiled with {n} (hooks do not run "
-                                "inside compiled code)", recompile=False)
+                return Mismatch(
+                    label,
+                    f"{label}: {len(hooks)} registered, compiled with {n} (hooks do not run inside compiled code)",
+                    recompile=False,
+                )
         return None
 
     def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:

@@ -9,6 +9,7 @@ not seen (compile again). It takes and returns torch tensors, for the sample's s
 and device; any other call is refused with an error that says so. Compiled under
 ``torch.autocast``, autocast's casts are compiled in and calls must be made under it as well.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,24 +35,32 @@ from .variants import input_guard_for
 def _bind_weights(a: Artifacts) -> Artifacts:
     """Parameters and buffers as constants, folded; parallel matmuls combined; one function."""
     if a.random_sites:
-        raise ConversionError("bind", "the model draws random numbers in eval mode "
-                              f"({len(a.random_sites)} random ops); inference compiles deterministic models only")
+        raise ConversionError(
+            "bind",
+            "the model draws random numbers in eval mode "
+            f"({len(a.random_sites)} random ops); inference compiles deterministic models only",
+        )
     func = a.primal[names.MAIN]
     traced = a.traced
     state = traced.state.lookup(a.module)
-    params = list(func.params)[traced.num_user_inputs:]
+    params = list(func.params)[traced.num_user_inputs :]
     binding = {p: tvm.runtime.tensor(t.detach().cpu().contiguous().numpy()) for p, t in zip(params, state)}
     mod = tvm.IRModule({names.MAIN: func})
-    mod = tvm.transform.Sequential([
-        # one reshape of the hidden states for Q, K and V (the export flattens per linear), so
-        # that their matmuls share a left operand; combined on weight variables: the pass does
-        # not match constants
-        relax.transform.EliminateCommonSubexpr(), relax.transform.CanonicalizeBindings(),
-        relax.transform.CombineParallelMatmul(),
-        relax.transform.BindParams(names.MAIN, binding),
-        materialize_non_finite_fills(), relax.transform.FoldConstant(),
-        relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
-    ])(mod)
+    mod = tvm.transform.Sequential(
+        [
+            # one reshape of the hidden states for Q, K and V (the export flattens per linear), so
+            # that their matmuls share a left operand; combined on weight variables: the pass does
+            # not match constants
+            relax.transform.EliminateCommonSubexpr(),
+            relax.transform.CanonicalizeBindings(),
+            relax.transform.CombineParallelMatmul(),
+            relax.transform.BindParams(names.MAIN, binding),
+            materialize_non_finite_fills(),
+            relax.transform.FoldConstant(),
+            relax.transform.CanonicalizeBindings(),
+            relax.transform.DeadCodeElimination(),
+        ]
+    )(mod)
     infer = mod[names.MAIN].with_attr("global_symbol", names.FORWARD_INFER).without_attr("num_input")
     return dataclasses.replace(a, halves=tvm.IRModule({names.FORWARD_INFER: infer}))
 
@@ -61,10 +70,20 @@ def _stage(name: str) -> Stage:
 
 
 INFERENCE_STAGES: tuple[Stage, ...] = (
-    _stage("inputs"), _stage("trace"), _stage("convert"),
-    Stage("bind", _bind_weights, lambda a: a.halves, reads=("random_sites", "primal", "traced", "module"),
-          writes=("halves",)),
-    _stage("offload"), _stage("low_precision"), _stage("fast_math"), _stage("build"),
+    _stage("inputs"),
+    _stage("trace"),
+    _stage("convert"),
+    Stage(
+        "bind",
+        _bind_weights,
+        lambda a: a.halves,
+        reads=("random_sites", "primal", "traced", "module"),
+        writes=("halves",),
+    ),
+    _stage("offload"),
+    _stage("low_precision"),
+    _stage("fast_math"),
+    _stage("build"),
 )
 
 
@@ -87,14 +106,16 @@ class InferenceModule:
         leaves, spec = pytree.tree_flatten(call)
         unfit = self.guard.check(leaves, spec, call) or autocast_mismatch(self.traced.autocast, self.device.type)
         if unfit is not None:
-            raise ValueError(f"compile_inference: {unfit.message}; it runs calls of the sample's shapes, dtypes, values "
-                             "and autocast only: compile again for this call")
+            raise ValueError(
+                f"compile_inference: {unfit.message}; it runs calls of the sample's shapes, dtypes, values "
+                "and autocast only: compile again for this call"
+            )
         tensors = [to_tvm(x) for x in leaves if isinstance(x, torch.Tensor)]
         with torch.no_grad():
             result = self._vm[names.FORWARD_INFER](*tensors)
         outs = [to_torch(r) for r in (result if isinstance(result, (list, tuple, tvm.ir.Array)) else [result])]
         n_user = self.traced.num_user_outputs
-        check_index_flags(outs[n_user:n_user + self.num_index_checks])
+        check_index_flags(outs[n_user : n_user + self.num_index_checks])
         return self.traced.output_of(outs)
 
 
@@ -104,8 +125,13 @@ def _tvm_device(device: torch.device) -> Any:
     return tvm_device(device)
 
 
-def compile_inference(model: torch.nn.Module, sample_inputs: Any = (), sample_kwargs: dict | None = None,
-                      options: CompileOptions | None = None, **overrides: Any) -> InferenceModule:
+def compile_inference(
+    model: torch.nn.Module,
+    sample_inputs: Any = (),
+    sample_kwargs: dict | None = None,
+    options: CompileOptions | None = None,
+    **overrides: Any,
+) -> InferenceModule:
     """Compile ``model``'s forward in eval mode for the sample's shapes (see the module docstring).
     ``options``/``overrides``: :class:`~tvmbridge.options.CompileOptions` fields (``offload_matmul``,
     ``fast_math``, ...); the model's train/eval mode is restored afterwards."""

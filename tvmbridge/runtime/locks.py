@@ -6,11 +6,12 @@ inside the tracer or read fake parameters. So compiles (and the eager re-run of 
 backward) take :data:`TRACING` for writing, calls read the module's state under it for reading,
 and a call that is about to run PyTorch's forward first waits for any trace in another thread.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 
 class ReadWriteLock:

@@ -6,10 +6,12 @@ In graph order, site by site, so the generator advances exactly as in the eager 
   strides, so a channels_last input draws in memory order) ``.bernoulli_(1-p).div_(1-p)``); a
   large contiguous one by ``kernels.mt19937``, the same stream drawn vectorized, where its
   start-up check passed (a bfloat16/float16 mask drawn in float32 and converted: ATen's
-  ``bernoulli_`` samples in double whatever the dtype, checked once per dtype). On CUDA/ROCm the fused ``native_dropout`` kernel on ones;
+  ``bernoulli_`` samples in double whatever the dtype, checked once per dtype). On CUDA/ROCm the fused
+  ``native_dropout`` kernel on ones;
 * any other random op by calling the same aten op with empty tensors of the recorded layout in
   place of its tensor arguments (whose values it does not read).
 """
+
 from __future__ import annotations
 
 import functools

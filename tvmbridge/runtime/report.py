@@ -5,6 +5,7 @@ bytes autograd saves for the same module and inputs on a real run, measured with
 ``saved_tensors_hooks`` over unique storages (``analysis.profile.measure_saved_bytes``). On both
 sides parameters and the user's inputs are left out: the caller holds them anyway.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,9 +69,7 @@ def capture_report(
 ) -> CaptureReport:
     """The report for ``compiled``; PyTorch's side measured by one real call of ``forward``."""
     joint = compiled.split.joint
-    captured = [
-        (c, joint.nodes[c].shape, joint.nodes[c].dtype, joint.nodes[c].nbytes) for c in compiled.split.captures
-    ]
+    captured = [(c, joint.nodes[c].shape, joint.nodes[c].dtype, joint.nodes[c].nbytes) for c in compiled.split.captures]
     return CaptureReport(
         policy=compiled.options.policy_name,
         captured=captured,

@@ -4,6 +4,7 @@ signatures that must not compile again (a failed compile, a discarded variant).
 A call's outcome is a :class:`Selection`: run a variant on the fitted tensors, compile one for
 the call, or run PyTorch, each with the reason that decided it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -104,17 +105,21 @@ class VariantSet:
             return None, Mismatch("signature", str(exc), recompile=False)
         refused = refused or self.failures.get(key)
         if refused is None and len(self.variants) >= self.options.cache_size_limit:
-            refused = Mismatch("cache size limit", f"{len(self.variants)} variants compiled, the cache_size_limit; "
-                               f"{reason.message if reason else 'this call'}: raise cache_size_limit to compile more",
-                               recompile=False)
+            refused = Mismatch(
+                "cache size limit",
+                f"{len(self.variants)} variants compiled, the cache_size_limit; "
+                f"{reason.message if reason else 'this call'}: raise cache_size_limit to compile more",
+                recompile=False,
+            )
         return key, refused
 
     def compile_for(self, args: tuple, kwargs: dict, key: tuple, reason: Mismatch | None) -> Selection:
         """A new variant for a call no variant fits. A failure raises when nothing has compiled
         yet and ``fallback`` is off; else it is remembered and the call runs PyTorch."""
         try:
-            variant = self.compile_variant(args, kwargs, reason.message if reason else "first call",
-                                           self.dynamic_dims(args, kwargs))
+            variant = self.compile_variant(
+                args, kwargs, reason.message if reason else "first call", self.dynamic_dims(args, kwargs)
+            )
         except ConversionError as exc:
             if not self.variants and not self.options.fallback:
                 raise
@@ -127,12 +132,14 @@ class VariantSet:
         return Selection.run(variant, fit.fitted)
 
     def remember_failure(self, key: tuple, exc: ConversionError) -> Mismatch:
-        self.failures[key] = Mismatch(f"compile failed {len(self.failures)}",
-                                      f"compiling a variant for this call failed: {exc}", recompile=False)
+        self.failures[key] = Mismatch(
+            f"compile failed {len(self.failures)}", f"compiling a variant for this call failed: {exc}", recompile=False
+        )
         return self.failures[key]
 
-    def compile_variant(self, args: tuple, kwargs: dict, why: str,
-                        dynamic: dict[int, frozenset[int]] | None = None) -> Variant:
+    def compile_variant(
+        self, args: tuple, kwargs: dict, why: str, dynamic: dict[int, frozenset[int]] | None = None
+    ) -> Variant:
         with TRACING.writing():
             already = self.fitting(args, kwargs)  # another thread may have compiled it meanwhile
             if already is not None:
@@ -141,12 +148,15 @@ class VariantSet:
             variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), why)
             self.variants = (*self.variants, variant)
         if self.options.verbose:
-            print(f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {why}): "
-                  f"{compiled.summary()}")
+            print(
+                f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {why}): "
+                f"{compiled.summary()}"
+            )
         return variant
 
-    def _compiled(self, args: tuple, kwargs: dict, why: str,
-                  dynamic: dict[int, frozenset[int]] | None) -> tuple[CompiledModule, str]:
+    def _compiled(
+        self, args: tuple, kwargs: dict, why: str, dynamic: dict[int, frozenset[int]] | None
+    ) -> tuple[CompiledModule, str]:
         compiled = None
         if dynamic:
             try:
@@ -172,8 +182,9 @@ class VariantSet:
         if isinstance(choice, dict):
             dims = marked_dims(self.signature, args, kwargs, choice)
         else:
-            dims = next((d for v in reversed(self.variants) if (d := changed_dims(v, self.signature, args, kwargs))),
-                        None)
+            dims = next(
+                (d for v in reversed(self.variants) if (d := changed_dims(v, self.signature, args, kwargs))), None
+            )
         return None if dims is None or _dims_key(dims) in self.failed_dynamic else dims
 
     def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, number: int) -> Mismatch:
@@ -183,8 +194,7 @@ class VariantSet:
             key: Any = self.key(args, kwargs)
         except ConversionError:
             key = None
-        reason = Mismatch(f"discarded {number}", f"variant '{variant.label}' was discarded: {message}",
-                          recompile=False)
+        reason = Mismatch(f"discarded {number}", f"variant '{variant.label}' was discarded: {message}", recompile=False)
         with self.lock:
             self.variants = tuple(v for v in self.variants if v is not variant)
             if key is not None:

@@ -7,6 +7,7 @@ guards all pass. The dispatcher compiles a new variant for a call no variant fit
 ``cache_size_limit`` of them, and remembers signatures that failed to compile so a failure is
 not retried on every call.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -47,20 +48,30 @@ def _positional_form(signature: inspect.Signature, args: tuple, kwargs: dict, le
     if any(p.kind != inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:n]):
         return None
     # the parameters after them must be ones the canonical form drops (non-tensor defaults)
-    if any(p.default is inspect.Parameter.empty or isinstance(p.default, torch.Tensor)
-           for p in params[n:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
+    if any(
+        p.default is inspect.Parameter.empty or isinstance(p.default, torch.Tensor)
+        for p in params[n:]
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ):
         return None
     return n
 
 
-def input_guard_for(signature: inspect.Signature, args: tuple, kwargs: dict,
-                    dims: SymbolicDims | None = None) -> InputGuard:
+def input_guard_for(
+    signature: inspect.Signature, args: tuple, kwargs: dict, dims: SymbolicDims | None = None
+) -> InputGuard:
     """The guard of calls like ``(args, kwargs)``: their structure, tensor metadata and values
     (``dims``: a symbolic compile's dims; without, the exact shapes)."""
     cargs, ckwargs = canonical_call(signature, args, kwargs)
     leaves, spec = pytree.tree_flatten((cargs, ckwargs))
-    return InputGuard(leaves, spec, leaf_labels(cargs, ckwargs), (cargs, ckwargs),
-                      _positional_form(signature, args, kwargs, leaves), dims)
+    return InputGuard(
+        leaves,
+        spec,
+        leaf_labels(cargs, ckwargs),
+        (cargs, ckwargs),
+        _positional_form(signature, args, kwargs, leaves),
+        dims,
+    )
 
 
 def describe_call(signature: inspect.Signature, args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
@@ -99,8 +110,9 @@ def empty_input(signature: inspect.Signature, args: tuple, kwargs: dict) -> Mism
     for label, x in zip(leaf_labels(cargs, ckwargs), pytree.tree_leaves((cargs, ckwargs))):
         if isinstance(x, torch.Tensor) and x.numel() == 0:
             dim = list(x.shape).index(0)
-            return Mismatch("empty input", f"{label} dim {dim} is 0 (an empty tensor); empty calls run PyTorch",
-                            recompile=False)
+            return Mismatch(
+                "empty input", f"{label} dim {dim} is 0 (an empty tensor); empty calls run PyTorch", recompile=False
+            )
     return None
 
 
@@ -144,8 +156,9 @@ class Variant:
     def tensor_names(self) -> list[str]:
         """A name per tensor the compiled code takes: the call's (as explain() labels them), then the state's."""
         guard = self.input_guard
-        return [label for label, k in zip(guard.labels, guard.keys) if k is not None] + \
-            list(self.compiled.traced.state.names)
+        return [label for label, k in zip(guard.labels, guard.keys) if k is not None] + list(
+            self.compiled.traced.state.names
+        )
 
     def new_sizes_fill_pool(self, sizes: dict[str, int], keep: int = 4) -> bool:
         """Whether a call at ``sizes`` should first trim TVM's memory pool: it is the ``keep + 1``-th
@@ -161,8 +174,14 @@ class Variant:
         return True
 
     @classmethod
-    def create(cls, module: torch.nn.Module, signature: inspect.Signature, compiled: CompiledModule,
-               call: tuple[tuple, dict], why: str) -> Variant:
+    def create(
+        cls,
+        module: torch.nn.Module,
+        signature: inspect.Signature,
+        compiled: CompiledModule,
+        call: tuple[tuple, dict],
+        why: str,
+    ) -> Variant:
         args, kwargs = call
         traced = compiled.traced
         input_guard = input_guard_for(signature, args, kwargs, SymbolicDims(traced.input_dims, traced.ranges))
@@ -196,16 +215,24 @@ class Variant:
         if reason is not None:
             return Fit(None, reason, inputs_fit=False)
         if any(user[i].requires_grad for i in self.compiled.traced.updated_inputs):
-            return Fit(None, Mismatch("written input requires grad", "an input the module writes in place requires "
-                                      "grad (PyTorch's autograd must see that write)", recompile=False), False)
+            return Fit(
+                None,
+                Mismatch(
+                    "written input requires grad",
+                    "an input the module writes in place requires grad (PyTorch's autograd must see that write)",
+                    recompile=False,
+                ),
+                False,
+            )
         reason = self.state_guard.check(module)
         if reason is not None:
             return Fit(None, reason, inputs_fit=True)
         state, reason = self.state_guard.tensors(module)
         return Fit(None, reason, True) if reason is not None else Fit(Fitted(user + state, sizes), None, True)
 
-    def _bind(self, signature: inspect.Signature, args: tuple, kwargs: dict,
-              sizes: dict[str, int]) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+    def _bind(
+        self, signature: inspect.Signature, args: tuple, kwargs: dict, sizes: dict[str, int]
+    ) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
         try:
             cargs, ckwargs = canonical_call(signature, args, kwargs)
         except ConversionError as exc:
@@ -232,8 +259,9 @@ def _call_tensors(signature: inspect.Signature, args: tuple, kwargs: dict) -> tu
     return [p[0] for p in pairs], [p[1] for p in pairs], spec
 
 
-def changed_dims(variant: Variant, signature: inspect.Signature, args: tuple,
-                 kwargs: dict) -> dict[int, frozenset[int]] | None:
+def changed_dims(
+    variant: Variant, signature: inspect.Signature, args: tuple, kwargs: dict
+) -> dict[int, frozenset[int]] | None:
     """The dims in which a call differs from ``variant``'s tensors (by position among the call's
     tensors), the variant's symbolic dims included, when it differs in sizes only."""
     try:
@@ -257,15 +285,18 @@ def changed_dims(variant: Variant, signature: inspect.Signature, args: tuple,
     return dims or None
 
 
-def marked_dims(signature: inspect.Signature, args: tuple, kwargs: dict,
-                marks: dict[str, Any]) -> dict[int, frozenset[int]] | None:
+def marked_dims(
+    signature: inspect.Signature, args: tuple, kwargs: dict, marks: dict[str, Any]
+) -> dict[int, frozenset[int]] | None:
     """``dynamic={"hidden_states": {1: "seq"}}`` as dims by position among the call's tensors
     (an argument is named as ``explain()`` labels it: its parameter name, or ``arg 0``)."""
     labels, _, _ = _call_tensors(signature, args, kwargs)
     unknown = sorted(set(marks) - set(labels))
     if unknown:
-        raise ConversionError("inputs", f"dynamic names {unknown}, which are not tensor arguments of this call; "
-                              f"the call's tensors are {labels}")
+        raise ConversionError(
+            "inputs",
+            f"dynamic names {unknown}, which are not tensor arguments of this call; the call's tensors are {labels}",
+        )
     _, tensors, _ = _call_tensors(signature, args, kwargs)
     out = {}
     for name, dims in marks.items():
@@ -276,4 +307,6 @@ def marked_dims(signature: inspect.Signature, args: tuple, kwargs: dict,
 
 def describe_dims(traced: Any) -> str:
     """``hidden_states (s0, s1, 64)``-style text of a symbolic variant's input dims."""
-    return ", ".join(f"({', '.join(str(d) for d in dims)})" for dims in traced.input_dims if any(isinstance(d, str) for d in dims))
+    return ", ".join(
+        f"({', '.join(str(d) for d in dims)})" for dims in traced.input_dims if any(isinstance(d, str) for d in dims)
+    )

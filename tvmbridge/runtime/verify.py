@@ -16,10 +16,11 @@ relative to the terms summed, and a gradient that cancels to nearly zero (LayerN
 a uniform output gradient) carries the noise of its terms. It is a net for real bugs (a swapped
 input, a wrong gradient formula, an aliased buffer), not a proof of bitwise equality.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -50,9 +51,10 @@ def own_inputs(tensors: list[torch.Tensor], num_user: int) -> list[torch.Tensor]
     reachable for a double backward. The module's state (from ``num_user`` on) stays itself where
     it is a leaf: the forward swaps it into the module, where another thread would see an alias."""
     seen: dict[int, torch.Tensor] = {}
-    return [seen.setdefault(id(t), t.view_as(t))
-            if t.requires_grad and (i < num_user or t.grad_fn is not None) else t
-            for i, t in enumerate(tensors)]
+    return [
+        seen.setdefault(id(t), t.view_as(t)) if t.requires_grad and (i < num_user or t.grad_fn is not None) else t
+        for i, t in enumerate(tensors)
+    ]
 
 
 def _magnitude(t: torch.Tensor | None) -> float:
@@ -62,18 +64,27 @@ def _magnitude(t: torch.Tensor | None) -> float:
     return float(finite.abs().max()) if finite.numel() else 0.0
 
 
-def compare(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
-            floor: float = 0.0, precision: torch.dtype | None = None) -> Discrepancy | None:
+def compare(
+    name: str,
+    got: torch.Tensor | None,
+    want: torch.Tensor | None,
+    floor: float = 0.0,
+    precision: torch.dtype | None = None,
+) -> Discrepancy | None:
     """Why ``got`` is not ``want`` to float noise (None: it is); ``floor``: the least scale;
     ``precision``: the dtype the call computed in where coarser than the tensor's (autocast)."""
     if got is None or want is None:
         if got is None and want is None:
             return None
-        return Discrepancy(name, f"{'None' if got is None else 'a tensor'} where PyTorch gives "
-                           f"{'None' if want is None else 'a tensor'}", float("inf"))
+        return Discrepancy(
+            name,
+            f"{'None' if got is None else 'a tensor'} where PyTorch gives {'None' if want is None else 'a tensor'}",
+            float("inf"),
+        )
     if got.shape != want.shape or got.dtype != want.dtype:
-        return Discrepancy(name, f"{tuple(got.shape)} {got.dtype} where PyTorch gives {tuple(want.shape)} "
-                           f"{want.dtype}", float("inf"))
+        return Discrepancy(
+            name, f"{tuple(got.shape)} {got.dtype} where PyTorch gives {tuple(want.shape)} {want.dtype}", float("inf")
+        )
     got, want = got.detach(), want.detach()
     if not (want.is_floating_point() or want.is_complex()):
         bad = int((got != want).sum())
@@ -81,8 +92,11 @@ def compare(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
     if want.numel() == 0:
         return None
     inf = torch.isinf(want)
-    if not torch.equal(torch.isnan(got), torch.isnan(want)) or not torch.equal(torch.isinf(got), inf) \
-            or not torch.equal(got[inf], want[inf]):
+    if (
+        not torch.equal(torch.isnan(got), torch.isnan(want))
+        or not torch.equal(torch.isinf(got), inf)
+        or not torch.equal(got[inf], want[inf])
+    ):
         return Discrepancy(name, "NaN/inf at other places than PyTorch's", float("inf"))
     finite = torch.isfinite(want)
     g, w = got[finite].double(), want[finite].double()
@@ -94,12 +108,16 @@ def compare(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
     tol = max(ATOL.get(d, 1e-6) for d in dtypes) + max(RTOL.get(d, 1e-3) for d in dtypes) * scale
     if err <= tol:
         return None
-    return Discrepancy(name, f"max abs error {err:.3g} where the largest value is {float(w.abs().max()):.3g} "
-                       f"(tolerance {tol:.2g})", err / tol)
+    return Discrepancy(
+        name,
+        f"max abs error {err:.3g} where the largest value is {float(w.abs().max()):.3g} (tolerance {tol:.2g})",
+        err / tol,
+    )
 
 
-def worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]],
-          precision: torch.dtype | None = None) -> Discrepancy | None:
+def worst(
+    pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], precision: torch.dtype | None = None
+) -> Discrepancy | None:
     """The worst discrepancy over ``(name, got, want)`` pairs, or None when all agree."""
     floor = GROUP_FLOOR * max((_magnitude(want) for _, _, want in pairs), default=0.0)
     found = [d for name, got, want in pairs if (d := compare(name, got, want, floor, precision)) is not None]
@@ -129,24 +147,30 @@ class GradientCheck:
     on_result: Callable[[Discrepancy | None], None]
     precision: torch.dtype | None = None  # autocast's dtype: the gradients carry its rounding
 
-    def eager_gradients(self, needs: tuple[bool, ...],
-                        grad_outputs: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def eager_gradients(
+        self, needs: tuple[bool, ...], grad_outputs: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
         """PyTorch's gradients of the call's inputs for ``grad_outputs`` (its own graph, consumed)."""
         inputs = self.inputs
-        pairs = [(o, g) for o, g in zip(self.eager_outputs, grad_outputs)
-                 if o is not None and g is not None and o.requires_grad]
+        pairs = [
+            (o, g)
+            for o, g in zip(self.eager_outputs, grad_outputs)
+            if o is not None and g is not None and o.requires_grad
+        ]
         wanted = [i for i, need in enumerate(needs) if need]
         result: list[torch.Tensor | None] = [None] * len(inputs)
         if not pairs or not wanted:
             return result
         with torch.enable_grad():
-            grads = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
-                                        [g for _, g in pairs], allow_unused=True)
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs], allow_unused=True
+            )
         for i, g in zip(wanted, grads):
             result[i] = g
         return result
 
-    def check(self, got: list[torch.Tensor | None], want: list[torch.Tensor | None],
-              needs: tuple[bool, ...]) -> Discrepancy | None:
+    def check(
+        self, got: list[torch.Tensor | None], want: list[torch.Tensor | None], needs: tuple[bool, ...]
+    ) -> Discrepancy | None:
         pairs = [(f"gradient of {name}", g, w) for name, g, w, need in zip(self.names, got, want, needs) if need]
         return worst(pairs, self.precision)

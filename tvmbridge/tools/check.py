@@ -11,6 +11,7 @@ in TVM with every intermediate value as an output (eval mode, so no randomness),
 value in graph order whose float64 error is above the tolerance names the op, its module and
 its source line.
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,8 +58,9 @@ class DoubleCheckReport:
         if self.verdict == "noise":
             lines.append(f"verdict: numerical noise (every float64 relative error <= {self.tolerance:.0e})")
         else:
-            lines.append(f"verdict: DEVIATION (float64 relative error above {self.tolerance:.0e}) in "
-                         + ", ".join(self.worst))
+            lines.append(
+                f"verdict: DEVIATION (float64 relative error above {self.tolerance:.0e}) in " + ", ".join(self.worst)
+            )
             lines.append(f"first deviating op: {self.first_deviation or 'none in the forward: the backward deviates'}")
         return "\n".join(lines)
 
@@ -70,8 +72,10 @@ def _float(x: Any, dtype: torch.dtype) -> Any:
 def _step(module: torch.nn.Module, args: tuple, kwargs: dict, seed: int = 1) -> dict[str, torch.Tensor]:
     """Outputs and gradients (float inputs and parameters) of one forward+backward under ``seed``
     with a fixed random output gradient."""
-    args = tuple(a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                 else a for a in args)
+    args = tuple(
+        a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in args
+    )
     torch.manual_seed(seed)
     outs = [o for o in pytree.tree_leaves(module(*args, **kwargs)) if isinstance(o, torch.Tensor)]
     gen = torch.Generator().manual_seed(seed + 1)
@@ -103,8 +107,9 @@ def _errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def _compare(module: torch.nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype,
-             opts: CompileOptions) -> dict[str, tuple[float, float]]:
+def _compare(
+    module: torch.nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, opts: CompileOptions
+) -> dict[str, tuple[float, float]]:
     from ..runtime.dispatch import add_tvm_dispatch
 
     tvm_module = plain_copy(module).to(dtype)  # a dispatched module: its own code is checked
@@ -124,9 +129,14 @@ def _fallback_warning() -> type[Warning]:
     return FallbackWarning
 
 
-def check_double(module: torch.nn.Module, sample_inputs: Any = (), sample_kwargs: dict | None = None,
-                 tolerance: float = 1e-10, options: CompileOptions | None = None,
-                 **overrides: Any) -> DoubleCheckReport:
+def check_double(
+    module: torch.nn.Module,
+    sample_inputs: Any = (),
+    sample_kwargs: dict | None = None,
+    tolerance: float = 1e-10,
+    options: CompileOptions | None = None,
+    **overrides: Any,
+) -> DoubleCheckReport:
     """Compare the bridge with PyTorch in float64 and float32 (see the module docstring). The
     module is not changed (copies are compiled). ``tolerance``: the largest float64 relative
     error still called noise."""

@@ -4,6 +4,7 @@
 Both take every compile option as a flag (``--capture all``, ``--memory-budget 0.3``,
 ``--fast-math false``, ...), the same :class:`~tvmbridge.options.CompileOptions` the API takes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ import sys
 from ..options import add_option_arguments, options_from_args
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tvmbridge", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="train a BertLayer through TVM next to PyTorch")
@@ -25,29 +26,59 @@ def main(argv: list[str] | None = None) -> int:
     viz.add_argument("--out", default="bench_results/bert_split", help="path without extension")
     viz.add_argument("--small", action="store_true", help="a small BertLayer (hidden 64) for a readable picture")
     viz.add_argument("--seq", type=int, default=14)
-    viz.add_argument("--stage", default="split",
-                     help="'split' (the joint graph coloured by the split), a stage that holds Relax, "
-                          "or stage:function (e.g. offload:backward)")
+    viz.add_argument(
+        "--stage",
+        default="split",
+        help="'split' (the joint graph coloured by the split), a stage that holds Relax, "
+        "or stage:function (e.g. offload:backward)",
+    )
     add_option_arguments(viz)
-    check = sub.add_parser("check", help="compare TVM with PyTorch in float64 and float32 (outputs and every "
-                                         "gradient): numerical noise, or a deviation and the first op that deviates")
-    check.add_argument("--model", default="bert-layer", choices=("bert-layer", *_whole_models()),
-                       help="a small built-in model (whole models include their loss)")
+    check = sub.add_parser(
+        "check",
+        help="compare TVM with PyTorch in float64 and float32 (outputs and every "
+        "gradient): numerical noise, or a deviation and the first op that deviates",
+    )
+    check.add_argument(
+        "--model",
+        default="bert-layer",
+        choices=("bert-layer", *_whole_models()),
+        help="a small built-in model (whole models include their loss)",
+    )
     check.add_argument("--tolerance", type=float, default=1e-10, help="largest float64 relative error called noise")
     add_option_arguments(check)
-    tune = sub.add_parser("tune", help="tune a built-in model's TVM kernels with MetaSchedule into a database "
-                                       "that add_tvm_dispatch(..., tuning_db=DIR) applies")
+    _tune_parser(sub)
+    return parser
+
+
+def _tune_parser(sub: argparse._SubParsersAction) -> None:
+    tune = sub.add_parser(
+        "tune",
+        help="tune a built-in model's TVM kernels with MetaSchedule into a database "
+        "that add_tvm_dispatch(..., tuning_db=DIR) applies",
+    )
     tune.add_argument("--work-dir", required=True, help="the database directory (a second run resumes)")
-    tune.add_argument("--model", default="bert-layer", choices=("bert-layer", "bert-layer-base", *_whole_models()),
-                      help="bert-layer: a small BertLayer; bert-layer-base: BERT-base sizes, as bench_train.py times")
+    tune.add_argument(
+        "--model",
+        default="bert-layer",
+        choices=("bert-layer", "bert-layer-base", *_whole_models()),
+        help="bert-layer: a small BertLayer; bert-layer-base: BERT-base sizes, as bench_train.py times",
+    )
     tune.add_argument("--batch", type=int, default=1)
     tune.add_argument("--seq", type=int, default=14)
     tune.add_argument("--trials-per-task", type=int, default=64)
     tune.add_argument("--max-trials", type=int, default=None, help="total trial budget over all kernels")
-    tune.add_argument("--minutes", type=float, default=None,
-                      help="time budget: no kernel starts tuning after this (the costliest kernels go first)")
+    tune.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="time budget: no kernel starts tuning after this (the costliest kernels go first)",
+    )
     tune.add_argument("--inference", action="store_true", help="tune the inference compile instead of training")
     add_option_arguments(tune, skip=("progress", "converters", "tuning_db"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         options = options_from_args(args)
@@ -85,9 +116,17 @@ def _tune(args: argparse.Namespace, options: object) -> None:
     from .tune import table, tune_module
 
     module, inputs, kwargs = _builtin(args.model, args.batch, args.seq)
-    results = tune_module(module, inputs, kwargs, work_dir=args.work_dir, trials_per_task=args.trials_per_task,
-                          max_trials=args.max_trials, inference=args.inference, options=options,
-                          time_budget_s=None if args.minutes is None else args.minutes * 60)
+    results = tune_module(
+        module,
+        inputs,
+        kwargs,
+        work_dir=args.work_dir,
+        trials_per_task=args.trials_per_task,
+        max_trials=args.max_trials,
+        inference=args.inference,
+        options=options,
+        time_budget_s=None if args.minutes is None else args.minutes * 60,
+    )
     print(table(results))
     print(f"database: {args.work_dir} (use: add_tvm_dispatch(..., tuning_db={args.work_dir!r}))")
 

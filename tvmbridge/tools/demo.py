@@ -5,12 +5,13 @@ on both the TVM module and a PyTorch copy under the same seeds, and prints the m
 output and of every gradient, the compile time, and the time per training step of both (after a
 warm-up, the two interleaved: the first calls of either are slower, and a shared machine drifts).
 """
+
 from __future__ import annotations
 
 import copy
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -21,8 +22,9 @@ from ..runtime.dispatch import add_tvm_dispatch
 from .timing import interleaved
 
 
-def run(batch: int = 1, seq: int = 14, steps: int = 5, options: CompileOptions | None = None,
-        timing_runs: int = 20) -> dict:
+def run(
+    batch: int = 1, seq: int = 14, steps: int = 5, options: CompileOptions | None = None, timing_runs: int = 20
+) -> dict:
     """Compile, train ``steps`` SGD steps next to PyTorch, time both; returns the worst errors,
     the step times and the compile time."""
     torch.manual_seed(0)
@@ -56,21 +58,32 @@ def run(batch: int = 1, seq: int = 14, steps: int = 5, options: CompileOptions |
         errs.update({k: (ga[k] - gb[k]).abs().max().item() for k in ga})
         for k, v in errs.items():
             worst[k] = max(worst.get(k, 0.0), v)
-        print(f"step {step}: loss tvm {la:.6f}  pytorch {lb:.6f}  max err output {errs['output']:.2e}  "
-              f"max err grads {max(v for k, v in errs.items() if k != 'output'):.2e}")
+        print(
+            f"step {step}: loss tvm {la:.6f}  pytorch {lb:.6f}  max err output {errs['output']:.2e}  "
+            f"max err grads {max(v for k, v in errs.items() if k != 'output'):.2e}"
+        )
     assert layer._tvm_dispatch.calls_tvm == steps, "the TVM path was not taken"
     print("max abs error over all steps:")
     for k, v in worst.items():
         print(f"  {k:40s} {v:.3e}")
     med = time_steps({"tvm": layer, "pytorch": ref}, x, mask, target, timing_runs)
-    print(f"time per training step (forward + backward, median of {timing_runs} interleaved after warm-up): "
-          f"tvm {med['tvm']*1e3:.1f} ms, pytorch {med['pytorch']*1e3:.1f} ms, ratio {med['tvm']/med['pytorch']:.2f}x; "
-          f"compile {compile_s:.1f}s; {torch.get_num_threads()} threads")
+    print(
+        f"time per training step (forward + backward, median of {timing_runs} interleaved after warm-up): "
+        f"tvm {med['tvm'] * 1e3:.1f} ms, pytorch {med['pytorch'] * 1e3:.1f} ms, "
+        f"ratio {med['tvm'] / med['pytorch']:.2f}x; "
+        f"compile {compile_s:.1f}s; {torch.get_num_threads()} threads"
+    )
     return {"worst": worst, "step_ms": {k: v * 1e3 for k, v in med.items()}, "compile_s": compile_s}
 
 
-def time_steps(modules: dict[str, torch.nn.Module], x: torch.Tensor, mask: torch.Tensor, target: torch.Tensor,
-               runs: int, warmup: int = 10) -> dict[str, float]:
+def time_steps(
+    modules: dict[str, torch.nn.Module],
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    target: torch.Tensor,
+    runs: int,
+    warmup: int = 10,
+) -> dict[str, float]:
     """Median seconds of one forward + backward per module, interleaved after a warm-up."""
 
     def step(m: torch.nn.Module) -> Callable[[int], None]:

@@ -10,6 +10,7 @@ left out (no sizes to draw inputs at).
     diffs = check_kernels(dispatched_module._tvm_dispatch.compiled)
     assert all(d.ok for d in diffs)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,11 +68,16 @@ def check_kernels(compiled: object, seed: int = 0) -> list[KernelDiff]:
         args = []
         for p, shape in zip(func.params, shapes):
             dtype = str(p.ty.dtype)
-            args.append(rng.standard_normal(shape).astype(dtype) if "float" in dtype
-                        else rng.integers(0, 2, shape).astype(dtype))
+            args.append(
+                rng.standard_normal(shape).astype(dtype)
+                if "float" in dtype
+                else rng.integers(0, 2, shape).astype(dtype)
+            )
         want, got = _run(func, target, args), _run(sch.mod["main"], target, args)
-        diff = max((float(np.abs(g.astype(np.float64) - w.astype(np.float64)).max()) for g, w in zip(got, want)
-                    if w.size), default=0.0)
+        diff = max(
+            (float(np.abs(g.astype(np.float64) - w.astype(np.float64)).max()) for g, w in zip(got, want) if w.size),
+            default=0.0,
+        )
         top = max((float(np.abs(w.astype(np.float64)).max()) for w in want if w.size), default=0.0)
         diffs.append(KernelDiff(gv.name_hint, diff, top))
     return diffs

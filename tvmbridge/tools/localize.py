@@ -6,6 +6,7 @@ float tensor as an extra output, built for CPU and run; the traced graph runs in
 whose relative error is above the tolerance is where the conversion goes wrong: earlier values
 agree, so its inputs were right.
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,8 +51,10 @@ def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
 def _graph_inputs(ep: Any, user: list[torch.Tensor]) -> list[torch.Tensor]:
     """The exported graph's placeholders in order: lifted constants and the call's tensors."""
     it = iter(user)
-    return [ep.constants[s.target] if s.kind == InputKind.CONSTANT_TENSOR else next(it)
-            for s in ep.graph_signature.input_specs]
+    return [
+        ep.constants[s.target] if s.kind == InputKind.CONSTANT_TENSOR else next(it)
+        for s in ep.graph_signature.input_specs
+    ]
 
 
 def describe_node(node: torch.fx.Node, frames: int = 2) -> str:
@@ -69,8 +72,9 @@ def describe_node(node: torch.fx.Node, frames: int = 2) -> str:
     return f"{node.target} (node {node.name})" + (f" at {source}" if source else "")
 
 
-def first_deviation(module: torch.nn.Module, args: tuple, kwargs: dict, tolerance: float,
-                    options: CompileOptions) -> str | None:
+def first_deviation(
+    module: torch.nn.Module, args: tuple, kwargs: dict, tolerance: float, options: CompileOptions
+) -> str | None:
     """The first op (graph order) whose float64 value in TVM deviates from PyTorch's, else None."""
     m = plain_copy(module).double().eval()
     cast = lambda x: x.detach().double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
@@ -83,7 +87,7 @@ def first_deviation(module: torch.nn.Module, args: tuple, kwargs: dict, toleranc
     mod = DecomposeForTraining()(converted.mod)  # TVM's layer_norm kernel is float32/16 only
     vm = load(compile_module(mod, target_for(device)), device)
     result = vm[names.MAIN](*[to_tvm(t) for t in user])
-    probed = [to_torch(r) for r in list(result)[-len(converted.probes):]] if converted.probes else []
+    probed = [to_torch(r) for r in list(result)[-len(converted.probes) :]] if converted.probes else []
     recorder = _Recorder(traced.exported.graph_module)
     with torch.no_grad():
         recorder.run(*_graph_inputs(traced.exported, user))

@@ -3,14 +3,15 @@
 Each round runs one step of every variant, so that drift of a shared machine (step-to-step noise
 of ~10% on the 2-core dev VMs) hits all variants alike; compare medians, never single runs.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def interleaved(steps: dict[str, Callable[[int], None]], runs: int, warmup: int) -> dict[str, list[float]]:

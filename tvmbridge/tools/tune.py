@@ -5,6 +5,7 @@ inference compile) with the work directory as its tuning database, so the GEMM l
 are measured into it too; its unscheduled kernels become MetaSchedule tasks, tuned in turn
 (``backend.tuning``). Later compiles given ``tuning_db=work_dir`` use the records.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,18 +20,35 @@ from ..options import CompileOptions, with_overrides
 HEADER = f"{'kernel':48s} {'calls':>5s} {'MFLOP':>10s} {'default ms':>9s} {'tuned ms':>9s} {'trials':>6s}"
 
 
-def tune_module(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dict | None = None, *,
-                work_dir: str, trials_per_task: int = 64, max_trials: int | None = None, inference: bool = False,
-                options: CompileOptions | None = None, progress: bool = True,
-                time_budget_s: float | None = None) -> list[TaskResult]:
+def tune_module(
+    module: torch.nn.Module,
+    sample_inputs: Any,
+    sample_kwargs: dict | None = None,
+    *,
+    work_dir: str,
+    trials_per_task: int = 64,
+    max_trials: int | None = None,
+    inference: bool = False,
+    options: CompileOptions | None = None,
+    progress: bool = True,
+    time_budget_s: float | None = None,
+) -> list[TaskResult]:
     """Tune every kernel TVM keeps for this call into ``work_dir``; one result per kernel."""
-    tasks, target = module_tasks(module, sample_inputs, sample_kwargs, work_dir=work_dir, inference=inference,
-                                 options=options)
+    tasks, target = module_tasks(
+        module, sample_inputs, sample_kwargs, work_dir=work_dir, inference=inference, options=options
+    )
     return tune_tasks(tasks, target, work_dir, trials_per_task, max_trials, progress, time_budget_s)
 
 
-def module_tasks(module: torch.nn.Module, sample_inputs: Any, sample_kwargs: dict | None = None, *, work_dir: str,
-                 inference: bool = False, options: CompileOptions | None = None) -> tuple[list[Any], Any]:
+def module_tasks(
+    module: torch.nn.Module,
+    sample_inputs: Any,
+    sample_kwargs: dict | None = None,
+    *,
+    work_dir: str,
+    inference: bool = False,
+    options: CompileOptions | None = None,
+) -> tuple[list[Any], Any]:
     """MetaSchedule's tasks for the kernels TVM keeps in this call's compile, and their target."""
     opts = with_overrides(options, {"tuning_db": str(work_dir)})
     open_database(work_dir, create=True)
@@ -57,6 +75,7 @@ def table(results: list[TaskResult]) -> str:
     timed = [r for r in results if r.default_ms is not None]
     before = sum(r.calls * r.default_ms for r in timed)
     after = sum(r.calls * min(r.default_ms, r.tuned_ms if r.tuned_ms is not None else r.default_ms) for r in timed)
-    total = (f"TVM kernels per call ({len(timed)} of {len(results)} timed): default {before:.3f} ms, "
-             f"tuned {after:.3f} ms")
+    total = (
+        f"TVM kernels per call ({len(timed)} of {len(results)} timed): default {before:.3f} ms, tuned {after:.3f} ms"
+    )
     return "\n".join([HEADER, *map(str, results), total])

@@ -6,6 +6,7 @@ per binding. ``visualize_split(compiled)`` draws the joint (adjoint) function co
 forward-only red, captured blue, recomputed green, backward grey, inputs white; edges carry the
 bytes of the tensor they move.
 """
+
 from __future__ import annotations
 
 import graphviz
@@ -14,8 +15,8 @@ from tvm import relax
 
 from analysis.units import human_bytes
 
-from ..runtime.compiled import CompiledModule
 from ..partition.joint import free_vars, tensor_info, value_keys
+from ..runtime.compiled import CompiledModule
 
 COLOURS = {
     "forward": "#f4a6a6",  # red: computed in forward only
@@ -96,8 +97,10 @@ def visualize(
     name, or ``name#k`` for repeated names) to extra graphviz attributes."""
     node_attrs = node_attrs or {}
     keys = value_keys(fn)
-    g = graphviz.Digraph(graph_attr={"rankdir": "TB", "fontsize": "10"},
-                         node_attr={"fontsize": "9", "style": "filled", "fillcolor": "white"})
+    g = graphviz.Digraph(
+        graph_attr={"rankdir": "TB", "fontsize": "10"},
+        node_attr={"fontsize": "9", "style": "filled", "fillcolor": "white"},
+    )
     for p in fn.params:
         k = keys[p]
         g.node(k, f"{p.name}\\n{_type_text(p)}", shape="ellipse", **node_attrs.get(k, {}))
@@ -132,8 +135,13 @@ def split_categories(compiled: CompiledModule) -> dict[str, str]:
     return out
 
 
-_LEGEND = {"forward": "forward only", "captured": "kept for the backward", "recomputed": "recomputed in the backward",
-           "backward": "gradient computation", "input": "input"}
+_LEGEND = {
+    "forward": "forward only",
+    "captured": "kept for the backward",
+    "recomputed": "recomputed in the backward",
+    "backward": "gradient computation",
+    "input": "input",
+}
 
 
 def visualize_split(compiled: CompiledModule, collapse_small: bool = True) -> graphviz.Digraph:
@@ -141,10 +149,17 @@ def visualize_split(compiled: CompiledModule, collapse_small: bool = True) -> gr
     cats = split_categories(compiled)
     attrs = {k: {"fillcolor": COLOURS[c], "tooltip": c} for k, c in cats.items()}
     graph = visualize(compiled.adjoint, attrs, collapse_small=collapse_small, edge_bytes=True)
-    rows = "".join(f'<TR><TD BGCOLOR="{COLOURS[c]}" WIDTH="18"></TD><TD ALIGN="LEFT">{text}</TD></TR>'
-                   for c, text in _LEGEND.items())
-    graph.node("legend", f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0">{rows}</TABLE>>',
-               shape="plaintext", style="", fillcolor="white")
+    rows = "".join(
+        f'<TR><TD BGCOLOR="{COLOURS[c]}" WIDTH="18"></TD><TD ALIGN="LEFT">{text}</TD></TR>'
+        for c, text in _LEGEND.items()
+    )
+    graph.node(
+        "legend",
+        f'<<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0">{rows}</TABLE>>',
+        shape="plaintext",
+        style="",
+        fillcolor="white",
+    )
     return graph
 
 

@@ -5,6 +5,7 @@ of its ordinary training call, labels included, so that the loss is computed ins
 (and so inside the compiled graph). ``small`` configs are for tests, ``base`` ones for the
 benchmark. Language-model batches carry padding (attention mask zeros, label ``-100``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,8 +43,14 @@ def _padded_ids(vocab: int, batch: int, seq: int, gen: torch.Generator) -> tuple
 def _bert_mlm(size: str, batch: int, seq: int, gen: torch.Generator) -> TrainingTask:
     import transformers
 
-    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                 vocab_size=120, max_position_embeddings=128)
+    small = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=120,
+        max_position_embeddings=128,
+    )
     cfg = transformers.BertConfig(**(small if size == "small" else {}))
     model = transformers.BertForMaskedLM(cfg)
     ids, mask = _padded_ids(cfg.vocab_size, batch, seq, gen)
@@ -68,8 +75,9 @@ def _gpt2_lm(size: str, batch: int, seq: int, gen: torch.Generator) -> TrainingT
 def _vit_cls(size: str, batch: int, seq: int, gen: torch.Generator) -> TrainingTask:
     import transformers
 
-    small = dict(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=64)
+    small = dict(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
     cfg = transformers.ViTConfig(num_labels=10, **(small if size == "small" else {}))
     model = transformers.ViTForImageClassification(cfg)
     pixels = torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=gen)

@@ -17,6 +17,7 @@ To add one: a function ``fn(importer, node)`` in the family's module under
 ``@converter("<aten overload name>")`` (``wraps_default=True`` to get TVM's converter of the op
 as a third argument). ``registry`` tells more.
 """
+
 from __future__ import annotations
 
 from . import elementwise, indexing, layout, linear, normalization, pooling, random, reductions, resampling

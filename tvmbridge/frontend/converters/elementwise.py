@@ -1,5 +1,6 @@
 """Elementwise ops with PyTorch's gradient at their edges: ``hardtanh`` (and so ``relu6``,
 ``hardswish``, ``hardsigmoid``), ``clamp`` with number or tensor bounds, ``elu``."""
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,9 @@ def clamp_tensor(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     dtype = out_dtype(node)
     bb, op = importer.block_builder, relax.op
     x = bb.emit(op.astype(importer.env[given["self"]], dtype))
-    lo, hi = (None if given.get(k) is None else bb.emit(op.astype(importer.env[given[k]], dtype))
-              for k in ("min", "max"))
+    lo, hi = (
+        None if given.get(k) is None else bb.emit(op.astype(importer.env[given[k]], dtype)) for k in ("min", "max")
+    )
     out = x if lo is None else bb.emit(op.where(op.less(x, lo), lo, x))
     if hi is None:
         return out

@@ -7,10 +7,12 @@ into one flag (``importer.range_flag``). ``padding_idx`` gets no gradient, as in
 indices read from the end where PyTorch reads them so; ``x[mask] = v`` is a ``where``; a
 multi-output op's other outputs are refused where the frontend would hand back the first.
 """
+
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import tvm
@@ -94,8 +96,12 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
     for axis, idx_node in enumerate(node.args[1]):
         val = getattr(idx_node, "meta", {}).get("val")
         size = x.ty.shape[axis] if x.ty.shape is not None else None
-        if val is None or val.dtype in (torch.bool, torch.uint8) or not isinstance(size, tvm.tirx.IntImm) \
-                or idx_node in saved:
+        if (
+            val is None
+            or val.dtype in (torch.bool, torch.uint8)
+            or not isinstance(size, tvm.tirx.IntImm)
+            or idx_node in saved
+        ):
             continue
         n = relax.const(int(size), "int64")
         idx = bb.emit(op.astype(importer.env[idx_node], "int64"))
@@ -120,9 +126,13 @@ def index_put_mask(importer: BridgeImporter, node: torch.fx.Node, default: Calla
     mask = indices[0] if len(indices) == 1 else None
     m_val = mask.meta["val"] if isinstance(mask, torch.fx.Node) else None
     v_val = value_arg.meta["val"]
-    if (m_val is None or m_val.dtype != torch.bool or m_val.dim() > x_val.dim()
-            or tuple(map(str, m_val.shape)) != tuple(map(str, x_val.shape[:m_val.dim()]))
-            or v_val.dim() > x_val.dim() - m_val.dim()):
+    if (
+        m_val is None
+        or m_val.dtype != torch.bool
+        or m_val.dim() > x_val.dim()
+        or tuple(map(str, m_val.shape)) != tuple(map(str, x_val.shape[: m_val.dim()]))
+        or v_val.dim() > x_val.dim() - m_val.dim()
+    ):
         return default(node)
     x, value = importer.env[x_arg], importer.env[value_arg]
     rest = x_val.dim() - m_val.dim()
@@ -148,9 +158,17 @@ def getitem_checked(importer: BridgeImporter, node: torch.fx.Node, default: Call
     source, index = node.args[0], node.args[1]
     value = importer.env.get(source) if isinstance(source, torch.fx.Node) else None
     multi = isinstance(getattr(source, "meta", {}).get("val"), (list, tuple))
-    if multi and isinstance(value, relax.Expr) and isinstance(value.ty, relax.TensorType) \
-            and isinstance(index, int) and index != 0:
+    if (
+        multi
+        and isinstance(value, relax.Expr)
+        and isinstance(value.ty, relax.TensorType)
+        and isinstance(index, int)
+        and index != 0
+    ):
         raise UnsupportedOpError(
-            "convert", f"output {index} of {source.target.__name__} (the converter gives only its first "
-            "output); use fallback=True", op=getattr(source.target, "__name__", str(source.target)))
+            "convert",
+            f"output {index} of {source.target.__name__} (the converter gives only its first "
+            "output); use fallback=True",
+            op=getattr(source.target, "__name__", str(source.target)),
+        )
     return default(node)

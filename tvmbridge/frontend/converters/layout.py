@@ -5,9 +5,11 @@ Symbolic sizes stay in shapes (``importer.prim``), where every pass and schedule
 them, rather than in the clamps and scalar arguments TVM's converters write, which Relax cannot
 prove equal to the sizes they came from.
 """
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from tvm import relax
@@ -49,8 +51,9 @@ def slice_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callabl
     x = importer.env[node.args[0]]
     if start == 0 and step == 1 and str(length) == str(x_val.shape[dim]):
         return x  # the whole axis (a mask cut to a length it already has)
-    return importer.block_builder.emit(relax.op.strided_slice(
-        x, [dim], [importer.prim(start)], [importer.prim(end)], [step], assume_inbound=True))
+    return importer.block_builder.emit(
+        relax.op.strided_slice(x, [dim], [importer.prim(start)], [importer.prim(end)], [step], assume_inbound=True)
+    )
 
 
 @converter("slice_scatter.default", wraps_default=True)

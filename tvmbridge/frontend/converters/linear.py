@@ -1,5 +1,6 @@
 """Matmul-like ops and convolution in the input's dtype (the frontend fixes ``out_dtype="float32"``,
 so a float64 model would be computed, and its convolutions not even converted, in float32)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -55,11 +56,18 @@ def convolution_keep_dtype(importer: BridgeImporter, node: torch.fx.Node) -> rel
     dtype = str(x.ty.dtype)
     layouts = {1: ("NCW", "W"), 2: ("NCHW", "HW"), 3: ("NCDHW", "DHW")}
     if ndim not in layouts or (transposed and ndim == 3):
-        raise UnsupportedOpError("convert", f"a {ndim}-D {'transposed ' if transposed else ''}convolution",
-                                 op="convolution")
+        raise UnsupportedOpError(
+            "convert", f"a {ndim}-D {'transposed ' if transposed else ''}convolution", op="convolution"
+        )
     data_layout, space = layouts[ndim]
-    common = dict(strides=list(stride), padding=list(padding), dilation=list(dilation), groups=int(groups),
-                  data_layout=data_layout, out_dtype=dtype)
+    common = dict(
+        strides=list(stride),
+        padding=list(padding),
+        dilation=list(dilation),
+        groups=int(groups),
+        data_layout=data_layout,
+        out_dtype=dtype,
+    )
     if transposed:
         fn = {1: relax.op.nn.conv1d_transpose, 2: relax.op.nn.conv2d_transpose}[ndim]
         out = fn(x, w, output_padding=list(out_pad), kernel_layout="IO" + space, **common)

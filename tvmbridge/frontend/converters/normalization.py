@@ -7,6 +7,7 @@ bit for bit for inputs with a spatial dimension, float64 ones to rounding. The g
 backward, not that of the forward as written (:func:`_centered_gradient`).
 Eval mode: the running statistics.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,15 @@ def _c(value: float, dtype: str) -> relax.Expr:
     return relax.const(np.array(value, dtype=dtype), dtype)
 
 
-def _apply_affine(importer: BridgeImporter, x: relax.Expr, mean: relax.Expr, invstd: relax.Expr, weight: Any,
-                  bias: Any, centered: bool = False) -> relax.Expr:
+def _apply_affine(
+    importer: BridgeImporter,
+    x: relax.Expr,
+    mean: relax.Expr,
+    invstd: relax.Expr,
+    weight: Any,
+    bias: Any,
+    centered: bool = False,
+) -> relax.Expr:
     """``x * alpha + beta`` with ``alpha = invstd * w`` and ``beta = b - mean * alpha`` per
     channel, the form ATen's CPU kernel computes; ``centered`` (train mode): with the gradient
     of ``(x - mean) * alpha + b`` (:func:`_centered_gradient`)."""
@@ -45,16 +53,16 @@ def _apply_affine(importer: BridgeImporter, x: relax.Expr, mean: relax.Expr, inv
     dtype = str(x.ty.dtype)
     alpha = invstd if weight is None else bb.emit(relax.op.multiply(invstd, env[weight]))
     shift = bb.emit(relax.op.multiply(mean, alpha))
-    beta = (bb.emit(relax.op.negative(shift)) if bias is None
-            else bb.emit(relax.op.subtract(env[bias], shift)))
+    beta = bb.emit(relax.op.negative(shift)) if bias is None else bb.emit(relax.op.subtract(env[bias], shift))
     ndim = len(x.ty.shape)
     out = bb.emit(relax.op.multiply(x, _channel(importer, bb.emit(relax.op.astype(alpha, dtype)), ndim)))
     out = bb.emit(relax.op.add(out, _channel(importer, bb.emit(relax.op.astype(beta, dtype)), ndim)))
     return _centered_gradient(importer, out, x, mean, alpha, bias) if centered else out
 
 
-def _centered_gradient(importer: BridgeImporter, out: relax.Expr, x: relax.Expr, mean: relax.Expr,
-                       alpha: relax.Expr, bias: Any) -> relax.Expr:
+def _centered_gradient(
+    importer: BridgeImporter, out: relax.Expr, x: relax.Expr, mean: relax.Expr, alpha: relax.Expr, bias: Any
+) -> relax.Expr:
     """``out`` (its value: ATen's bits) with the gradient of ``t = (x - mean) * alpha + b``
     computed in double: ``no_grad(out) + (t - no_grad(t))``, exactly ``out`` for a finite ``t``.
 
@@ -88,8 +96,7 @@ def _product(importer: BridgeImporter, c: float, v: relax.Expr) -> relax.Expr:
     return bb.emit(relax.op.call_pure_packed(BARRIER, product, ty_args=product.ty))
 
 
-def _batch_stats(importer: BridgeImporter, x: relax.Expr,
-                 eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, int]:
+def _batch_stats(importer: BridgeImporter, x: relax.Expr, eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, int]:
     """Per channel, as ATen's contiguous CPU kernel: the mean summed in double and rounded
     to float; the squared deviations from that float mean computed in float and summed in
     double, rounded to float; ``invstd = 1/sqrt(var_sum/n + eps)`` in double from the float
@@ -133,9 +140,15 @@ def batch_norm_train(importer: BridgeImporter, node: torch.fx.Node) -> relax.Exp
     keep = float(np.float32(1.0) - np.float32(momentum))
     new_mean = bb.emit(relax.op.add(_product(importer, m, mean), _product(importer, keep, running_mean)))
     unbiased = relax.op.astype(relax.op.divide(var_sum, _c(max(count - 1, 1), dtype)), "float64")
-    new_var = bb.emit(relax.op.astype(relax.op.add(
-        relax.op.multiply(relax.const(m, "float64"), unbiased),
-        relax.op.astype(relax.op.multiply(_c(keep, dtype), running_var), "float64")), dtype))
+    new_var = bb.emit(
+        relax.op.astype(
+            relax.op.add(
+                relax.op.multiply(relax.const(m, "float64"), unbiased),
+                relax.op.astype(relax.op.multiply(_c(keep, dtype), running_var), "float64"),
+            ),
+            dtype,
+        )
+    )
     return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
 
 
@@ -156,8 +169,9 @@ def batch_norm_no_stats(importer: BridgeImporter, node: torch.fx.Node) -> relax.
     return importer.block_builder.emit(relax.Tuple([out, mean, invstd]))
 
 
-def _eval_norm(importer: BridgeImporter, x_node: Any, weight: Any, bias: Any, rm: Any, rv: Any,
-               eps: float) -> relax.Expr:
+def _eval_norm(
+    importer: BridgeImporter, x_node: Any, weight: Any, bias: Any, rm: Any, rv: Any, eps: float
+) -> relax.Expr:
     """With the running statistics: ``invstd = 1 / sqrt(var + eps)`` in double, rounded to
     the statistics' dtype, as ATen computes it."""
     bb = importer.block_builder
@@ -197,8 +211,9 @@ def group_norm(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     xr = bb.emit(op.reshape(x, [n, groups, -1]))
     mean = bb.emit(op.mean(xr, 2, keepdims=True))
     centered = bb.emit(op.subtract(xr, mean))
-    rstd = bb.emit(op.rsqrt(op.add(op.mean(op.multiply(centered, centered), 2, keepdims=True),
-                                   relax.const(eps, dtype))))
+    rstd = bb.emit(
+        op.rsqrt(op.add(op.mean(op.multiply(centered, centered), 2, keepdims=True), relax.const(eps, dtype)))
+    )
     if dtype in ("float32", "float16"):
         out = bb.emit(op.nn.group_norm(x, gamma, beta, groups, 1, list(range(2, len(shape))), eps))
     else:

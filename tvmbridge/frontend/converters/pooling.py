@@ -1,8 +1,10 @@
 """Pooling with the arguments TVM's frontend would ignore refused or honoured, never converted wrong:
 ``avg_pool2d``'s ``divisor_override``, ``max_pool{2,3}d``'s indices."""
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from tvm import relax
@@ -26,7 +28,8 @@ def avg_pool2d_checked(importer: BridgeImporter, node: torch.fx.Node, default: C
         return out
     if given.get("ceil_mode", False) or not given.get("count_include_pad", True):
         raise UnsupportedOpError(
-            "convert", "avg_pool2d with divisor_override and ceil_mode or count_include_pad=False", op="avg_pool2d")
+            "convert", "avg_pool2d with divisor_override and ceil_mode or count_include_pad=False", op="avg_pool2d"
+        )
     kernel = given["kernel_size"]
     kh, kw = (kernel, kernel) if isinstance(kernel, int) else (kernel[0], kernel[-1])
     scale = relax.const(kh * kw / float(divisor), str(out.ty.dtype))
@@ -38,6 +41,8 @@ def max_pool_values_only(importer: BridgeImporter, node: torch.fx.Node, default:
     """The pooled values; a use of the indices output (``return_indices=True``) is refused."""
     if uses_of_item(node, 1):
         raise UnsupportedOpError(
-            "convert", f"{node.target.__name__}: the indices output (return_indices=True) is not "
-            "supported; use fallback=True", op=node.target.__name__)
+            "convert",
+            f"{node.target.__name__}: the indices output (return_indices=True) is not supported; use fallback=True",
+            op=node.target.__name__,
+        )
     return default(node)

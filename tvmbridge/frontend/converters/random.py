@@ -6,6 +6,7 @@ PyTorch's generator at every call (``runtime/random.py``). A random op whose dra
 computed values is refused. Dropout has registered converters; every other random op in a graph
 is converted by :func:`convert_random` (``to_relax`` installs it for the ops it finds).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -23,9 +24,20 @@ if TYPE_CHECKING:
 DROPOUT_OPS = {"dropout.default", "native_dropout.default"}
 # random ops whose tensor arguments give only a shape, dtype and layout: replayable per call
 _SHAPE_ONLY_RANDOM = {
-    "bernoulli.p", "rand_like.default", "randn_like.default", "randint_like.default", "randint_like.low_dtype",
-    "uniform.default", "exponential.default", "geometric.default", "log_normal.default", "cauchy.default",
-    "random.default", "random.from", "random.to", "normal_functional.default",
+    "bernoulli.p",
+    "rand_like.default",
+    "randn_like.default",
+    "randint_like.default",
+    "randint_like.low_dtype",
+    "uniform.default",
+    "exponential.default",
+    "geometric.default",
+    "log_normal.default",
+    "cauchy.default",
+    "random.default",
+    "random.from",
+    "random.to",
+    "normal_functional.default",
 }
 # recurrent ops tagged random for their inter-layer dropout: random only when it is on
 _RNN_OPS = {"lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input"}
@@ -86,17 +98,29 @@ def convert_random(importer: BridgeImporter, node: torch.fx.Node) -> relax.Var:
     tensor_args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
     if name in _RNN_OPS:
         raise UnsupportedOpError(
-            "convert", f"{name.split('.')[0]} with dropout between its layers in train mode draws its masks "
+            "convert",
+            f"{name.split('.')[0]} with dropout between its layers in train mode draws its masks "
             "inside ATen's fused kernel, which the bridge cannot replay; set the RNN's dropout to 0 (or put "
-            "an nn.Dropout between single-layer RNNs), or use fallback=True", op=name)
+            "an nn.Dropout between single-layer RNNs), or use fallback=True",
+            op=name,
+        )
     if tensor_args and name not in _SHAPE_ONLY_RANDOM:
         raise UnsupportedOpError(
-            "convert", f"random op {name} draws from values the module computes; only random ops "
-            "whose tensor arguments give a shape can become per-call inputs (use fallback=True)", op=name)
+            "convert",
+            f"random op {name} draws from values the module computes; only random ops "
+            "whose tensor arguments give a shape can become per-call inputs (use fallback=True)",
+            op=name,
+        )
     val = node.meta["val"]
-    site = RandomSite("op", _dims(val.shape), _dims(val.stride()), val.dtype, op=node.target,
-                      args=tuple(_meta(a) for a in node.args),
-                      kwargs={k: _meta(v) for k, v in node.kwargs.items()})
+    site = RandomSite(
+        "op",
+        _dims(val.shape),
+        _dims(val.stride()),
+        val.dtype,
+        op=node.target,
+        args=tuple(_meta(a) for a in node.args),
+        kwargs={k: _meta(v) for k, v in node.kwargs.items()},
+    )
     return importer.random_input(site, str(val.dtype).removeprefix("torch."), [importer.prim(d) for d in val.shape])
 
 

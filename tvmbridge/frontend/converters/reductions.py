@@ -1,9 +1,11 @@
 """Reductions the frontend lacks or gets wrong: ``amax``/``amin``, reductions (and
 ``index_select``) over a 0-d tensor, ``linalg_vector_norm`` with PyTorch's gradient at zeros."""
+
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from tvm import relax
@@ -68,7 +70,11 @@ def vector_norm(importer: BridgeImporter, node: torch.fx.Node, default: Callable
         return bb.emit(op.sum(op.astype(op.not_equal(no_grad(x), zero), dtype), axis, keepdims=keep))
     a = bb.emit(op.abs(x))
     nonzero = op.not_equal(a, zero)
-    powered = op.multiply(a, a) if p == 2 else op.where(nonzero, op.power(op.where(nonzero, a, one), relax.const(p, dtype)), zero)
+    powered = (
+        op.multiply(a, a)
+        if p == 2
+        else op.where(nonzero, op.power(op.where(nonzero, a, one), relax.const(p, dtype)), zero)
+    )
     s = bb.emit(op.sum(powered, axis, keepdims=keep))
     empty = op.equal(s, zero)
     safe = op.where(empty, one, s)

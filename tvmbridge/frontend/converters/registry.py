@@ -12,12 +12,14 @@ A converter is a plain function of the importer (``frontend.importer.BridgeImpor
 Each aten op has at most one (a second is a ``ValueError`` naming both). ``BridgeImporter``
 puts them all over TVM's table (:func:`bind`); ops the frontend lacks are added.
 """
+
 from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -66,4 +68,3 @@ def out_dtype(node: torch.fx.Node) -> str:
 def uses_of_item(node: torch.fx.Node, index: int) -> list[torch.fx.Node]:
     """The ``getitem`` nodes reading output ``index`` of a multi-output node, where used."""
     return [u for u in node.users if u.target is operator.getitem and u.args[1] == index and u.users]
-

@@ -9,10 +9,12 @@ linear modes, a weighted sum of two gathers; the gradients are then ``take``'s, 
 The arithmetic follows ``aten/src/ATen/native/UpSample.h`` in the dtype ATen uses (float for
 nearest; the input's opmath type for linear).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -78,8 +80,9 @@ def linear_taps(in_size: int, out_size: int, align_corners: bool, scale: float |
 
 
 # --- the converters -----------------------------------------------------------------------------
-@converter("upsample_nearest2d.vec", "upsample_nearest2d.default", "upsample_bilinear2d.vec",
-           "upsample_bilinear2d.default")
+@converter(
+    "upsample_nearest2d.vec", "upsample_nearest2d.default", "upsample_bilinear2d.vec", "upsample_bilinear2d.default"
+)
 def upsample(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``upsample_nearest2d``/``upsample_bilinear2d`` as ATen computes them: a gather per axis,
     and for bilinear a weighted sum of two, the last axis first."""
@@ -101,8 +104,16 @@ def upsample(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return out
 
 
-def _resample_axis(importer: BridgeImporter, x: relax.Expr, axis: int, size: int, out: int, align: bool,
-                   scale: float | None, linear: bool) -> relax.Expr:
+def _resample_axis(
+    importer: BridgeImporter,
+    x: relax.Expr,
+    axis: int,
+    size: int,
+    out: int,
+    align: bool,
+    scale: float | None,
+    linear: bool,
+) -> relax.Expr:
     bb, op = importer.block_builder, relax.op
     if not linear:
         idx = nearest_indices(size, out, scale)
@@ -112,19 +123,23 @@ def _resample_axis(importer: BridgeImporter, x: relax.Expr, axis: int, size: int
     if taps is None:
         return x
     shape = [-1] + [1] * (len(x.ty.shape) - 1 - axis)
-    parts = [op.multiply(op.take(x, relax.const(i, "int64"), axis=axis, mode="clip"),
-                         relax.const(w.reshape(shape), dtype))
-             for i, w in ((taps.i0, taps.l0), (taps.i1, taps.l1))]
+    parts = [
+        op.multiply(op.take(x, relax.const(i, "int64"), axis=axis, mode="clip"), relax.const(w.reshape(shape), dtype))
+        for i, w in ((taps.i0, taps.l0), (taps.i1, taps.l1))
+    ]
     return bb.emit(op.add(*parts))
 
 
 def _refusal(what: str) -> Callable:
     def refuse(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
-        raise UnsupportedOpError("convert", f"{what} is not supported; use fallback=True to keep PyTorch",
-                                 op=node.target.__name__)
+        raise UnsupportedOpError(
+            "convert", f"{what} is not supported; use fallback=True to keep PyTorch", op=node.target.__name__
+        )
+
     return refuse
 
 
-converter("_upsample_bilinear2d_aa.default")(_refusal(
-    "antialiased interpolation (TVM's frontend would convert it as plain bilinear, wrong when downsampling)"))
+converter("_upsample_bilinear2d_aa.default")(
+    _refusal("antialiased interpolation (TVM's frontend would convert it as plain bilinear, wrong when downsampling)")
+)
 converter("upsample_bicubic2d.vec")(_refusal("bicubic interpolation (no exact conversion yet)"))

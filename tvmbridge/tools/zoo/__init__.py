@@ -6,4 +6,5 @@ HF/TIMM benchmark suites.
 ``harness`` runs one case and gives its verdict (EXACT, FALLBACK, REFUSED, WRONG, CRASH);
 ``scripts/zoo.py`` runs them all, one subprocess per model, and prints the table.
 """
+
 from __future__ import annotations

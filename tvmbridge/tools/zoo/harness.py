@@ -18,12 +18,12 @@ of the zoo entry, to be fixed there).
 ``--via backend``: the ``tvm`` copy is ``torch.compile(model, backend=compile_backend(...))``
 (a graph the bridge cannot convert runs PyTorch with a warning: FALLBACK).
 """
-from __future__ import annotations
 
-import dataclasses
+from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import statistics
@@ -76,8 +76,9 @@ class Mismatch:
         return math.inf if self.why or not math.isfinite(self.err) else self.err / tol if self.err else 0.0
 
     def text(self) -> str:
-        what = self.why or (f"err={self.err:.2e} noise={self.noise:.2e} tvm-ref={self.tvm_ref:.2e} "
-                            f"|ref|={self.ref_max:.2e}")
+        what = self.why or (
+            f"err={self.err:.2e} noise={self.noise:.2e} tvm-ref={self.tvm_ref:.2e} |ref|={self.ref_max:.2e}"
+        )
         return f"{self.step}: {self.tensor} {what}"
 
 
@@ -104,7 +105,7 @@ class CaseResult:
     note: str = ""
 
 
-class _Failed(Exception):
+class _StepError(Exception):
     """An exception of one role's call, with where it happened."""
 
     def __init__(self, role: str, where: str, exc: BaseException) -> None:
@@ -119,8 +120,7 @@ def named_leaves(obj: Any, prefix: str = "out", depth: int = 0, seen: set | None
     seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
         return {prefix: obj}
-    if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.nn.Module)) \
-            or id(obj) in seen:
+    if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.nn.Module)) or id(obj) in seen:
         return {}
     seen.add(id(obj))
     if isinstance(obj, Mapping):
@@ -142,8 +142,9 @@ def to_reference(batch: Batch) -> Batch:
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
 
 
-def measure(step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor | None,
-            ref: torch.Tensor | None) -> Mismatch:
+def measure(
+    step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor | None, ref: torch.Tensor | None
+) -> Mismatch:
     """TVM's distance to PyTorch and PyTorch's to the float64 reference (``.passed`` says whether
     it is within noise). None-ness, shapes, integers and NaN/inf places must match exactly."""
     if tvm is None or eager is None:
@@ -173,8 +174,9 @@ def measure(step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor 
     return Mismatch(step, name, err, noise, ref_max, tvm_ref=tvm_ref)
 
 
-def compare(step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor | None,
-            ref: torch.Tensor | None) -> Mismatch | None:
+def compare(
+    step: str, name: str, tvm: torch.Tensor | None, eager: torch.Tensor | None, ref: torch.Tensor | None
+) -> Mismatch | None:
     """None when TVM's tensor is within float noise of PyTorch's, else the mismatch."""
     m = measure(step, name, tvm, eager, ref)
     return None if m.passed else m
@@ -216,7 +218,7 @@ class Case:
         try:
             yield
         except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes
-            raise _Failed(role, where, exc) from exc
+            raise _StepError(role, where, exc) from exc
 
     @property
     def dispatcher(self) -> Any:
@@ -239,8 +241,9 @@ class Case:
         got: dict[str, torch.Tensor | None] = {"loss": loss.detach() if isinstance(loss, torch.Tensor) else None}
         got.update({k: v.detach().clone() for k, v in named_leaves(out).items()})
         if backward:
-            got.update({f"grad:{n}": None if p.grad is None else p.grad.detach().clone()
-                        for n, p in model.named_parameters()})
+            got.update(
+                {f"grad:{n}": None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+            )
         got.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
         return got
 
@@ -315,6 +318,7 @@ class Case:
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+
             return run
 
         for model in self.models.values():
@@ -365,8 +369,9 @@ def compile_options(verify: bool | None) -> tuple[dict[str, Any], str]:
     return {}, "" if verify is False else "CompileOptions has no field verify: not passed"
 
 
-def run_case(entry: ZooEntry | str, *, verify: bool | None = None, timing: bool = True,
-             via: str = "dispatch") -> CaseResult:
+def run_case(
+    entry: ZooEntry | str, *, verify: bool | None = None, timing: bool = True, via: str = "dispatch"
+) -> CaseResult:
     """Run the protocol on one entry (module docstring); never raises for the model's failures.
 
     ``verify``: passed as ``CompileOptions.verify`` when not None and the field exists (the
@@ -389,7 +394,7 @@ def run_case(entry: ZooEntry | str, *, verify: bool | None = None, timing: bool 
             case.train_step("step 3", entry.make_batch(*SECOND, 2))
             case.eval_step(first)
             result.verdict = "EXACT"
-        except _Failed as failed:
+        except _StepError as failed:
             exc, role = failed.exc, failed.role
             if role != "tvm":
                 result.verdict = "SKIP"
@@ -433,11 +438,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name")
     parser.add_argument("--json-out", help="write the result here (default: print it)")
-    parser.add_argument("--verify", choices=("off", "on", "default"), default="off",
-                        help="CompileOptions.verify where it exists (default off: the raw state)")
+    parser.add_argument(
+        "--verify",
+        choices=("off", "on", "default"),
+        default="off",
+        help="CompileOptions.verify where it exists (default off: the raw state)",
+    )
     parser.add_argument("--no-timing", action="store_true")
-    parser.add_argument("--via", choices=("dispatch", "backend"), default="dispatch",
-                        help="add_tvm_dispatch (default) or torch.compile(backend=tvmbridge)")
+    parser.add_argument(
+        "--via",
+        choices=("dispatch", "backend"),
+        default="dispatch",
+        help="add_tvm_dispatch (default) or torch.compile(backend=tvmbridge)",
+    )
     args = parser.parse_args(argv)
     verify = {"off": False, "on": True, "default": None}[args.verify]
     result = run_case(args.name, verify=verify, timing=not args.no_timing, via=args.via)

@@ -8,11 +8,13 @@ graph (its ops, masks, losses, RNG), not its size. Each batch is what a training
 row), and the labels, so that the model computes its own loss. timm models take pixels only:
 their entries are marked ``external_loss`` and the harness takes the cross-entropy of the logits.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,22 +73,26 @@ def ensure_torchvision() -> None:
 
 def hf(model_cls: str, config_cls: str, **config: Any) -> Callable[[], torch.nn.Module]:
     """A builder of ``transformers.<model_cls>(<config_cls>(**config))``."""
+
     def build() -> torch.nn.Module:
         ensure_torchvision()
         import transformers
 
         return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+
     build.__qualname__ = f"{model_cls}"
     return build
 
 
 def timm_model(name: str, **kwargs: Any) -> Callable[[], torch.nn.Module]:
     """A builder of ``timm.create_model(name)`` with random weights and 10 classes."""
+
     def build() -> torch.nn.Module:
         ensure_torchvision()
         import timm
 
         return timm.create_model(name, pretrained=False, num_classes=NUM_LABELS, **kwargs)
+
     build.__qualname__ = f"timm.{name}"
     return build
 
@@ -110,19 +116,20 @@ def _ids_mask(b: int, n: int, pad: int, g: torch.Generator, vocab: int = VOCAB) 
 def _segments(mask: torch.Tensor) -> torch.Tensor:
     """token_type_ids of a sentence pair: 0 for the first half, 1 for the second, 0 on padding."""
     types = torch.zeros_like(mask)
-    types[:, mask.shape[1] // 2:] = 1
+    types[:, mask.shape[1] // 2 :] = 1
     return types * mask
 
 
 def _padded_labels(b: int, n: int, low: int, high: int, g: torch.Generator) -> torch.Tensor:
     """Target ids with the last row's end ignored (-100)."""
     labels = torch.randint(low, high, (b, n), generator=g)
-    labels[-1, n - max(1, n // 3):] = -100
+    labels[-1, n - max(1, n // 3) :] = -100
     return labels
 
 
 def mlm_batch(pad: int = 0, token_types: bool = True, mask_id: int = 3) -> BatchMaker:
     """Masked LM: about 15% of the real tokens (at least one per row) masked and labelled."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
         ids, mask = _ids_mask(b, n, pad, g)
@@ -133,11 +140,13 @@ def mlm_batch(pad: int = 0, token_types: bool = True, mask_id: int = 3) -> Batch
         if token_types:
             batch["token_type_ids"] = _segments(mask)
         return {**batch, "labels": labels}
+
     return make
 
 
 def cls_batch(num_labels: int = 3, pad: int = 0, token_types: bool = True) -> BatchMaker:
     """Sequence classification: one label per row."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
         ids, mask = _ids_mask(b, n, pad, g)
@@ -145,52 +154,67 @@ def cls_batch(num_labels: int = 3, pad: int = 0, token_types: bool = True) -> Ba
         if token_types:
             batch["token_type_ids"] = _segments(mask)
         return {**batch, "labels": torch.randint(0, num_labels, (b,), generator=g)}
+
     return make
 
 
 def rtd_batch() -> BatchMaker:
     """ELECTRA's replaced-token detection: a 0/1 label per token."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
         ids, mask = _ids_mask(b, n, 0, g)
-        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": _segments(mask),
-                "labels": torch.randint(0, 2, (b, n), generator=g)}
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "token_type_ids": _segments(mask),
+            "labels": torch.randint(0, 2, (b, n), generator=g),
+        }
+
     return make
 
 
 def clm_batch(pad: int = 0) -> BatchMaker:
     """Causal LM: the labels are the ids (the model shifts them), -100 on padding."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         ids, mask = _ids_mask(b, n, pad, _gen(seed))
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
     return make
 
 
 def seq2seq_batch(pad: int = 0) -> BatchMaker:
     """Encoder-decoder: source ids and mask, target labels half as long (the model makes the
     decoder inputs from them)."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
         ids, mask = _ids_mask(b, n, pad, g)
-        return {"input_ids": ids, "attention_mask": mask,
-                "labels": _padded_labels(b, max(3, n // 2), 4, VOCAB, g)}
+        return {"input_ids": ids, "attention_mask": mask, "labels": _padded_labels(b, max(3, n // 2), 4, VOCAB, g)}
+
     return make
 
 
 def image_batch(key: str = "pixel_values", size: int | None = None) -> BatchMaker:
     """Images (batch, 3, size, size), ``IMAGE`` by default, and a class per image; ``length`` is
     not used."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
         side = size or IMAGE
-        return {key: torch.randn(b, 3, side, side, generator=g),
-                "labels": torch.randint(0, NUM_LABELS, (b,), generator=g)}
+        return {
+            key: torch.randn(b, 3, side, side, generator=g),
+            "labels": torch.randint(0, NUM_LABELS, (b,), generator=g),
+        }
+
     return make
 
 
 def ctc_batch(samples_per_step: int = 20, vocab: int = 32) -> BatchMaker:
     """Raw audio (``length * 20`` samples, the last row padded with zeros and masked) and CTC
     character targets."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
         total = n * samples_per_step
@@ -199,37 +223,74 @@ def ctc_batch(samples_per_step: int = 20, vocab: int = 32) -> BatchMaker:
         keep = total - total // 4
         mask[-1, keep:] = 0
         values[-1, keep:] = 0
-        return {"input_values": values, "attention_mask": mask,
-                "labels": _padded_labels(b, 4, 1, vocab, g)}
+        return {"input_values": values, "attention_mask": mask, "labels": _padded_labels(b, 4, 1, vocab, g)}
+
     return make
 
 
 def whisper_batch(mels: int = 16, frames: int = 32) -> BatchMaker:
     """Log-mel features of the fixed length Whisper's encoder takes, and target labels whose
     length follows ``length``."""
+
     def make(b: int, n: int, seed: int) -> Batch:
         g = _gen(seed)
-        return {"input_features": torch.randn(b, mels, frames, generator=g),
-                "labels": _padded_labels(b, max(3, n // 2), 4, 100, g)}
+        return {
+            "input_features": torch.randn(b, mels, frames, generator=g),
+            "labels": _padded_labels(b, max(3, n // 2), 4, 100, g),
+        }
+
     return make
 
 
 # --- the registry -----------------------------------------------------------------------------
-ENC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-           max_position_embeddings=128)
-DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.1)
-VIT = dict(image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-           intermediate_size=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_labels=NUM_LABELS)
+ENC = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=128,
+)
+DEC = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    attention_dropout=0.1,
+)
+VIT = dict(
+    image_size=IMAGE,
+    patch_size=8,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    hidden_dropout_prob=0.1,
+    attention_probs_dropout_prob=0.1,
+    num_labels=NUM_LABELS,
+)
 ROBERTA = dict(ENC, max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
-S2S = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-           decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128)
+S2S = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=128,
+)
 TIMM_DROP = dict(drop_rate=0.1, drop_path_rate=0.1)
 
 
 def _text_encoders() -> list[ZooEntry]:
     """Encoders with a masked-LM, classification or detection head."""
     E = ZooEntry
+    # fmt: off
     text = [
         E("bert-mlm", "text-encoder", hf("BertForMaskedLM", "BertConfig", **ENC), mlm_batch()),
         E("bert-cls", "text-encoder", hf("BertForSequenceClassification", "BertConfig", **ENC, num_labels=3),
@@ -258,6 +319,7 @@ def _text_encoders() -> list[ZooEntry]:
              bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
           mlm_batch(token_types=False)),
     ]
+    # fmt: on
     return text
 
 
@@ -265,6 +327,7 @@ def _decoders() -> list[ZooEntry]:
     """Decoder LLMs (causal LM loss from the shifted ids)."""
     E = ZooEntry
     clm = clm_batch()
+    # fmt: off
     decoders = [
         E("llama", "decoder", hf("LlamaForCausalLM", "LlamaConfig", **DEC), clm),
         E("mistral", "decoder", hf("MistralForCausalLM", "MistralConfig", **DEC), clm),
@@ -303,12 +366,14 @@ def _decoders() -> list[ZooEntry]:
           prepare_reference=lambda m: m.set_experts_implementation("eager"),
           note="the float64 reference runs the experts eagerly (grouped_mm has no float64)"),
     ]
+    # fmt: on
     return decoders
 
 
 def _encoder_decoders() -> list[ZooEntry]:
     """Encoder-decoders (labels through the decoder)."""
     E = ZooEntry
+    # fmt: off
     encdec = [
         E("t5", "enc-dec", hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_kv=8,
                               d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
@@ -320,6 +385,7 @@ def _encoder_decoders() -> list[ZooEntry]:
         E("marian", "enc-dec", hf("MarianMTModel", "MarianConfig", **S2S, pad_token_id=0, eos_token_id=1,
                                   decoder_start_token_id=0, decoder_vocab_size=VOCAB), seq2seq_batch()),
     ]
+    # fmt: on
     return encdec
 
 
@@ -327,6 +393,7 @@ def _vision() -> list[ZooEntry]:
     """Vision transformers and CNNs from transformers."""
     E = ZooEntry
     img = image_batch()
+    # fmt: off
     vision = [
         E("vit", "vision", hf("ViTForImageClassification", "ViTConfig", **VIT), img),
         E("deit", "vision", hf("DeiTForImageClassification", "DeiTConfig", **VIT), img),
@@ -339,6 +406,8 @@ def _vision() -> list[ZooEntry]:
                                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
                                num_labels=NUM_LABELS), img),
     ]
+    # fmt: on
+    # fmt: off
     cnn = [
         E("resnet", "cnn", hf("ResNetForImageClassification", "ResNetConfig", embedding_size=16,
                               hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=NUM_LABELS), img),
@@ -349,12 +418,14 @@ def _vision() -> list[ZooEntry]:
         E("mobilenet-v2", "cnn", hf("MobileNetV2ForImageClassification", "MobileNetV2Config", depth_multiplier=0.35,
                                     image_size=IMAGE, num_labels=NUM_LABELS), img),
     ]
+    # fmt: on
     return vision + cnn
 
 
 def _audio() -> list[ZooEntry]:
     """Audio models (raw audio and log-mel inputs)."""
     E = ZooEntry
+    # fmt: off
     audio = [
         E("wav2vec2-ctc", "audio",
           hf("Wav2Vec2ForCTC", "Wav2Vec2Config", vocab_size=32, hidden_size=32, num_hidden_layers=2,
@@ -371,33 +442,51 @@ def _audio() -> list[ZooEntry]:
              suppress_tokens=None, begin_suppress_tokens=None), whisper_batch(),
           note="the encoder takes 32 frames only: another length changes the labels' length"),
     ]
+    # fmt: on
     return audio
 
 
 def _timm() -> list[ZooEntry]:
     """timm models (logits only: the loss is cross-entropy of them)."""
     E = ZooEntry
+    # fmt: off
     transformers_ = [
         ("vit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
         ("deit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
         ("mixer_s16_224", dict(TIMM_DROP, img_size=IMAGE)),
     ]
+    # fmt: on
     cnns = [  # CNN_IMAGE: see there
-        ("resnet10t", TIMM_DROP), ("resnet18", TIMM_DROP), ("efficientnet_b0", TIMM_DROP),
-        ("mobilenetv3_small_050", TIMM_DROP), ("regnetx_002", TIMM_DROP), ("convnext_atto", TIMM_DROP),
-        ("ghostnet_050", dict(drop_rate=0.1)), ("densenet121", dict(drop_rate=0.1, block_config=(2, 2, 2, 2))),
-        ("repvgg_a0", TIMM_DROP), ("efficientvit_b0", dict(drop_rate=0.1)),
-        ("levit_128s", dict(TIMM_DROP, img_size=CNN_IMAGE)), ("mobilevit_xxs", TIMM_DROP), ("lcnet_050", TIMM_DROP),
+        ("resnet10t", TIMM_DROP),
+        ("resnet18", TIMM_DROP),
+        ("efficientnet_b0", TIMM_DROP),
+        ("mobilenetv3_small_050", TIMM_DROP),
+        ("regnetx_002", TIMM_DROP),
+        ("convnext_atto", TIMM_DROP),
+        ("ghostnet_050", dict(drop_rate=0.1)),
+        ("densenet121", dict(drop_rate=0.1, block_config=(2, 2, 2, 2))),
+        ("repvgg_a0", TIMM_DROP),
+        ("efficientvit_b0", dict(drop_rate=0.1)),
+        ("levit_128s", dict(TIMM_DROP, img_size=CNN_IMAGE)),
+        ("mobilevit_xxs", TIMM_DROP),
+        ("lcnet_050", TIMM_DROP),
     ]
     specs = [(n, kw, IMAGE) for n, kw in transformers_] + [(n, kw, CNN_IMAGE) for n, kw in cnns]
-    return [E(f"timm-{name}", "timm", timm_model(name, **kw), image_batch("x", side), external_loss=True,
-              note="" if side == IMAGE else f"{side}x{side} images")
-            for name, kw, side in specs]
+    return [
+        E(
+            f"timm-{name}",
+            "timm",
+            timm_model(name, **kw),
+            image_batch("x", side),
+            external_loss=True,
+            note="" if side == IMAGE else f"{side}x{side} images",
+        )
+        for name, kw, side in specs
+    ]
 
 
 def _entries() -> list[ZooEntry]:
     return _text_encoders() + _decoders() + _encoder_decoders() + _vision() + _audio() + _timm()
-
 
 
 MODELS: dict[str, ZooEntry] = {e.name: e for e in _entries()}
