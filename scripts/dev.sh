@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: sets up .venv (idempotent), then runs what was asked.
 #   bash scripts/dev.sh demo    # the main job: BertLayer through TVM, training steps vs PyTorch
-#   bash scripts/dev.sh test    # the default test suite (slow tests excluded; `-m slow` for them)
+#   bash scripts/dev.sh test    # lint, then the default test suite (slow tests excluded; `-m slow` for them)
+#   bash scripts/dev.sh lint    # ruff (lint + format check) and mypy on tvmbridge/ and analysis/
 #   bash scripts/dev.sh setup   # only install
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +39,19 @@ setup() {
   fi
 }
 
+lint() {
+  # configuration in pyproject.toml ([tool.ruff], [tool.mypy])
+  "$VENV/bin/ruff" check tvmbridge analysis
+  "$VENV/bin/ruff" format --check tvmbridge analysis
+  "$VENV/bin/mypy"
+}
+
 cmd=${1:-test}; shift || true
 setup
 case "$cmd" in
   setup) ;;
   demo)  exec "$VENV/bin/python" -m tvmbridge demo "$@" ;;
-  test)  exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) echo "usage: $0 {demo|test|setup} [args]" >&2; exit 2 ;;
+  lint)  lint ;;
+  test)  lint && exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) echo "usage: $0 {demo|test|lint|setup} [args]" >&2; exit 2 ;;
 esac
