@@ -16,6 +16,7 @@ import numpy as np
 
 import torch
 import tvm
+import tvm_ffi
 from tvm import relax, te
 
 from ..devices import prepare_cpu_runtime, tvm_device
@@ -58,8 +59,41 @@ def materialize_non_finite_fills() -> tvm.transform.Pass:
                                      opt_level=0, name="tvmbridge.MaterializeNonFiniteFills")
 
 
+def _legalize_take_clipped(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """``take`` in Relax's default ``"fast"`` mode (TVM's frontend converts ``x[idx]``,
+    ``index_select`` ... so) reads an index out of range unchecked, a segfault, and TOPI logs
+    "Fast mode segfaults when there are out-of-bounds indices" to stderr for every one it builds.
+    Clipped instead: the same reads for every index in range, never a read outside the tensor
+    (where the bridge checks the indices, ``x[idx]`` and embeddings, its range flag still raises
+    after the call on one out of range)."""
+    if str(call.attrs.mode) == "fast":
+        call = relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+    return call.op.get_attr("FLegalize")(bb, call)
+
+
 # keyed by op name, as LegalizeOps takes it; read-only
-_LEGALIZE_FIXES = {"relax.full": _legalize_full, "relax.full_like": _legalize_full}
+_LEGALIZE_FIXES = {"relax.full": _legalize_full, "relax.full_like": _legalize_full,
+                   "relax.take": _legalize_take_clipped}
+
+
+def _without_scope_pragma(stmt: tvm.tirx.AttrStmt) -> tvm.tirx.Stmt:
+    return stmt.body if stmt.attr_key == "pragma_scope" else stmt
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.DropScopePragmas")
+def drop_scope_pragmas(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """TOPI's hand-written kernels (``scatter_nd``, ``scatter_elements``, ``index_put``,
+    ``take_backward``: embedding and cross-entropy gradients) wrap their loops in the
+    ``pragma_scope`` attribute of ``T.seq_scope()``, which only groups statements while they are
+    built; LLVM's code generator knows no such pragma and logs "Unknown pragma pragma_scope" for
+    each. The attribute is dropped, its body kept."""
+    out = mod.clone()
+    for gv, func in mod.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            new = tvm_ffi.structural_map(func, [(tvm.tirx.AttrStmt, _without_scope_pragma)])
+            if not new.same_as(func):
+                out[gv] = new
+    return out
 
 
 def lower(
@@ -70,8 +104,8 @@ def lower(
     leaves TVM's own CPU kernels unscheduled (serial loops), ``fuse=False`` keeps one kernel per
     Relax op: both for measuring what each buys. ``tuning_db``: a MetaSchedule work directory
     whose best records replace the default schedules of the kernels they cover."""
-    seq = [relax.transform.LegalizeOps(_LEGALIZE_FIXES), relax.transform.AnnotateTIROpPattern(),
-           relax.transform.FoldConstant()]
+    seq = [relax.transform.LegalizeOps(_LEGALIZE_FIXES), drop_scope_pragmas,
+           relax.transform.AnnotateTIROpPattern(), relax.transform.FoldConstant()]
     if fuse:
         seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
     seq.append(relax.transform.DeadCodeElimination())
