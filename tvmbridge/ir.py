@@ -8,7 +8,8 @@ is the module pass that applies a rule list, :func:`cleanup` the passes that fol
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tvm
@@ -18,6 +19,29 @@ from .errors import ConversionError
 from .sizes import evaluate_dim
 
 Rule = Callable[[relax.Expr, dict[relax.Var, relax.Expr]], relax.Expr | None]
+
+
+def end_open_blocks(bb: relax.BlockBuilder) -> None:
+    """End the binding blocks an exception left open in ``bb``. An exception raised inside
+    ``with bb.function(...)`` leaves the C++ builder with a block open (TVM's Python scopes unwind
+    their own stacks only and, leaving ``bb.dataflow()``, begin a new block), and TVM logs
+    "BlockBuilder destroyed with remaining blocks!" to stderr whenever the builder is freed, long
+    after the error was handled. The builder is not to be used again."""
+    for _ in range(16):  # one block in practice; "no block is being built" ends the loop
+        try:
+            bb._end_block()  # TVM has no public way to end a block
+        except Exception:  # "no block is being built"
+            return
+
+
+@contextlib.contextmanager
+def blocks_closed_on_error(bb: relax.BlockBuilder) -> Iterator[None]:
+    """Around ``with bb.function(...)``: on an exception, :func:`end_open_blocks` before it goes on."""
+    try:
+        yield
+    except BaseException:
+        end_open_blocks(bb)
+        raise
 
 
 def only_dataflow_block(func: relax.Function, stage: str) -> relax.DataflowBlock:

@@ -4,6 +4,7 @@ The default ``tvm.compile`` pipeline legalizes but does not fuse; the bridge add
 so that elementwise chains become one kernel, on CPU its own schedules (``cpu_schedules``), and on
 GPU dlight's default schedules (untuned GPU kernels are not even valid).
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,17 +14,17 @@ import warnings
 from typing import Any
 
 import numpy as np
-
 import torch
 import tvm
+import tvm_ffi
 from tvm import relax, te
 
 from ..caches import CACHES
 from ..devices import prepare_cpu_runtime, tvm_device
-from ..kernels.barrier import register_barrier
-from ..kernels.gemm import register_gemms
 from ..errors import stage_errors
 from ..ir import RewriteBindings, is_op, static_shape
+from ..kernels.barrier import register_barrier
+from ..kernels.gemm import register_gemms
 
 
 def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -36,8 +37,9 @@ def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         if not math.isfinite(value):
             dtype = str(call.ty.dtype)
             shape = call.ty.shape.values
-            return bb.call_te(lambda: te.compute(shape, lambda *_: tvm.tirx.const(value, dtype)),
-                              primfunc_name_hint="full")
+            return bb.call_te(
+                lambda: te.compute(shape, lambda *_: tvm.tirx.const(value, dtype)), primfunc_name_hint="full"
+            )
     return call.op.get_attr("FLegalize")(bb, call)
 
 
@@ -55,24 +57,70 @@ def _non_finite_fill_constant(value: relax.Expr, bound: dict) -> relax.Expr | No
 
 def materialize_non_finite_fills() -> tvm.transform.Pass:
     """Every static ``full`` with a non-finite fill becomes a constant."""
-    return tvm.transform.module_pass(RewriteBindings([_non_finite_fill_constant]).transform_module,
-                                     opt_level=0, name="tvmbridge.MaterializeNonFiniteFills")
+    return tvm.transform.module_pass(
+        RewriteBindings([_non_finite_fill_constant]).transform_module,
+        opt_level=0,
+        name="tvmbridge.MaterializeNonFiniteFills",
+    )
+
+
+def _legalize_take_clipped(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """``take`` in Relax's default ``"fast"`` mode (TVM's frontend converts ``x[idx]``,
+    ``index_select`` ... so) reads an index out of range unchecked, a segfault, and TOPI logs
+    "Fast mode segfaults when there are out-of-bounds indices" to stderr for every one it builds.
+    Clipped instead: the same reads for every index in range, never a read outside the tensor
+    (where the bridge checks the indices, ``x[idx]`` and embeddings, its range flag still raises
+    after the call on one out of range)."""
+    if str(call.attrs.mode) == "fast":
+        call = relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+    return call.op.get_attr("FLegalize")(bb, call)
 
 
 # keyed by op name, as LegalizeOps takes it; read-only
-_LEGALIZE_FIXES = {"relax.full": _legalize_full, "relax.full_like": _legalize_full}
+_LEGALIZE_FIXES = {
+    "relax.full": _legalize_full,
+    "relax.full_like": _legalize_full,
+    "relax.take": _legalize_take_clipped,
+}
+
+
+def _without_scope_pragma(stmt: tvm.tirx.AttrStmt) -> tvm.tirx.Stmt:
+    return stmt.body if stmt.attr_key == "pragma_scope" else stmt
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.DropScopePragmas")
+def drop_scope_pragmas(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """TOPI's hand-written kernels (``scatter_nd``, ``scatter_elements``, ``index_put``,
+    ``take_backward``: embedding and cross-entropy gradients) wrap their loops in the
+    ``pragma_scope`` attribute of ``T.seq_scope()``, which only groups statements while they are
+    built; LLVM's code generator knows no such pragma and logs "Unknown pragma pragma_scope" for
+    each. The attribute is dropped, its body kept."""
+    out = mod.clone()
+    for gv, func in mod.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            new = tvm_ffi.structural_map(func, [(tvm.tirx.AttrStmt, _without_scope_pragma)])
+            if not new.same_as(func):
+                out[gv] = new
+    return out
 
 
 def lower(
-    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True,
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    schedule: bool = True,
+    fuse: bool = True,
     tuning_db: str | None = None,
 ) -> tvm.IRModule:
     """The bridge's Relax pipeline up to (not including) code generation. ``schedule=False``
     leaves TVM's own CPU kernels unscheduled (serial loops), ``fuse=False`` keeps one kernel per
     Relax op: both for measuring what each buys. ``tuning_db``: a MetaSchedule work directory
     whose best records replace the default schedules of the kernels they cover."""
-    seq = [relax.transform.LegalizeOps(_LEGALIZE_FIXES), relax.transform.AnnotateTIROpPattern(),
-           relax.transform.FoldConstant()]
+    seq = [
+        relax.transform.LegalizeOps(_LEGALIZE_FIXES),
+        drop_scope_pragmas,
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+    ]
     if fuse:
         seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
     seq.append(relax.transform.DeadCodeElimination())
@@ -89,8 +137,10 @@ def lower(
             from tvm.s_tir import dlight
 
             mod = dlight.ApplyDefaultSchedule(
-                dlight.gpu.Matmul(), dlight.gpu.Reduction(),
-                dlight.gpu.GeneralReduction(), dlight.gpu.Fallback(),
+                dlight.gpu.Matmul(),
+                dlight.gpu.Reduction(),
+                dlight.gpu.GeneralReduction(),
+                dlight.gpu.Fallback(),
             )(mod.clone())  # ApplyDefaultSchedule mutates its input
     return mod
 
@@ -106,17 +156,23 @@ def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) 
         usable, foreign = records
         tuned, missing = apply_database(mod, target, usable)
     except Exception as exc:  # noqa: BLE001 - a record TVM cannot replay: defaults, said once
-        _note_tuning(f"tvmbridge: the tuning database {tuning_db} could not be applied "
-                     f"({_error_summary(exc)}); using the default schedules")
+        _note_tuning(
+            f"tvmbridge: the tuning database {tuning_db} could not be applied "
+            f"({_error_summary(exc)}); using the default schedules"
+        )
         return mod
     if foreign:
-        _note_tuning(f"tvmbridge: the tuning database {tuning_db} holds records for another target "
-                     f"({'; '.join(foreign)[:300]}), not {target}; they are ignored (tune on this machine: "
-                     "tvmbridge tune)")
+        _note_tuning(
+            f"tvmbridge: the tuning database {tuning_db} holds records for another target "
+            f"({'; '.join(foreign)[:300]}), not {target}; they are ignored (tune on this machine: "
+            "tvmbridge tune)"
+        )
     if missing:
         kernels = sum(isinstance(f, tvm.tirx.PrimFunc) for f in tuned.functions.values())
-        _note_tuning(f"tvmbridge: {len(missing)} of {kernels} kernels have no record in the tuning database "
-                     f"{tuning_db}; they keep the default schedule (tune this module: tvmbridge tune)")
+        _note_tuning(
+            f"tvmbridge: {len(missing)} of {kernels} kernels have no record in the tuning database "
+            f"{tuning_db}; they keep the default schedule (tune this module: tvmbridge tune)"
+        )
     return tuned
 
 
@@ -148,7 +204,10 @@ def _note_tuning(message: str) -> None:
 
 
 def compile_module(
-    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool = True, fuse: bool = True,
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    schedule: bool = True,
+    fuse: bool = True,
     tuning_db: str | None = None,
 ) -> tvm.runtime.Executable:
     """Lower and compile; a tuned schedule that does not compile leaves the database out (with
@@ -158,8 +217,10 @@ def compile_module(
             try:
                 return tvm.compile(lower(mod, target, schedule, fuse, tuning_db), target=target)
             except Exception as exc:  # noqa: BLE001 - a record that replays but does not compile here
-                _note_tuning(f"tvmbridge: compiling with the tuning database {tuning_db} failed "
-                             f"({_error_summary(exc)}); compiled with the default schedules instead")
+                _note_tuning(
+                    f"tvmbridge: compiling with the tuning database {tuning_db} failed "
+                    f"({_error_summary(exc)}); compiled with the default schedules instead"
+                )
         return tvm.compile(lower(mod, target, schedule, fuse, None), target=target)
 
 

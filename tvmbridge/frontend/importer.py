@@ -22,7 +22,7 @@ from tvm.relax.frontend.torch.exported_program_translator import ExportedProgram
 
 from .. import names
 from ..errors import ConversionError, UnsupportedOpError, stage_errors
-from ..ir import only_dataflow_block, rebuild
+from ..ir import end_open_blocks, only_dataflow_block, rebuild
 from ..sizes import sympy_to_tir
 from .checks import refuse_unconvertible
 from .converters import bind as bind_converters
@@ -142,7 +142,11 @@ def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) 
     }
     custom.update({name: importer._named(name, fn) for name, fn in converters})
     with stage_errors("convert"):
-        mod = importer.from_exported_program(ep, True, False, False, custom)
+        try:
+            mod = importer.from_exported_program(ep, True, False, False, custom)
+        except BaseException:  # the builder TVM's frontend made for this program, left mid-function
+            end_open_blocks(importer.block_builder)
+            raise
     func = mod[names.MAIN]
     if len(func.params) != traced.num_user_inputs + len(traced.state.names):
         raise ConversionError("convert", f"unexpected Relax parameters {[p.name for p in func.params]}")

@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from ..errors import UnsupportedOpError
-from ..ir import only_dataflow_block, rebuild
+from ..ir import blocks_closed_on_error, only_dataflow_block, rebuild
 from .gradients import GRADIENTS
 
 NO_GRAD = tvm.ir.Op.get("relax.grad.no_grad")
@@ -39,7 +39,8 @@ def vjp_function(func: relax.Function, require: list[relax.Var], name: str) -> r
     if not isinstance(target, relax.Var) or not _is_float_tensor(target.ty):
         raise UnsupportedOpError("gradient", "the target must be a float tensor variable")
     bb = relax.BlockBuilder()
-    with bb.function(name, list(func.params), attrs=dict(func.attrs) if func.attrs else None, pure=True):
+    attrs = dict(func.attrs) if func.attrs else None
+    with blocks_closed_on_error(bb), bb.function(name, list(func.params), attrs=attrs, pure=True):
         with bb.dataflow():
             for b in block.bindings:
                 bb.emit_normalized(b)
