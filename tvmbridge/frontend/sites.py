@@ -39,9 +39,10 @@ class SizeList:
         return SizeList(evaluate_dims(self.dims, sizes))
 
     def value(self) -> list[int]:
-        if not all(isinstance(d, int) for d in self.dims):
+        dims = [d for d in self.dims if isinstance(d, int)]
+        if len(dims) != len(self.dims):
             raise ValueError(f"size {self.dims} is symbolic: bind it to the call's sizes first")
-        return list(self.dims)
+        return dims
 
 
 @dataclass(frozen=True)
