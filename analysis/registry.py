@@ -45,7 +45,7 @@ class Registry(Generic[K, V]):
 
         def register(fn: Callable) -> Callable:
             value = wrap(fn) if wrap is not None else fn
-            self.add({key: value for key in keys})  # type: ignore[misc]
+            self.add({key: value for key in keys})  # type: ignore[misc]  # without wrap, V is the function type
             return fn
 
         return register

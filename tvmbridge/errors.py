@@ -12,6 +12,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from types import FrameType
 
 
 class ConversionError(RuntimeError):
@@ -83,7 +84,8 @@ def caller_stacklevel() -> int:
     import torch
 
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     return level

@@ -39,7 +39,7 @@ def _evaluate(expr: str, sizes: tuple[tuple[str, int], ...]) -> int:
 
 
 @functools.cache
-def _tir_ops() -> dict[type, Callable[[int, int], int]]:
+def _tir_ops() -> dict[Any, Callable[[int, int], int]]:  # TVM's TIR node classes (untyped)
     import tvm
 
     return {

@@ -41,7 +41,9 @@ def held_bytes(value: Any) -> int:
 
 def _events(prof: profile) -> list[Any]:
     """Allocation events of a finished profile in time order (frees have negative sizes)."""
-    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None  # a finished profile
+    out: list[Any] = []
+    todo: list[Any] = list(prof.profiler.kineto_results.experimental_event_tree())  # read by tag, below
     while todo:
         e = todo.pop()
         if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":

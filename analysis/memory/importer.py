@@ -20,7 +20,7 @@ import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -47,6 +47,7 @@ from analysis.memory.dataflow import (
 )
 from analysis.tensors import storage_key, tensor_leaves
 
+TracingMode = Literal["real", "fake", "symbolic"]  # make_fx's
 _EDGE_KIND = {FORWARD: ACTIVATION, BACKWARD: GRADIENT, OPTIMIZER: OPT_TEMP, OUTPUT: ACTIVATION}
 
 
@@ -301,7 +302,9 @@ class ReleaseWatch(TorchDispatchMode):
         return self.released
 
 
-def _trace(fn: Callable[..., Any], args: list[Any], tracing_mode: str) -> tuple[torch.fx.GraphModule, ReleaseWatch]:
+def _trace(
+    fn: Callable[..., Any], args: list[Any], tracing_mode: TracingMode
+) -> tuple[torch.fx.GraphModule, ReleaseWatch]:
     """make_fx of ``fn`` with a `ReleaseWatch` inside (it records; the graph is unchanged)."""
     watch = ReleaseWatch()
 
@@ -320,7 +323,7 @@ def trace_training_step(
     target: torch.Tensor | None = None,
     loss_fn: Callable[..., torch.Tensor] = default_loss,
     optimizer: str = "adam",
-    tracing_mode: str = "fake",
+    tracing_mode: TracingMode = "fake",
 ) -> TracedStep:
     """Trace forward, loss, backward and an in-place optimizer step as one FX graph.
 
@@ -332,7 +335,7 @@ def trace_training_step(
     )
 
 
-def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs, tracing_mode: str = "fake") -> TracedStep:
+def trace_eval_step(model: torch.nn.Module, inputs: ModelInputs, tracing_mode: TracingMode = "fake") -> TracedStep:
     """Trace an inference forward (no autograd) as one FX graph; weights are inputs."""
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     names = list(tensors)
@@ -456,7 +459,9 @@ class _DataflowBuilder:
         """Fold getitem: the (producer, output index) pairs a node argument stands for."""
         if a.op == "call_function" and a.target is operator.getitem:
             src, idx = a.args[0], a.args[1]
-            return [(src, idx)] if (src, idx) in self.value_edge else []
+            if isinstance(src, torch.fx.Node) and isinstance(idx, int) and (src, idx) in self.value_edge:
+                return [(src, idx)]
+            return []
         return [(a, i) for i in range(len(_outputs_by_index(a.meta.get("val")))) if (a, i) in self.value_edge]
 
     def _add_reads(self, n: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
@@ -540,7 +545,7 @@ def import_training_step(
 
 
 def import_eval_step(
-    model: torch.nn.Module, inputs: ModelInputs, tracing_mode: str = "fake"
+    model: torch.nn.Module, inputs: ModelInputs, tracing_mode: TracingMode = "fake"
 ) -> tuple[DataflowGraph, TracedStep]:
     traced = trace_eval_step(model, inputs, tracing_mode=tracing_mode)
     return fx_to_dataflow(traced), traced

@@ -201,7 +201,10 @@ def _cut_bound(prob: ScheduleProblem, v: int, anc_m: np.ndarray, desc_m: np.ndar
         elif outside[e.src]:
             continue
         elif e.to_end or any(outside[x] for x in e.sinks):
-            fixed, _ = (fixed + e.size, 0) if inside[e.src] else (fixed, arc(ids[e.src], 1, e.size))
+            if inside[e.src]:
+                fixed += e.size
+            else:
+                arc(ids[e.src], 1, e.size)
         elif any(free[x] for x in e.sinks):
             x_e = 2 + len(ids) + len(caps)  # a fresh node number
             arc(0 if inside[e.src] else ids[e.src], x_e, e.size)

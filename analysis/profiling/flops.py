@@ -176,7 +176,7 @@ class _GradFnTagger(TorchFunctionMode):
         stop = {t.grad_fn for t in tensor_leaves((args, kwargs)) if t.grad_fn is not None}
         out = func(*args, **kwargs)
         stack = tuple(c._fw_stack)
-        todo = [t.grad_fn for t in tensor_leaves(out) if t.grad_fn is not None]
+        todo: list[torch.autograd.graph.Node | None] = [t.grad_fn for t in tensor_leaves(out) if t.grad_fn is not None]
         while todo:
             fn = todo.pop()
             if fn is None or fn in stop or fn in c._tagged:

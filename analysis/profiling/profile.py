@@ -438,6 +438,7 @@ class _Profiler:
 
     def _call(self, node: Node, args: tuple, kwargs: dict) -> Any:
         if node.op == "call_function":
+            assert callable(node.target)  # the function itself
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], str(node.target))(*args[1:], **kwargs)

@@ -172,8 +172,9 @@ class MetaTracer(torch.fx.Tracer):
                     return to_fake(self._fetch(str(target)), self.fake_mode)
                 margs, mkwargs = to_fake((margs, mkwargs), self.fake_mode)
                 if kind == "call_function":
-                    impl = _SHAPE_IMPLS.get(target, target)
-                    return impl(*margs, **mkwargs)
+                    assert callable(target)  # the function itself
+                    fn = _SHAPE_IMPLS[target] if target in _SHAPE_IMPLS else target
+                    return fn(*margs, **mkwargs)
                 if kind == "call_method":
                     return getattr(margs[0], str(target))(*margs[1:], **mkwargs)
                 if kind == "call_module":
@@ -205,7 +206,8 @@ class MetaTracer(torch.fx.Tracer):
         return bool(_concrete(obj, "bool"))
 
     def iter(self, obj: Proxy) -> Iterator:
-        return iter([obj[i] for i in range(len(_meta_of(obj)))])
+        proxy: Any = obj  # fx adds Proxy's operators (getitem, ...) at run time, unseen by its stubs
+        return iter([proxy[i] for i in range(len(_meta_of(obj)))])
 
     def keys(self, obj: Proxy) -> Any:
         return _meta_of(obj).keys()

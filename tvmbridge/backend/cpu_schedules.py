@@ -63,7 +63,8 @@ def _vec_lanes(target: Target, sch: s_tir.Schedule, block: s_tir.schedule.SBlock
 def _static_product(extents) -> int | None:
     """The product of extents known at compile time; None if one is symbolic."""
     values = [int(e) if isinstance(e, (int, tirx.IntImm)) else None for e in extents]
-    return None if None in values else math.prod(values)
+    known = [v for v in values if v is not None]
+    return math.prod(known) if len(known) == len(values) else None
 
 
 def _numel(sch: s_tir.Schedule, loops: list) -> int | None:

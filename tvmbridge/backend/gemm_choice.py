@@ -61,7 +61,7 @@ def machine() -> dict[str, Any]:
     """What a GEMM's speed depends on besides its shape."""
     import tvm
 
-    model, flags = "unknown", set()
+    model, flags = "unknown", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
@@ -245,7 +245,7 @@ class GemmChooser:
         if cached is not None:
             return GemmDecision(problem, cached["library"], "cached", dict(cached.get("seconds", {})))
         seconds = (self.timer or time_gemms)(problem, candidates)
-        decision = GemmDecision(problem, min(seconds, key=seconds.get), "measured", seconds)
+        decision = GemmDecision(problem, min(seconds, key=seconds.__getitem__), "measured", seconds)
         if self.cache is not None:
             self.cache.put(decision)
         return decision

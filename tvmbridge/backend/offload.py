@@ -82,9 +82,12 @@ OFFLOADED_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 def _problem(dtype: str, a: relax.Expr, b: relax.Expr, ta: bool, tb: bool, sizes: dict[str, int]) -> GemmProblem | None:
     """The GEMM as the chooser times it: symbolic dims at this compile's sizes (None if unknown)."""
+    a_dims, b_dims = _shape(a), _shape(b)
+    if a_dims is None or b_dims is None:
+        return None
     try:
-        a_shape = tuple(evaluate_dim(d, sizes) for d in _shape(a))
-        b_shape = tuple(evaluate_dim(d, sizes) for d in _shape(b))
+        a_shape = tuple(evaluate_dim(d, sizes) for d in a_dims)
+        b_shape = tuple(evaluate_dim(d, sizes) for d in b_dims)
     except (KeyError, TypeError):
         return None
     return GemmProblem(dtype, a_shape, b_shape, ta, tb)
@@ -154,7 +157,9 @@ def _match(value: relax.Expr, bound: dict) -> _Site | None:
     if dtype not in OFFLOADED_DTYPES or str(a.ty.dtype) != dtype or str(b.ty.dtype) != dtype:
         return None
     (a, ta), (b, tb) = _operand(a, bound), _operand(b, bound)
-    site = GemmSite(dtype, tuple(map(str, _shape(a))), tuple(map(str, _shape(b))), ta, tb)
+    a_dims, b_dims = _shape(a), _shape(b)
+    assert a_dims is not None and b_dims is not None  # as _dims saw them (a transpose's input: _swaps_last_two)
+    site = GemmSite(dtype, tuple(map(str, a_dims)), tuple(map(str, b_dims)), ta, tb)
     return _Site(site, a, b, out_shape)
 
 
@@ -239,7 +244,7 @@ def _bias_rule(uses: dict[relax.Var, int]) -> Rule:
         for mm, bias in (value.args, reversed(value.args)):
             call = bound.get(mm) if isinstance(mm, relax.Var) else None
             spec = offloaded_call(call)
-            if spec is None or spec.bias or uses.get(mm, 0) != 1:
+            if call is None or spec is None or spec.bias or uses.get(mm, 0) != 1:
                 continue
             out, bias_shape, mm_shape = _shape(value), _shape(bias), _shape(mm)
             if out is None or len(out) != 2 or bias_shape is None or mm_shape is None:
@@ -283,12 +288,12 @@ class ApplyOffloadPlan:
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = relax.transform.Normalize()(mod)
         rules = [_offload_rule(self.plan.libraries()), _bias_rule(_use_counts(mod))]
-        mod = RewriteBindings(rules)(mod)
+        mod = RewriteBindings(rules)(mod)  # type: ignore[operator]  # module_pass: a pass constructor, unseen by mypy
         return relax.transform.DeadCodeElimination()(mod)
 
 
-def offloaded_gemms(func: relax.Function) -> list[tuple[GemmSpec, list[tuple[int, ...]]]]:
-    """Every offloaded call in ``func`` as ``(spec, operand shapes)``, in program order: what
+def offloaded_gemms(func: relax.Function) -> list[tuple[GemmSpec, list[tuple[int, ...] | None]]]:
+    """Every offloaded call in ``func`` as ``(spec, operand shapes)`` (None: symbolic), in program order: what
     ``scripts/bench_train.py --gemm-table`` times on each library."""
     return [
         (spec, [static_shape(x) for x in b.value.args[1:]])

@@ -22,7 +22,7 @@ import torch
 from ..caches import CACHES
 from ..errors import FallbackWarning, caller_stacklevel
 from ..options import CompileOptions, with_overrides
-from ..runtime.dispatch import Dispatcher, add_tvm_dispatch
+from ..runtime.dispatch import Dispatcher, add_tvm_dispatch, dispatcher_of
 from .graph import GraphCall, InputPlan, OutputPlan, inline_bodies, prepared
 from .split import needs_split, split
 
@@ -51,7 +51,7 @@ class CompiledGraph:
         self.module = GraphCall(prepared(gm, self.plan, self.outputs), self.plan)
         opts = options.replace(dynamic=self.plan.dynamic_option()) if options.dynamic == "auto" else options
         add_tvm_dispatch(self.module, options=opts)
-        self.dispatcher: Dispatcher = self.module._tvm_dispatch
+        self.dispatcher: Dispatcher = dispatcher_of(self.module)
         self.split: SplitGraph | None = None
         self._first_done = False
         self._first_lock = threading.Lock()
@@ -85,6 +85,7 @@ class CompiledGraph:
                 except Exception:  # noqa: BLE001 - a graph that cannot be cut runs PyTorch whole, as it would unsplit
                     named = frozenset()
             if named:
+                assert self.split is not None  # cut above
                 if self.options.warn_on_fallback:
                     warnings.warn(
                         f"tvmbridge: a torch.compile graph is split at {', '.join(self.split.kept)}: "
@@ -212,4 +213,6 @@ def _backend_for(options: dict[str, Any]) -> Backend:
     """The backend for these options, one per options (``CACHES.backends``), so that graphs
     compiled alike share it."""
     key = repr(sorted(options.items()))
-    return CACHES.backends.get_or_make(key, lambda: compile_backend(**options))
+    backend = CACHES.backends.get_or_make(key, lambda: compile_backend(**options))
+    assert backend is not None  # compile_backend makes one
+    return backend

@@ -82,7 +82,7 @@ class InputPlan:
                 kinds.append(SCALAR)
             else:
                 kinds.append(TENSOR)
-        call_position = {}  # graph input -> position among the compiled call's arguments
+        call_position: dict[int, int] = {}  # graph input -> position among the compiled call's arguments
         for i, kind in enumerate(kinds):
             if kind != DERIVED:
                 call_position[i] = len(call_position)
@@ -132,7 +132,9 @@ INLINED = ("tag_activation_checkpoint", "wrap_activation_checkpoint", "wrap")
 
 def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     """Replace a call of a higher-order op on a body graph by the body's nodes."""
-    body = getattr(gm, node.args[0].target)
+    getter = node.args[0]
+    assert isinstance(getter, torch.fx.Node)  # the body's get_attr
+    body = getattr(gm, str(getter.target))
     if body.graph.find_nodes(op="get_attr"):
         raise ValueError(f"the body of {node.target} reads attributes of its own; it is not inlined")
     # checkpoint's keywords (use_reentrant, context_fn, ...) choose what is saved: memory, not values
@@ -141,13 +143,12 @@ def _inline(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         raise ValueError(f"{node.target} passes {len(node.args) - 1} values to a body of {len(placeholders)} inputs")
     val_map = dict(zip(placeholders, node.args[1:]))
     with gm.graph.inserting_before(node):
-        out = gm.graph.graph_copy(body.graph, val_map)
+        out: Any = gm.graph.graph_copy(body.graph, val_map)  # the body's results (fx: any Argument)
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:
             raise ValueError(f"a result of {node.target} is used as a whole; it is not inlined")
         user.replace_all_uses_with(out[user.args[1]])
         gm.graph.erase_node(user)
-    getter = node.args[0]
     gm.graph.erase_node(node)
     if not getter.users:
         gm.graph.erase_node(getter)

@@ -66,9 +66,10 @@ def needs_split(gm: torch.fx.GraphModule) -> bool:
     return any(runs_in_pytorch(n) for n in gm.graph.nodes)
 
 
-def _runs(gm: torch.fx.GraphModule, named: frozenset[str]) -> list[dict[torch.fx.Node, None]]:
-    """The runs of computing nodes between barriers, in graph order."""
-    runs: list[dict[torch.fx.Node, None]] = [{}]
+def _runs(gm: torch.fx.GraphModule, named: frozenset[str]) -> list[dict[torch.fx.Node, int | None]]:
+    """The runs of computing nodes between barriers, in graph order (``fuse_by_partitions``'s
+    partitions: ordered dicts, no node given a position)."""
+    runs: list[dict[torch.fx.Node, int | None]] = [{}]
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue  # inputs, the op's bodies and the output stay in the split graph

@@ -14,6 +14,7 @@ from ..errors import ConversionError, UnsupportedOpError
 from .converters import CONVERTERS
 from .converters.layout import empty_cat_part
 from .converters.random import is_random
+from .converters.registry import args_of, kwargs_of
 from .export import COPY_OPS
 from .provenance import origins
 
@@ -42,7 +43,8 @@ def dropped_by_cat(node: torch.fx.Node, val: torch.Tensor) -> bool:
     for user in node.users:
         name = getattr(user.target, "__name__", "")
         if name == "cat.default":
-            dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+            args = args_of(user)
+            dim = args[1] if len(args) > 1 else kwargs_of(user).get("dim", 0)
             if not empty_cat_part(val, dim):
                 return False
         elif name not in COPY_OPS or not dropped_by_cat(user, val):

@@ -49,7 +49,7 @@ class _Patch:
         """One more trace running: the first installs the recording ``apply``."""
         with self.lock:
             if self.active == 0:
-                Function.apply = classmethod(_recording_apply)
+                Function.apply = classmethod(_recording_apply)  # type: ignore[method-assign, assignment]  # the patch
             self.active += 1
 
     def exit(self) -> None:
@@ -57,7 +57,7 @@ class _Patch:
         with self.lock:
             self.active -= 1
             if self.active == 0:
-                Function.apply = _ORIGINAL_APPLY
+                Function.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]  # the patch undone
 
 
 _PATCH = _Patch()
@@ -68,7 +68,8 @@ def custom_functions_seen() -> Iterator[list[type]]:
     """A list that fills with the custom Functions (own backward) this thread applies meanwhile."""
     _PATCH.enter()
     outer = getattr(_local, "seen", None)  # a trace inside a trace: the outer one keeps recording after
-    _local.seen = seen = []
+    seen: list[type] = []
+    _local.seen = seen
     try:
         yield seen
     finally:

@@ -33,8 +33,12 @@ def sdpa_math(
     bfloat16/float16 inputs (autocast) are upcast to float32 and the result cast back."""
     low = query.dtype in (torch.bfloat16, torch.float16)
     if low:
-        wide = [t if t is None or t.dtype == torch.bool else t.float() for t in (query, key, value, attn_mask)]
-        out = sdpa_math(*wide, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+        def wide(t: torch.Tensor) -> torch.Tensor:
+            return t if t.dtype == torch.bool else t.float()
+
+        q, k, v, mask = wide(query), wide(key), wide(value), None if attn_mask is None else wide(attn_mask)
+        out = sdpa_math(q, k, v, mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         return out.to(query.dtype)
     negative = scale is not None and scale < 0
     factor = (

@@ -65,7 +65,10 @@ class ModuleState:
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModuleState:
-        names, is_param, seen, aliases = [], [], {}, {}
+        names: list[str] = []
+        is_param: list[bool] = []
+        seen: dict[int, str] = {}  # id of a tensor -> its first name
+        aliases: dict[str, str] = {}
         for kind, items in (
             (True, module.named_parameters(remove_duplicate=False)),
             (False, module.named_buffers(remove_duplicate=False)),
@@ -82,6 +85,14 @@ class ModuleState:
     def lookup(self, module: torch.nn.Module) -> list[torch.Tensor | None]:
         """The module's current tensor under each name (None where there is none any more)."""
         return [self.lookup_one(module, name) for name in self.names]
+
+    def tensors(self, module: torch.nn.Module) -> list[torch.Tensor]:
+        """:meth:`lookup` where every name has its tensor: the module the state was read from, as
+        a compile reads it (a call checks the state first, ``runtime.guards``)."""
+        found = self.lookup(module)
+        missing = [name for name, t in zip(self.names, found) if t is None]
+        assert not missing, f"the module has no tensor {missing} any more"
+        return [t for t in found if t is not None]
 
     @staticmethod
     def lookup_one(module: torch.nn.Module, name: str) -> torch.Tensor | None:
@@ -147,6 +158,9 @@ class FlatCall(torch.nn.Module):
     as constants), then the state tensors. Returns the output's leaves, then the new values of
     ``updated`` buffers, then of the ``updated_inputs`` (by position among the call's tensors;
     both updated on clones, so the export sees values, not mutations)."""
+
+    inner: torch.nn.Module  # both set past nn.Module's __setattr__ (see __init__)
+    seen: _Seen
 
     def __init__(
         self,
@@ -267,7 +281,7 @@ def trace(
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     state = ModuleState.of(module)
-    inputs = tensors + tuple(t.detach() for t in state.lookup(module))
+    inputs = tensors + tuple(t.detach() for t in state.tensors(module))
     flat = FlatCall(module, in_spec, leaves, state)
     autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")
     ep = _decompose(module, _export(module, flat, inputs, dynamic))
@@ -287,6 +301,7 @@ def trace(
             f"module's {len(state.names)} parameters and buffers) and lifted constants, found "
             f"{[s.kind.name for s in ep.graph_signature.input_specs]}",
         )
+    assert flat.seen.out_spec is not None  # the export ran its forward
     return TracedModule(
         exported=ep,
         in_spec=in_spec,

@@ -170,6 +170,7 @@ def _probe_values(ep: ExportedProgram, env: dict, func: relax.Function) -> list[
             and isinstance(val, torch.Tensor)
             and val.is_floating_point()
             and val.numel()
+            and var is not None
             and var in bound
             and isinstance(var.ty, relax.TensorType)
         ):

@@ -81,8 +81,8 @@ def make_dtype_mixing_explicit(graph: Graph) -> int:
         if node.op != "call_function":
             continue
         inserted += _promote_integer_inputs(graph, node)
-        inputs = [a for a in node.all_input_nodes if _float_val(a) is not None]
-        dtypes = {_float_val(a).dtype for a in inputs}
+        vals = {a: v for a in node.all_input_nodes if (v := _float_val(a)) is not None}
+        dtypes = {v.dtype for v in vals.values()}
         if len(dtypes) < 2:
             continue
         widest = functools.reduce(torch.promote_types, dtypes)
@@ -100,8 +100,8 @@ def make_dtype_mixing_explicit(graph: Graph) -> int:
         else:
             out = _float_val(node)
             compute = out.dtype if out is not None else widest
-        for a in inputs:
-            if _float_val(a).dtype != compute:
+        for a, v in vals.items():
+            if v.dtype != compute:
                 node.replace_input_with(a, _cast(graph, a, compute, node))
                 inserted += 1
         if node.target in MIXED_TYPE_NORMS:
@@ -122,7 +122,9 @@ def _promote_integer_inputs(graph: Graph, node: Node) -> int:
     names = [a.name for a in schema_args]
     inserted = _typed_int_scalars(graph, node)
     for i, a in enumerate(node.args):
-        val = a.meta.get("val") if isinstance(a, Node) else None
+        if not isinstance(a, Node):
+            continue
+        val = a.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.is_complex():
             continue
         if i < len(names) and names[i] in ("condition", "mask"):

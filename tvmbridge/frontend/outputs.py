@@ -94,7 +94,8 @@ def _fill(t: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(t, _Slot):
         return tensors[t.index]
     if isinstance(t, _Obj):
-        obj = t.cls.__new__(t.cls)
+        cls: Any = t.cls  # mypy reads __new__ off a type as type.__new__, not the class's own
+        obj = cls.__new__(cls)
         obj.__dict__.update({k: _fill(v, tensors) for k, v in t.fields.items()})
         return obj
     if isinstance(t, (list, tuple)) and not isinstance(t, str):

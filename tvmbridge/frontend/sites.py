@@ -16,6 +16,14 @@ import torch
 from ..sizes import evaluate_dims
 
 
+def int_dims(dims: tuple[int | str, ...]) -> list[int]:
+    """Sizes or strides bound to a call's sizes (``bind``): ints; a symbolic one is an error."""
+    ints = [d for d in dims if isinstance(d, int)]
+    if len(ints) != len(dims):
+        raise ValueError(f"size {dims} is symbolic: bind it to the call's sizes first")
+    return ints
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """Shape, strides and dtype of a tensor argument of a random op (its values are not used)."""
@@ -39,9 +47,7 @@ class SizeList:
         return SizeList(evaluate_dims(self.dims, sizes))
 
     def value(self) -> list[int]:
-        if not all(isinstance(d, int) for d in self.dims):
-            raise ValueError(f"size {self.dims} is symbolic: bind it to the call's sizes first")
-        return list(self.dims)
+        return int_dims(self.dims)
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ def register_gemms() -> None:
 
 def onednn_available() -> bool:
     """oneDNN is built in, enabled now, and passed :func:`onednn_works`."""
-    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and onednn_works()
+    return torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled) and onednn_works()
 
 
 @functools.cache

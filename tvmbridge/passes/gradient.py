@@ -121,6 +121,7 @@ def with_vjp_target(func: relax.Function, differentiable: list[bool], repeats: d
             acc = relax.DataflowVar(f"vjp_acc{i}", relax.TensorType((), target_dtype))
             bindings.append(relax.VarBinding(acc, relax.op.add(total, part)))
             total = acc
+    assert total is not None  # an output that is not a repeat: the first
     target = relax.Var("vjp_target", total.ty)
     bindings.append(relax.VarBinding(target, total))
     return rebuild(func, list(func.params) + grad_outs, bindings, target)

@@ -189,12 +189,13 @@ def _static(d: Any) -> int | None:
     return int(d) if isinstance(d, (int, tvm.tirx.IntImm)) else None
 
 
-def _spread(grad: Expr, shape: list[int], axis: int, step: int, room: int) -> Expr:
+def _spread(grad: Expr, dims: list[Any], axis: int, step: int, room: int) -> Expr:
     """``grad`` with ``step - 1`` zeros after each element along ``axis`` (a size-1 axis padded to
     ``step`` and folded in), cut to at most ``room`` elements."""
     op = relax.op
-    shape = [_static(d) for d in shape]
-    if any(d is None for d in shape):
+    static = [_static(d) for d in dims]
+    shape = [d for d in static if d is not None]
+    if len(shape) != len(static):
         raise NotImplementedError("gradient of a stepped slice with symbolic sizes")
     expanded = shape[: axis + 1] + [1] + shape[axis + 1 :]
     pads = [0] * (2 * len(expanded))

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 from tvm import relax
-from tvm.ir import Call
+from tvm.ir import Attrs, Call
 from tvm.relax import BlockBuilder, Expr, Var
 
 from .gradient_exprs import const, dtype_of, emit, static_dims
@@ -55,7 +55,7 @@ def conv_weight_grad(
     return op.permute_dims(out, [1, 0, 2, 3])
 
 
-def conv2d_attrs(attrs: object) -> tuple[list[int], list[int], list[int], int]:
+def conv2d_attrs(attrs: Attrs) -> tuple[list[int], list[int], list[int], int]:
     """Strides, padding (top, left, bottom, right), dilation, groups of an NCHW/OIHW conv."""
     if (str(attrs.data_layout), str(attrs.out_layout)) != ("NCHW", "NCHW") or str(attrs.kernel_layout) not in (
         "OIHW",
@@ -106,7 +106,7 @@ def conv2d_transpose_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx:
     return [dx, dw]
 
 
-def conv1d_attrs(attrs: object) -> tuple[list[int], list[int], list[int], int]:
+def conv1d_attrs(attrs: Attrs) -> tuple[list[int], list[int], list[int], int]:
     """A 1-D convolution's attributes as those of the 2-D one over a unit height."""
     if str(attrs.data_layout) != "NCW" or str(attrs.out_layout) != "NCW":
         raise NotImplementedError(f"the gradient of a relax.nn 1-D convolution in layout {attrs.data_layout}")
@@ -174,7 +174,7 @@ def group_norm_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
     return [dx, dgamma, op.sum(output_grad, reduce)]
 
 
-def window_argmax(xp: Expr, out_hw: list[int], attrs: object, ctx: BlockBuilder) -> Expr:
+def window_argmax(xp: Expr, out_hw: list[int], attrs: Attrs, ctx: BlockBuilder) -> Expr:
     """Per output element, which kernel offset (row-major) holds its max, the first of equal
     ones (ATen's ``val > maxval``): ``argmax`` over the stacked strided windows."""
     (kh, kw), (sh, sw), (dh, dw) = ([int(v) for v in a] for a in (attrs.pool_size, attrs.strides, attrs.dilation))

@@ -16,6 +16,7 @@ bindings, then the backward, returning ``(target, (grads...))``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import tvm
 from tvm import relax
@@ -28,7 +29,7 @@ NO_GRAD = tvm.ir.Op.get("relax.grad.no_grad")
 PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 MATMUL = tvm.ir.Op.get("relax.matmul")
 
-Adjoint = relax.Expr | list | None  # a tensor's adjoint, or per field of a tuple (None: zero)
+Adjoint: TypeAlias = relax.Expr | list | None  # a tensor's adjoint, or per field of a tuple (None: zero)
 
 
 def vjp_function(func: relax.Function, require: list[relax.Var], name: str) -> relax.Function:
@@ -130,6 +131,7 @@ class _Sweep:
         elif isinstance(expr, relax.Var) and expr in self.reached and partial is not None:
             if isinstance(expr.ty, relax.TupleType):
                 fields = self._fields(expr)
+                assert fields is not None  # a var gradients reach
                 for i in range(len(fields)):
                     fields[i] = self._sum(fields[i], _field(partial, i, self.bb))
             else:
@@ -177,7 +179,8 @@ def _without_transposed_products(func: relax.Function) -> relax.Function:
     dropped: a linear layer's weight gradient is then one matmul, not a matmul and a copy."""
     block = func.body.blocks[0]
     bound: dict[relax.Var, relax.Expr] = {}
-    bindings, changed = [], False
+    bindings: list[relax.VarBinding] = []
+    changed = False
     for b in block.bindings:
         value = b.value
         inner = bound.get(value.args[0]) if _is_last_two_transpose(value) else None

@@ -25,7 +25,9 @@ from ..passes import GradientResult
 
 @dataclass(frozen=True)
 class Artifacts:
-    """What the stages have made so far; each stage returns a new one."""
+    """What the stages have made so far; each stage returns a new one. A field that starts as None
+    is set by the stage that writes it; a stage reading it asserts it is set (the driver runs the
+    stages in order, so it is)."""
 
     module: torch.nn.Module
     args: tuple

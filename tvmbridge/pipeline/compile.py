@@ -115,6 +115,7 @@ def compile_result(
         )
     done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:])
     seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
+    assert done.traced is not None and done.device is not None and done.gradient is not None and done.split is not None
     result = CompileResult(
         traced=done.traced,
         device=done.device,
@@ -141,6 +142,7 @@ def graph_fingerprint(a: Artifacts) -> str:
     and ranges, its lifted constants, the state's layout and which parameters require grad, the
     outputs, the options and the device. Equal fingerprints compile to the same code; the state
     is an input, so modules with equal graphs (a model's identical layers) can share it."""
+    assert a.traced is not None
     ep = a.traced.exported
     h = hashlib.sha256(ep.graph_module.code.encode())
     for node in ep.graph.find_nodes(op="placeholder"):
@@ -152,7 +154,7 @@ def graph_fingerprint(a: Artifacts) -> str:
             h.update(repr((tuple(value.shape), value.dtype)).encode())
             h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
     state = a.traced.state
-    grads = tuple(t.requires_grad for t in state.lookup(a.module))
+    grads = tuple(t.requires_grad for t in state.tensors(a.module))
     h.update(
         repr(
             (

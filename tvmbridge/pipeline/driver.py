@@ -37,7 +37,10 @@ class Undeclared:
 def run_stage(stage: Stage, artifacts: Artifacts) -> Artifacts:
     """``stage`` on the fields it declares; the others pass through untouched."""
     declared = {*stage.reads, *stage.writes}
-    hidden = {f.name: Undeclared(stage.name, f.name) for f in dataclasses.fields(Artifacts) if f.name not in declared}
+    # placeholders in fields of every type: what the stage may not read
+    hidden: dict[str, Any] = {
+        f.name: Undeclared(stage.name, f.name) for f in dataclasses.fields(Artifacts) if f.name not in declared
+    }
     made = stage.run(dataclasses.replace(artifacts, **hidden))
     changed = [n for n, placeholder in hidden.items() if getattr(made, n) is not placeholder]
     if changed:

@@ -82,6 +82,7 @@ def symbol_sizes(traced: TracedModule, tensors: list[torch.Tensor]) -> dict[str,
 
 
 def _convert(a: Artifacts) -> Artifacts:
+    assert a.traced is not None
     converted = to_relax(a.traced, a.options.converters)
     return dataclasses.replace(
         a, primal=converted.mod, random_sites=converted.random_sites, num_index_checks=converted.num_index_checks
@@ -108,11 +109,12 @@ def _is_float(dtype: Any) -> bool:
 def _grad_indices(a: Artifacts) -> tuple[int, ...]:
     """Float user inputs (but those written in place), then parameters that require grad, by primal
     parameter position; those no output depends on are left out (their gradient is None, not zeros)."""
+    assert a.primal is not None and a.traced is not None
     func = a.primal[names.MAIN]
     n_user = a.traced.num_user_inputs
     idx = [i for i in range(n_user) if _is_float(func.params[i].ty.dtype) and i not in a.traced.updated_inputs]
     state = a.traced.state
-    tensors = state.lookup(a.module)
+    tensors = state.tensors(a.module)
     idx += [n_user + j for j, t in enumerate(tensors) if state.is_parameter[j] and t.requires_grad]
     return tuple(i for i in idx if i not in a.traced.no_grad_path)  # PyTorch leaves those None
 
@@ -124,6 +126,7 @@ def differentiable_outputs(func: relax.Function, num_user_outputs: int) -> list[
 
 
 def _gradient(a: Artifacts) -> Artifacts:
+    assert a.primal is not None and a.traced is not None
     indices = _grad_indices(a)
     func = a.primal[names.MAIN]
     grad = build_adjoint(func, list(indices), differentiable_outputs(func, a.traced.num_user_outputs))
@@ -131,6 +134,7 @@ def _gradient(a: Artifacts) -> Artifacts:
 
 
 def _simplify(a: Artifacts) -> Artifacts:
+    assert a.gradient is not None and a.primal is not None
     adjoint = Simplify()(tvm.IRModule({names.ADJOINT: a.gradient.adjoint}))[names.ADJOINT]
     grad = dataclasses.replace(a.gradient, adjoint=adjoint)
     joint = joint_graph(grad, count_primal_bindings(a.primal[names.MAIN], adjoint), a.sizes)
@@ -138,10 +142,12 @@ def _simplify(a: Artifacts) -> Artifacts:
 
 
 def _capture(a: Artifacts) -> Artifacts:
+    assert a.joint is not None
     return dataclasses.replace(a, captures=tuple(choose_captures(a.joint, a.options)))
 
 
 def _split(a: Artifacts) -> Artifacts:
+    assert a.gradient is not None and a.joint is not None and a.primal is not None
     halves = split(a.gradient, a.joint, list(a.captures))
     # FORWARD_INFER: the primal function alone (outputs, no captures), for calls that need no
     # gradient (no_grad, or nothing requires grad): nothing is kept for a backward that never comes.
@@ -157,12 +163,14 @@ def _split(a: Artifacts) -> Artifacts:
 
 
 def _low_precision(a: Artifacts) -> Artifacts:
-    return dataclasses.replace(a, halves=Float32Opmath()(a.halves))
+    halves = Float32Opmath()(a.halves)  # type: ignore[operator]  # module_pass: a pass constructor, unseen by mypy
+    return dataclasses.replace(a, halves=halves)
 
 
 def _offload(a: Artifacts) -> Artifacts:
     """The chooser decides each GEMM (timing under ``auto``), the plan records it, the pass
     applies it: only the first step measures or touches a cache."""
+    assert a.device is not None
     backend = a.options.gemm_backend(a.device.type)
     if backend is None:
         return a
@@ -174,7 +182,8 @@ def _offload(a: Artifacts) -> Artifacts:
     choices = chooser.choose_all(gemm_problems(a.halves, a.sizes))
     plan = plan_offload(a.halves, a.sizes, choices)
     register_gemms()  # the packed functions the offloaded calls name
-    return dataclasses.replace(a, halves=ApplyOffloadPlan(plan)(a.halves), gemm_choices=plan.decisions)
+    halves = ApplyOffloadPlan(plan)(a.halves)  # type: ignore[operator]  # module_pass: a pass constructor, unseen by mypy
+    return dataclasses.replace(a, halves=halves, gemm_choices=plan.decisions)
 
 
 def _fast_math(a: Artifacts) -> Artifacts:
@@ -182,6 +191,7 @@ def _fast_math(a: Artifacts) -> Artifacts:
 
 
 def _build(a: Artifacts) -> Artifacts:
+    assert a.device is not None
     exe = backend_build.compile_module(
         a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse, a.options.tuning_db
     )
@@ -192,12 +202,18 @@ def _build(a: Artifacts) -> Artifacts:
 
 
 def _adjoint(a: Artifacts) -> tvm.IRModule:
+    assert a.gradient is not None
     return tvm.IRModule({names.ADJOINT: a.gradient.adjoint})
+
+
+def _exported(a: Artifacts) -> torch.export.ExportedProgram:
+    assert a.traced is not None
+    return a.traced.exported
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("inputs", _inputs, lambda a: a.device, reads=(*INPUTS, "device"), writes=("device",)),
-    Stage("trace", _trace, lambda a: a.traced.exported, reads=(*INPUTS, "dynamic"), writes=("traced", "sizes")),
+    Stage("trace", _trace, _exported, reads=(*INPUTS, "dynamic"), writes=("traced", "sizes")),
     Stage(
         "convert",
         _convert,

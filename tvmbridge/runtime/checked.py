@@ -71,6 +71,7 @@ def run_checked(
             lambda found: _gradients_checked(dispatcher, variant, args, kwargs, found),
             precision,
         )
+    found: str | None  # what went wrong, if anything
     try:
         outs = dispatcher.execute(variant, fitted, needs_grad, before, args, kwargs, check)
     except CompiledCallError as exc:  # PyTorch's result stands

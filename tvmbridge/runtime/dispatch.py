@@ -176,8 +176,10 @@ class Dispatcher:
         if choice.outcome is Outcome.COMPILE:
             choice = self._compile_for_call(args, kwargs, choice.reason)
         if choice.outcome is Outcome.PYTORCH:
+            assert choice.reason is not None  # Selection.pytorch names why
             return self.fallback(choice.reason, args, kwargs)
         variant, fitted = choice.variant, choice.fitted
+        assert variant is not None and fitted is not None  # Selection.run: what runs
         self.log.ran_compiled(variant)  # explain() words it: no formatting on the hot path
         if fitted.sizes and variant.new_sizes_fill_pool(fitted.sizes):
             release_cached_memory()
@@ -209,6 +211,7 @@ class Dispatcher:
                 RecompileWarning,
                 stacklevel=caller_stacklevel(),
             )
+        assert key is not None  # refusal gives the call's key, or why there is none
         return self.variant_set.compile_for(args, kwargs, key, reason)
 
     def execute(
@@ -331,9 +334,10 @@ def add_tvm_dispatch(
                 f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning, stacklevel=2
             )
             return module
-    module._tvm_dispatch = dispatcher
+    # plain attributes, which nn.Module's typed __setattr__ (tensors and submodules) does not name
+    module._tvm_dispatch = dispatcher  # type: ignore[assignment]
     module.forward = dispatcher
-    module.remove_tvm_dispatch = dispatcher.remove
+    module.remove_tvm_dispatch = dispatcher.remove  # type: ignore[assignment]
     return module
 
 
@@ -344,5 +348,13 @@ def remove_tvm_dispatch(module: torch.nn.Module) -> torch.nn.Module:
         return module
     dispatcher.eager.reinstall()
     module.__dict__.pop("remove_tvm_dispatch", None)
-    module._tvm_dispatch = None
+    module._tvm_dispatch = None  # type: ignore[assignment]  # a plain attribute (see add_tvm_dispatch)
     return module
+
+
+def dispatcher_of(module: torch.nn.Module) -> Dispatcher:
+    """The dispatcher :func:`add_tvm_dispatch` installed on ``module`` (``module._tvm_dispatch``)."""
+    dispatcher = getattr(module, "_tvm_dispatch", None)
+    if dispatcher is None:
+        raise ValueError(f"{type(module).__name__} has no TVM dispatch (add_tvm_dispatch)")
+    return dispatcher

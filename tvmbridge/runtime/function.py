@@ -16,9 +16,9 @@ does): higher-order gradients are PyTorch's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import tvm_ffi
@@ -56,6 +56,9 @@ class Call:
     discard: Callable[[str], Any] | None = None  # drops the variant (its backward failed or disagreed)
 
 
+_Result = TypeVar("_Result", torch.Tensor, torch.Tensor | None)  # forward outputs; gradients (None: none)
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two (compact) tensors share memory: TVM may hand out one buffer as two values."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
@@ -64,7 +67,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def unalias(results: list[torch.Tensor | None], owned: list[torch.Tensor] = ()) -> list[torch.Tensor | None]:
+def unalias(results: list[_Result], owned: Sequence[torch.Tensor | None] = ()) -> list[_Result]:
     """``results`` with every tensor that shares memory with an earlier one, or with one of
     ``owned`` (the caller's inputs, the incoming gradients), replaced by a copy.
 
@@ -87,7 +90,9 @@ def unalias(results: list[torch.Tensor | None], owned: list[torch.Tensor] = ()) 
         if dev != device:
             device, end = dev, -1
         if is_result and start < end:
-            out[i] = results[i].clone()
+            result = results[i]
+            assert result is not None  # a result's span: a tensor
+            out[i] = result.clone()
         else:
             end = max(end, stop)
     return out
@@ -110,7 +115,7 @@ class TVMFunction(torch.autograd.Function):
     """``apply(call, *tensors)`` with ``tensors`` = the call's tensors, then the module's state."""
 
     @staticmethod
-    def forward(ctx: Any, call: Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, call: Call, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         compiled = call.compiled
         primal = list(tensors) + call.randoms
         result = [to_torch(r) for r in run_vm(compiled, names.FORWARD, [to_tvm(t) for t in primal])]
@@ -132,7 +137,7 @@ class TVMFunction(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: differentiate PyTorch's forward instead
             return (None, *_eager_vjp(ctx, grad_outputs))
         compiled: CompiledModule = ctx.call.compiled
@@ -144,7 +149,7 @@ class TVMFunction(torch.autograd.Function):
         args = [to_tvm(t) for t in saved] + [to_tvm(g) for g in grads_in]
         call: Call = ctx.call
         if compiled.split.size_symbols:
-            args.append(tvm_ffi.Shape([call.sizes[name] for name in compiled.split.size_symbols]))
+            args.append(tvm_ffi.Shape(tuple(call.sizes[name] for name in compiled.split.size_symbols)))
         try:
             grads = run_vm(compiled, names.BACKWARD, args)
         except CompiledCallError as exc:  # the step goes on: PyTorch's forward, differentiated

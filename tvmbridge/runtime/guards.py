@@ -15,7 +15,7 @@ import copy
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -143,8 +143,11 @@ class InputGuard:
         """A plain positional call of tensors that fits (no signature binding needed)."""
         if kwargs or self.positional is None or len(args) != self.positional or self.dims is not None:
             return False
-        for x, (shape, dtype, device) in zip(args, self.keys):
-            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype or x.device != device:
+        for x, key in zip(args, self.keys):
+            if key is None or not isinstance(x, torch.Tensor):
+                return False
+            shape, dtype, device = key
+            if x.shape != shape or x.dtype != dtype or x.device != device:
                 return False
         return True
 
@@ -275,8 +278,8 @@ def _module_checks(path: str, m: torch.nn.Module) -> list[tuple[str, dict, str, 
             checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False))
             continue
         checks.append((f"{label}.{name}", vars(m), name, value, True))
-        fields = getattr(value, "__dict__", None)
-        for sub, v in (fields or {}).items():  # a config object's fields
+        fields = getattr(value, "__dict__", None) or {}
+        for sub, v in fields.items():  # a config object's fields
             if _plain(v):
                 checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False))
     for name, child in m._modules.items():
@@ -298,7 +301,7 @@ class StateGuard:
 
     def __init__(self, module: torch.nn.Module, state: ModuleState, with_grad: set[int]) -> None:
         self.state = state
-        self.keys = [tensor_key(t) for t in state.lookup(module)]
+        self.keys = [tensor_key(t) for t in state.tensors(module)]
         self.with_grad = with_grad  # state positions the compiled backward computes a gradient for
         self.checks: list[tuple[str, dict, str, Any, bool]] = []
         self.hooks: list[tuple[str, dict, int]] = []
@@ -349,4 +352,4 @@ class StateGuard:
                 name = self.state.names[j]
                 alias = next(a for a, n in self.state.aliases.items() if n == name)
                 return None, Mismatch(f"{alias} tie", f"{alias} is no longer tied to {name}")
-        return tensors, None
+        return cast(list[torch.Tensor], tensors), None  # none is None (checked above)

@@ -40,9 +40,10 @@ def _bind_weights(a: Artifacts) -> Artifacts:
             "the model draws random numbers in eval mode "
             f"({len(a.random_sites)} random ops); inference compiles deterministic models only",
         )
+    assert a.primal is not None and a.traced is not None
     func = a.primal[names.MAIN]
     traced = a.traced
-    state = traced.state.lookup(a.module)
+    state = traced.state.tensors(a.module)
     params = list(func.params)[traced.num_user_inputs :]
     binding = {p: tvm.runtime.tensor(t.detach().cpu().contiguous().numpy()) for p, t in zip(params, state)}
     mod = tvm.IRModule({names.MAIN: func})
@@ -91,6 +92,7 @@ class InferenceModule:
     """The compiled forward: call it as the model (same signature), get the model's outputs."""
 
     def __init__(self, model: torch.nn.Module, artifacts: Artifacts, seconds: dict[str, float]) -> None:
+        assert artifacts.traced is not None and artifacts.device is not None  # the stages ran
         self.signature = inspect.signature(model.forward)
         self.traced = artifacts.traced
         self.device = artifacts.device

@@ -18,19 +18,20 @@ import functools
 
 import torch
 
-from ..frontend.sites import RandomSite, SizeList, TensorMeta
+from ..frontend.sites import RandomSite, SizeList, TensorMeta, int_dims
 from ..kernels import mt19937
 
 
 def _empty_like_meta(m: TensorMeta, device: torch.device) -> torch.Tensor:
-    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device)
+    return torch.empty_strided(int_dims(m.shape), int_dims(m.stride), dtype=m.dtype, device=device)
 
 
 def _dropout_mask(site: RandomSite, device: torch.device, fast: bool) -> torch.Tensor:
     keep = 1 - site.p
     # eager's noise is ``empty_like(input)``: the input's strides where they are dense, else
     # contiguous (an expanded input, stride 0: XLNet's position embeddings)
-    noise = torch.empty_like(torch.empty_strided(site.shape, site.stride, dtype=site.dtype, device=device))
+    shape, stride = int_dims(site.shape), int_dims(site.stride)
+    noise = torch.empty_like(torch.empty_strided(shape, stride, dtype=site.dtype, device=device))
     if device.type != "cpu":
         noise.fill_(1)
         return torch.native_dropout(noise, site.p, True)[0]

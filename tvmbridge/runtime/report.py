@@ -20,7 +20,7 @@ from .compiled import CompiledModule
 @dataclass
 class CaptureReport:
     policy: str
-    captured: list[tuple[str, tuple[int, ...], str, int]]  # name, shape, dtype, bytes
+    captured: list[tuple[str, tuple[int, ...] | None, str | None, int]]  # name, shape, dtype, bytes
     captured_bytes: int
     mask_bytes: int
     save_all_bytes: int
@@ -43,7 +43,7 @@ class CaptureReport:
             "captured values:",
         ]
         for name, shape, dtype, n in self.captured:
-            lines.append(f"  {name:24s} {str(shape):22s} {dtype:8s} {n / 1024:10.1f} KiB")
+            lines.append(f"  {name:24s} {str(shape):22s} {str(dtype):8s} {n / 1024:10.1f} KiB")
         return "\n".join(lines)
 
 

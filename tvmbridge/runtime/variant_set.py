@@ -88,10 +88,12 @@ class VariantSet:
             if fit.fitted is not None:
                 self.last = i
                 return Selection.run(variants[i], fit.fitted)
+            assert fit.reason is not None  # a fit has its tensors or a reason
             if not fit.reason.recompile:  # hooks and the like: no other variant fits either
                 return Selection.pytorch(fit.reason)
             if closest is None or (fit.inputs_fit and not closest.inputs_fit):
                 closest = fit
+        assert closest is not None  # there are variants, and none fit
         return Selection.compile(closest.reason)
 
     def refusal(self, args: tuple, kwargs: dict, reason: Mismatch | None) -> tuple[tuple | None, Mismatch | None]:
@@ -127,6 +129,7 @@ class VariantSet:
         with TRACING.reading():
             fit = variant.fit(self.module, self.signature, args, kwargs)
         if fit.fitted is None:
+            assert fit.reason is not None  # a fit has its tensors or a reason
             return Selection.pytorch(fit.reason)
         self.last = self.variants.index(variant)
         return Selection.run(variant, fit.fitted)

@@ -32,9 +32,13 @@ def leaf_labels(cargs: tuple, ckwargs: dict) -> list[str]:
     paths = pytree.tree_flatten_with_path((cargs, ckwargs))[0]
     labels = []
     for path, _ in paths:
-        head, rest = path[0], path[1:]
-        name = f"arg {rest[0].idx}" if head.idx == 0 else str(rest[0].key)
-        labels.append(name + pytree.keystr(rest[1:]))
+        first = path[1]  # path[0] picks the call's args or kwargs, path[1] the argument there
+        if isinstance(first, pytree.SequenceKey):
+            name = f"arg {first.idx}"
+        else:
+            assert isinstance(first, pytree.MappingKey)
+            name = str(first.key)
+        labels.append(name + pytree.keystr(path[2:]))
     return labels
 
 
@@ -208,12 +212,14 @@ class Variant:
         if reason is not None:
             return Fit(None, reason, inputs_fit=True)
         sizes: dict[str, int] = {}
+        user: list[torch.Tensor] | None
         if self.input_guard.fast(args, kwargs):
             user, reason = list(args), None
         else:
             user, reason = self._bind(signature, args, kwargs, sizes)
         if reason is not None:
             return Fit(None, reason, inputs_fit=False)
+        assert user is not None  # _bind gives the tensors or a reason
         if any(user[i].requires_grad for i in self.compiled.traced.updated_inputs):
             return Fit(
                 None,
@@ -228,7 +234,10 @@ class Variant:
         if reason is not None:
             return Fit(None, reason, inputs_fit=True)
         state, reason = self.state_guard.tensors(module)
-        return Fit(None, reason, True) if reason is not None else Fit(Fitted(user + state, sizes), None, True)
+        if reason is not None:
+            return Fit(None, reason, True)
+        assert state is not None  # the tensors or a reason
+        return Fit(Fitted(user + state, sizes), None, True)
 
     def _bind(
         self, signature: inspect.Signature, args: tuple, kwargs: dict, sizes: dict[str, int]

@@ -19,7 +19,7 @@ input, a wrong gradient formula, an aliased buffer), not a proof of bitwise equa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +116,7 @@ def compare(
 
 
 def worst(
-    pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], precision: torch.dtype | None = None
+    pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]], precision: torch.dtype | None = None
 ) -> Discrepancy | None:
     """The worst discrepancy over ``(name, got, want)`` pairs, or None when all agree."""
     floor = GROUP_FLOOR * max((_magnitude(want) for _, _, want in pairs), default=0.0)

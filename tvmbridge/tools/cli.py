@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..options import add_option_arguments, options_from_args
+from ..options import CompileOptions, add_option_arguments, options_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,7 +112,7 @@ def _builtin(name: str, batch: int = 2, seq: int = 14) -> tuple:
     return task.model, task.args, task.kwargs
 
 
-def _tune(args: argparse.Namespace, options: object) -> None:
+def _tune(args: argparse.Namespace, options: CompileOptions) -> None:
     from .tune import table, tune_module
 
     module, inputs, kwargs = _builtin(args.model, args.batch, args.seq)
@@ -137,7 +137,7 @@ def _whole_models() -> tuple[str, ...]:
     return WHOLE_MODELS
 
 
-def _check(args: argparse.Namespace, options: object) -> int:
+def _check(args: argparse.Namespace, options: CompileOptions) -> int:
     from .check import check_double
 
     module, inputs, kwargs = _builtin(args.model)
@@ -146,7 +146,7 @@ def _check(args: argparse.Namespace, options: object) -> int:
     return 0 if report.verdict == "noise" else 1
 
 
-def _viz(args: argparse.Namespace, options: object) -> None:
+def _viz(args: argparse.Namespace, options: CompileOptions) -> None:
     import os
 
     from analysis.models import bert_layer, bert_layer_inputs

@@ -18,8 +18,14 @@ import torch
 from analysis.models import bert_layer, bert_layer_inputs
 
 from ..options import CompileOptions
-from ..runtime.dispatch import add_tvm_dispatch
+from ..runtime.dispatch import add_tvm_dispatch, dispatcher_of
 from .timing import interleaved
+
+
+def _grad_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s gradient (after the backward, the input and every parameter have one)."""
+    assert t.grad is not None
+    return t.grad.clone()
 
 
 def run(
@@ -36,7 +42,9 @@ def run(
     t0 = time.perf_counter()
     add_tvm_dispatch(layer, (x, mask), options=options)
     compile_s = time.perf_counter() - t0
-    print(f"compiled forward+backward in {compile_s:.1f}s: {layer._tvm_dispatch.compiled.summary()}")
+    compiled = dispatcher_of(layer).compiled
+    assert compiled is not None  # for the sample
+    print(f"compiled forward+backward in {compile_s:.1f}s: {compiled.summary()}")
 
     opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (layer, ref)}
     worst: dict[str, float] = {}
@@ -50,7 +58,7 @@ def run(
             out = m(xi, mask)
             loss = torch.nn.functional.mse_loss(out, target)
             loss.backward()
-            grads = {"input": xi.grad.clone(), **{n: p.grad.clone() for n, p in m.named_parameters()}}
+            grads = {"input": _grad_copy(xi), **{n: _grad_copy(p) for n, p in m.named_parameters()}}
             results[name] = (loss.item(), out.detach(), grads)
             opt.step()
         (la, oa, ga), (lb, ob, gb) = results["tvm"], results["pytorch"]
@@ -62,7 +70,7 @@ def run(
             f"step {step}: loss tvm {la:.6f}  pytorch {lb:.6f}  max err output {errs['output']:.2e}  "
             f"max err grads {max(v for k, v in errs.items() if k != 'output'):.2e}"
         )
-    assert layer._tvm_dispatch.calls_tvm == steps, "the TVM path was not taken"
+    assert dispatcher_of(layer).calls_tvm == steps, "the TVM path was not taken"
     print("max abs error over all steps:")
     for k, v in worst.items():
         print(f"  {k:40s} {v:.3e}")

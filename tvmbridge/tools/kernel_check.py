@@ -14,6 +14,7 @@ left out (no sizes to draw inputs at).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ import tvm
 from ..backend.build import lower
 from ..backend.cpu_schedules import default_cpu_schedule
 from ..devices import target_for
+
+if TYPE_CHECKING:
+    from ..runtime.compiled import CompiledModule
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class KernelDiff:
         return self.max_abs_diff <= 1e-5 * max(1.0, self.max_abs_value)
 
 
-def _static_shape(buf: object) -> list[int] | None:
+def _static_shape(buf: tvm.tirx.Buffer) -> list[int] | None:
     try:
         return [int(s) for s in buf.shape]
     except (TypeError, ValueError):
@@ -51,7 +55,7 @@ def _run(func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: list[np.ndarr
     return [t.numpy() for t in tensors]
 
 
-def check_kernels(compiled: object, seed: int = 0) -> list[KernelDiff]:
+def check_kernels(compiled: CompiledModule, seed: int = 0) -> list[KernelDiff]:
     """Each scheduled static-shape kernel of ``compiled`` (a ``CompiledModule`` for CPU) against
     its unscheduled form."""
     target = target_for(torch.device("cpu"))

@@ -24,6 +24,7 @@ from ..frontend.importer import to_relax
 from ..frontend.signature import canonical_call
 from ..options import CompileOptions
 from ..passes import DecomposeForTraining
+from ..runtime.dispatch import dispatcher_of
 from ..runtime.function import to_torch, to_tvm
 
 
@@ -44,7 +45,7 @@ def plain_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A deep copy running the module's own forward (a TVM dispatch on it removed from the copy)."""
     m = copy.deepcopy(module)
     if getattr(m, "_tvm_dispatch", None) is not None:
-        m.remove_tvm_dispatch()
+        dispatcher_of(m).remove()  # the copy's dispatcher, as m.remove_tvm_dispatch would call
     return m
 
 
@@ -82,7 +83,7 @@ def first_deviation(
     traced = trace(m, args, kwargs)
     converted = to_relax(traced, options.converters, probe=True)
     leaves = pytree.tree_leaves(canonical_call(m.forward, args, kwargs))
-    user = [x for x in leaves if isinstance(x, torch.Tensor)] + [t.detach() for t in traced.state.lookup(m)]
+    user = [x for x in leaves if isinstance(x, torch.Tensor)] + [t.detach() for t in traced.state.tensors(m)]
     device = torch.device("cpu")
     mod = DecomposeForTraining()(converted.mod)  # TVM's layer_norm kernel is float32/16 only
     vm = load(compile_module(mod, target_for(device)), device)

@@ -56,8 +56,8 @@ def module_tasks(
     if inference:
         from ..runtime.inference import compile_inference
 
-        compiled = compile_inference(module, args, sample_kwargs, options=opts)
-        relax_mod, device = compiled.stages, compiled.device
+        forward_only = compile_inference(module, args, sample_kwargs, options=opts)
+        relax_mod, device = forward_only.stages, forward_only.device
     else:
         from ..runtime.compiled import compile_training
 
@@ -72,9 +72,9 @@ def module_tasks(
 def table(results: list[TaskResult]) -> str:
     """One row per kernel, then the kernels' time per call of the module: default and tuned (each
     kernel's best of the two, as a compile with the database takes it)."""
-    timed = [r for r in results if r.default_ms is not None]
-    before = sum(r.calls * r.default_ms for r in timed)
-    after = sum(r.calls * min(r.default_ms, r.tuned_ms if r.tuned_ms is not None else r.default_ms) for r in timed)
+    timed = [(r.calls, r.default_ms, r.tuned_ms) for r in results if r.default_ms is not None]
+    before = sum(calls * default for calls, default, _ in timed)
+    after = sum(calls * min(default, tuned if tuned is not None else default) for calls, default, tuned in timed)
     total = (
         f"TVM kernels per call ({len(timed)} of {len(results)} timed): default {before:.3f} ms, tuned {after:.3f} ms"
     )

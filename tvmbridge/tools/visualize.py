@@ -61,10 +61,11 @@ def _const_text(c: relax.Constant) -> str | None:
 def _label(value: relax.Expr, keys: dict, collapse_small: bool) -> str:
     if isinstance(value, relax.Call):
         name = value.op.name.removeprefix("relax.") if hasattr(value.op, "name") else "call"
-        args = []
+        args: list[str] = []
         for a in value.args:
-            if isinstance(a, tvm.ir.expr.Constant) and collapse_small and _const_text(a) is not None:
-                args.append(_const_text(a))
+            text = _const_text(a) if isinstance(a, tvm.ir.expr.Constant) and collapse_small else None
+            if text is not None:
+                args.append(text)
             elif isinstance(a, relax.ShapeExpr):
                 args.append("(" + ",".join(str(v) for v in a.values) + ")")
             else:

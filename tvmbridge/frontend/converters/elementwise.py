@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tvm import relax
 
-from .registry import converter, out_dtype
+from .registry import args_of, converter, kwargs_of, op_name, out_dtype
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -21,8 +21,9 @@ def hardtanh_exact(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``hardtanh(x, lo, hi)`` (and so ``relu6``, ``hardswish``, ``hardsigmoid``): the frontend
     makes it ``clip``, whose gradient (``clamp``'s) passes at the bounds where ATen's
     ``hardtanh_backward`` does not: ``where(x <= lo, lo, where(x >= hi, hi, x))``."""
-    x = importer.env[node.args[0]]
-    given = {**dict(zip(("self", "min_val", "max_val"), node.args)), **node.kwargs}
+    args, kwargs = args_of(node), kwargs_of(node)
+    x = importer.env[args[0]]
+    given = {**dict(zip(("self", "min_val", "max_val"), args)), **kwargs}
     dtype = str(x.ty.dtype)
     lo = relax.const(given.get("min_val", -1.0), dtype)
     hi = relax.const(given.get("max_val", 1.0), dtype)
@@ -35,16 +36,19 @@ def clamp_scalars(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``clamp``/``clamp_min``/``clamp_max`` with number bounds, in the result's dtype (an int
     tensor clamped to a float is a float tensor). An integer tensor's missing bound is its
     dtype's limit: the frontend's ``inf`` does not build for integers."""
-    name = node.target.__name__
+    args, kwargs = args_of(node), kwargs_of(node)
+    name = op_name(node)
     if name.startswith(("clamp_min", "clamp_max")):
-        bounds = (node.args[1], None) if name.startswith("clamp_min") else (None, node.args[1])
+        bounds = (args[1], None) if name.startswith("clamp_min") else (None, args[1])
     else:
-        given = {**dict(zip(("self", "min", "max"), node.args)), **node.kwargs}
+        given = {**dict(zip(("self", "min", "max"), args)), **kwargs}
         bounds = (given.get("min"), given.get("max"))
     dtype = out_dtype(node)
-    x = importer.env[node.args[0]]
+    x = importer.env[args[0]]
     if str(x.ty.dtype) != dtype:
         x = importer.block_builder.emit(relax.op.astype(x, dtype))
+    lo: float  # an int for an integer tensor
+    hi: float
     if dtype.startswith(("int", "uint")):
         info = np.iinfo(dtype)
         lo, hi = (int(b) if b is not None else d for b, d in zip(bounds, (info.min, info.max)))
@@ -58,7 +62,8 @@ def clamp_tensor(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``clamp`` with tensor bounds as ``where``s, so each of ``x``, ``min`` and ``max`` gets
     the gradient where PyTorch gives it (the frontend's ``maximum``/``minimum`` would split it
     at ties)."""
-    given = {**dict(zip(("self", "min", "max"), node.args)), **node.kwargs}
+    args, kwargs = args_of(node), kwargs_of(node)
+    given = {**dict(zip(("self", "min", "max"), args)), **kwargs}
     dtype = out_dtype(node)
     bb, op = importer.block_builder, relax.op
     x = bb.emit(op.astype(importer.env[given["self"]], dtype))
@@ -78,7 +83,8 @@ def elu_exact(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     (so at 0 the gradient is ``alpha * scale * input_scale``; the frontend's relu form gives
     another), read at ``min(x, 0)`` so an overflow in the branch not taken cannot reach the
     gradient as NaN."""
-    given = {**dict(zip(("self", "alpha", "scale", "input_scale"), node.args)), **node.kwargs}
+    args, kwargs = args_of(node), kwargs_of(node)
+    given = {**dict(zip(("self", "alpha", "scale", "input_scale"), args)), **kwargs}
     x = importer.env[given["self"]]
     dtype, op = str(x.ty.dtype), relax.op
     alpha, scale, in_scale = (float(given.get(k, 1.0)) for k in ("alpha", "scale", "input_scale"))

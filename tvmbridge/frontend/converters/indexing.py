@@ -20,7 +20,7 @@ from tvm import relax
 from tvm.relax.op.grad import no_grad
 
 from ...errors import UnsupportedOpError
-from .registry import converter
+from .registry import args_of, converter, kwargs_of
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -29,10 +29,11 @@ if TYPE_CHECKING:
 @converter("embedding.default")
 def embedding(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """Clipped reads, a range flag, no gradient at ``padding_idx``."""
-    weight, indices = importer.env[node.args[0]], importer.env[node.args[1]]
-    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-    scale = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
-    sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
+    args, kwargs = args_of(node), kwargs_of(node)
+    weight, indices = importer.env[args[0]], importer.env[args[1]]
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    scale = args[3] if len(args) > 3 else kwargs.get("scale_grad_by_freq", False)
+    sparse = args[4] if len(args) > 4 else kwargs.get("sparse", False)
     if scale or sparse:
         raise UnsupportedOpError("convert", "embedding with scale_grad_by_freq or sparse gradients", op="embedding")
     bb = importer.block_builder
@@ -58,9 +59,10 @@ def gather_checked(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``gather`` (and so ``cross_entropy``'s pick of the target class) with the embedding's
     guard: clipped indices and a flag, so a class index out of range raises like PyTorch
     instead of reading out of bounds. Negative indices are out of range for ``gather``."""
-    x, index = importer.env[node.args[0]], importer.env[node.args[2]]
-    axis = int(node.args[1]) % max(len(x.ty.shape), 1)
-    if node.kwargs.get("sparse_grad", False) or (len(node.args) > 3 and node.args[3]):
+    args, kwargs = args_of(node), kwargs_of(node)
+    x, index = importer.env[args[0]], importer.env[args[2]]
+    axis = int(args[1]) % max(len(x.ty.shape), 1)
+    if kwargs.get("sparse_grad", False) or (len(args) > 3 and args[3]):
         raise UnsupportedOpError("convert", "gather with sparse_grad=True", op="gather")
     bb = importer.block_builder
     idx = bb.emit(relax.op.astype(index, "int64"))
@@ -75,8 +77,9 @@ def take_flat(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``torch.take``: indices into the flattened input, negative ones from the end; the
     frontend reads a negative one out of bounds. Clipped reads with the embedding's range
     flag, so an index out of range raises like PyTorch."""
+    args = args_of(node)
     bb, op = importer.block_builder, relax.op
-    x, index = importer.env[node.args[0]], importer.env[node.args[1]]
+    x, index = importer.env[args[0]], importer.env[args[1]]
     flat = bb.emit(op.reshape(x, [-1]))
     n = relax.const(int(math.prod(int(d) for d in x.ty.shape)), "int64")
     idx = bb.emit(op.astype(index, "int64"))
@@ -91,9 +94,10 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
     index out of bounds (``take`` in its unchecked mode). Each integer index tensor is read
     from the end where negative and checked against the axis (the embedding's range flag:
     out of range raises like PyTorch), then the frontend's conversion runs on those."""
-    x, bb, op = importer.env[node.args[0]], importer.block_builder, relax.op
+    args = args_of(node)
+    x, bb, op = importer.env[args[0]], importer.block_builder, relax.op
     saved: dict[torch.fx.Node, relax.Expr] = {}
-    for axis, idx_node in enumerate(node.args[1]):
+    for axis, idx_node in enumerate(args[1]):
         val = getattr(idx_node, "meta", {}).get("val")
         size = x.ty.shape[axis] if x.ty.shape is not None else None
         if (
@@ -120,8 +124,9 @@ def index_put_mask(importer: BridgeImporter, node: torch.fx.Node, default: Calla
     the rest (wav2vec2 writes a learned vector where time steps are masked) as a ``where``:
     TVM's converter wants integer indices. Each masked place is written once, so
     ``accumulate`` adds ``v`` there."""
-    x_arg, indices, value_arg = node.args[:3]
-    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    args, kwargs = args_of(node), kwargs_of(node)
+    x_arg, indices, value_arg = args[:3]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     x_val = x_arg.meta["val"]
     mask = indices[0] if len(indices) == 1 else None
     m_val = mask.meta["val"] if isinstance(mask, torch.fx.Node) else None
@@ -145,7 +150,8 @@ def index_put_mask(importer: BridgeImporter, node: torch.fx.Node, default: Calla
 def select_wrapped(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``x.select(dim, i)`` (``x[:, -1]``): the frontend reads a negative ``i`` out of bounds
     (``take`` in its unchecked mode); read it as Python does, from the end."""
-    x, dim, index = importer.env[node.args[0]], int(node.args[1]), int(node.args[2])
+    args = args_of(node)
+    x, dim, index = importer.env[args[0]], int(args[1]), int(args[2])
     mode = "wrap" if index < 0 else "clip"  # in range: export checked it; "clip" needs no warning
     return importer.block_builder.emit(relax.op.take(x, relax.const(index, "int64"), axis=dim, mode=mode))
 
@@ -155,7 +161,8 @@ def getitem_checked(importer: BridgeImporter, node: torch.fx.Node, default: Call
     """``out[i]`` of a multi-output op whose converter made one tensor (``native_layer_norm``'s
     mean and rstd): the frontend's ``getitem`` returns that tensor for every ``i``, a silently
     wrong value for ``i > 0``; refused instead."""
-    source, index = node.args[0], node.args[1]
+    args = args_of(node)
+    source, index = args[0], args[1]
     value = importer.env.get(source) if isinstance(source, torch.fx.Node) else None
     multi = isinstance(getattr(source, "meta", {}).get("val"), (list, tuple))
     if (

@@ -15,7 +15,7 @@ import torch
 from tvm import relax
 from tvm.relax.op.grad import no_grad
 
-from .registry import converter
+from .registry import args_of, converter, kwargs_of
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -26,7 +26,7 @@ def detach_stops_gradient(importer: BridgeImporter, node: torch.fx.Node) -> rela
     """``x.detach()`` (and what a ``no_grad`` region returns, see ``export``): the value, with
     no gradient through it. TVM's converter passes ``x`` on as it is, so a forward that
     detaches a tensor (a target built from the model's own output) got its gradient twice."""
-    x = importer.env[node.args[0]]
+    x = importer.env[args_of(node)[0]]
     return importer.block_builder.emit(no_grad(x)) if node.meta["val"].is_floating_point() else x
 
 
@@ -36,8 +36,8 @@ def slice_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callabl
     it), so ``strided_slice`` need not clamp; clamping with symbolic sizes writes the length as
     ``min(s0, 512)``, which Relax cannot prove equal to ``s0``, and the sums downstream (position
     embeddings) lose their shapes."""
-    args = list(node.args) + [None] * (5 - len(node.args))
-    x_val, out_val = node.args[0].meta["val"], node.meta["val"]
+    args = list(args_of(node)) + [None] * (5 - len(args_of(node)))
+    x_val, out_val = args_of(node)[0].meta["val"], node.meta["val"]
     dim = (args[1] or 0) % x_val.dim()
     start, step = args[2], args[4] or 1
     length = out_val.shape[dim]
@@ -48,7 +48,7 @@ def slice_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callabl
     if start < 0:
         start = max(start + x_val.shape[dim], 0)
     end = start + step * (length - 1) + 1
-    x = importer.env[node.args[0]]
+    x = importer.env[args_of(node)[0]]
     if start == 0 and step == 1 and str(length) == str(x_val.shape[dim]):
         return x  # the whole axis (a mask cut to a length it already has)
     return importer.block_builder.emit(
@@ -63,8 +63,8 @@ def slice_scatter_traced(importer: BridgeImporter, node: torch.fx.Node, default:
     (``shift_tokens_right``'s ``x[:, 1:] = ids[:, :-1]`` at any length) as a scalar argument;
     here every bound is static or the axis's end."""
     names_ = ("input", "src", "dim", "start", "end", "step")
-    args = dict(zip(names_, node.args)) | dict(node.kwargs)
-    x_val, src_val = node.args[0].meta["val"], args["src"].meta["val"]
+    args = dict(zip(names_, args_of(node))) | dict(kwargs_of(node))
+    x_val, src_val = args_of(node)[0].meta["val"], args["src"].meta["val"]
     dim = (args.get("dim") or 0) % x_val.dim()
     size, length = x_val.shape[dim], src_val.shape[dim]
     start = args.get("start") or 0
@@ -72,7 +72,7 @@ def slice_scatter_traced(importer: BridgeImporter, node: torch.fx.Node, default:
         return default(node)
     start = max(start + size, 0) if start < 0 else start
     end = start + length
-    x, src = importer.env[node.args[0]], importer.env[args["src"]]
+    x, src = importer.env[args_of(node)[0]], importer.env[args["src"]]
     parts = [relax.op.strided_slice(x, [dim], [0], [start], assume_inbound=True)] if start > 0 else []
     parts.append(src)
     if str(end) != str(size):
@@ -87,13 +87,14 @@ def repeat_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callab
     """``x.repeat(r0, r1, ...)`` with a symbolic count (DeBERTa repeats its relative positions
     per batch and head) as ``x`` viewed as ``(1, s0, 1, s1, ...)``, broadcast to
     ``(r0, s0, r1, s1, ...)`` and merged pairwise: ``tile`` takes integer counts only."""
-    reps = [r.meta["val"] if isinstance(r, torch.fx.Node) else r for r in node.args[1]]
-    val = node.args[0].meta["val"]
+    args = args_of(node)
+    reps = [r.meta["val"] if isinstance(r, torch.fx.Node) else r for r in args[1]]
+    val = args[0].meta["val"]
     if all(isinstance(r, int) for r in reps):
         return default(node)
     sizes = [1] * (len(reps) - val.dim()) + list(val.shape)
     reps, sizes = [importer.prim(r) for r in reps], [importer.prim(d) for d in sizes]
-    x = relax.op.reshape(importer.env[node.args[0]], [d for size in sizes for d in (1, size)])
+    x = relax.op.reshape(importer.env[args[0]], [d for size in sizes for d in (1, size)])
     wide = relax.op.broadcast_to(x, [d for r, size in zip(reps, sizes) for d in (r, size)])
     return importer.block_builder.emit(relax.op.reshape(wide, [r * size for r, size in zip(reps, sizes)]))
 
@@ -105,7 +106,7 @@ def squeeze_traced(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     in mBART's ``shift_tokens_right``) TVM's converter dropped the batch axis too: every row
     then read row 0's value."""
     shape = [importer.prim(d) for d in node.meta["val"].shape]
-    return importer.block_builder.emit(relax.op.reshape(importer.env[node.args[0]], shape))
+    return importer.block_builder.emit(relax.op.reshape(importer.env[args_of(node)[0]], shape))
 
 
 @converter("arange.default", "arange.start", "arange.start_step", wraps_default=True)
@@ -114,7 +115,7 @@ def arange_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callab
     ``start + step * (cumsum(ones(n)) - 1)``: the length in a shape, which every pass and
     schedule downstream reads, not in scalar arguments."""
     val = node.meta["val"]
-    args = list(node.args)
+    args = list(args_of(node))
     start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
     if val.dim() != 1 or isinstance(val.shape[0], int) or not all(type(v) is int for v in (start, step)):
         return default(node)
@@ -147,9 +148,10 @@ def cat_legacy_empty(importer: BridgeImporter, node: torch.fx.Node) -> relax.Exp
     rule, which transformers' key/value cache relies on: it starts from ``torch.tensor([])``),
     and parts of size 0 along the axis (a partial-rotary model's ``x[..., rot:]`` when the
     rotation covers the whole head). TVM has no empty tensors; these add nothing."""
-    parts = [importer.env[n] for n in node.args[0]]
-    vals = [n.meta["val"] for n in node.args[0]]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    args, kwargs = args_of(node), kwargs_of(node)
+    parts = [importer.env[n] for n in args[0]]
+    vals = [n.meta["val"] for n in args[0]]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     kept = [p for p, v in zip(parts, vals) if not empty_cat_part(v, dim)] or parts[:1]
     if len(kept) == 1:
         return kept[0]
@@ -159,10 +161,11 @@ def cat_legacy_empty(importer: BridgeImporter, node: torch.fx.Node) -> relax.Exp
 @converter("constant_pad_nd.default")
 def constant_pad(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``constant_pad_nd`` with negative widths too (they crop; Relax's ``pad`` wants >= 0)."""
-    x = importer.env[node.args[0]]
-    pads = list(node.args[1])
-    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0.0)
-    shape = [importer.prim(d) for d in node.args[0].meta["val"].shape]  # symbolic sizes too
+    args, kwargs = args_of(node), kwargs_of(node)
+    x = importer.env[args[0]]
+    pads = list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0.0)
+    shape = [importer.prim(d) for d in args[0].meta["val"].shape]  # symbolic sizes too
     ndim = len(shape)
     widths = [0] * (2 * ndim)
     for i in range(len(pads) // 2):  # pairs from the last dim backwards

@@ -9,7 +9,7 @@ import torch
 from tvm import relax
 
 from ...errors import UnsupportedOpError
-from .registry import converter
+from .registry import args_of, converter, kwargs_of
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -17,15 +17,17 @@ if TYPE_CHECKING:
 
 @converter("matmul.default", "mm.default", "bmm.default")
 def matmul(importer: BridgeImporter, node: torch.fx.Node) -> relax.Var:
-    a, b = importer.env[node.args[0]], importer.env[node.args[1]]
+    args = args_of(node)
+    a, b = importer.env[args[0]], importer.env[args[1]]
     return importer.block_builder.emit(relax.op.matmul(a, b, out_dtype=str(a.ty.dtype)))
 
 
 @converter("addmm.default")
 def addmm_keep_dtype(importer: BridgeImporter, node: torch.fx.Node) -> relax.Var:
-    bias, a, b = (importer.env[n] for n in node.args[:3])
-    alpha = node.kwargs.get("alpha", 1)
-    beta = node.kwargs.get("beta", 1)
+    args, kwargs = args_of(node), kwargs_of(node)
+    bias, a, b = (importer.env[n] for n in args[:3])
+    alpha = kwargs.get("alpha", 1)
+    beta = kwargs.get("beta", 1)
     dtype = str(a.ty.dtype)
     bb = importer.block_builder
     res = bb.emit(relax.op.matmul(a, b, out_dtype=dtype))
@@ -49,9 +51,10 @@ def linear_keep_dtype(importer: BridgeImporter, node: torch.fx.Node) -> relax.Va
 def convolution_keep_dtype(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``aten.convolution`` in the input's dtype (the frontend fixes float32, so a float64
     convolution does not even convert): 1-3-D, transposed 1-D and 2-D."""
-    x, w = importer.env[node.args[0]], importer.env[node.args[1]]
-    bias = node.args[2]
-    stride, padding, dilation, transposed, out_pad, groups = node.args[3:9]
+    args = args_of(node)
+    x, w = importer.env[args[0]], importer.env[args[1]]
+    bias = args[2]
+    stride, padding, dilation, transposed, out_pad, groups = args[3:9]
     ndim = len(x.ty.shape) - 2
     dtype = str(x.ty.dtype)
     layouts = {1: ("NCW", "W"), 2: ("NCHW", "HW"), 3: ("NCDHW", "DHW")}

@@ -21,7 +21,7 @@ from tvm.relax.op.grad import no_grad
 from ...errors import UnsupportedOpError
 from ...ir import static_shape
 from ...kernels.barrier import BARRIER
-from .registry import converter
+from .registry import args_of, converter
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -123,7 +123,7 @@ def batch_norm_train(importer: BridgeImporter, node: torch.fx.Node) -> relax.Exp
     """``(out, save_mean, save_invstd, new_running_mean, new_running_var)``; the running
     statistics as ATen's CPU kernel updates them (float and double where it uses each; a
     float64 input all in double)."""
-    x_node, weight, bias, rm, rv, _training, momentum, eps = node.args[:8]
+    x_node, weight, bias, rm, rv, _training, momentum, eps = args_of(node)[:8]
     bb = importer.block_builder
     x = importer.env[x_node]
     dtype = _train_dtype(x)
@@ -161,7 +161,7 @@ def _train_dtype(x: relax.Expr) -> str:
 
 @converter("_native_batch_norm_legit.no_stats")
 def batch_norm_no_stats(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
-    x_node, weight, bias, _training, _momentum, eps = node.args[:6]
+    x_node, weight, bias, _training, _momentum, eps = args_of(node)[:6]
     x = importer.env[x_node]
     _train_dtype(x)
     mean, _var_sum, invstd, _ = _batch_stats(importer, x, float(eps))
@@ -184,14 +184,14 @@ def _eval_norm(
 
 @converter("_native_batch_norm_legit_no_training.default")
 def batch_norm_eval(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
-    x_node, weight, bias, rm, rv, _momentum, eps = node.args[:7]
+    x_node, weight, bias, rm, rv, _momentum, eps = args_of(node)[:7]
     out = _eval_norm(importer, x_node, weight, bias, rm, rv, float(eps))
     return importer.block_builder.emit(relax.Tuple([out, out, out]))
 
 
 @converter("batch_norm.default")
 def batch_norm_aten(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
-    x_node, weight, bias, rm, rv, training, _momentum, eps = node.args[:8]
+    x_node, weight, bias, rm, rv, training, _momentum, eps = args_of(node)[:8]
     if training or rm is None:
         raise UnsupportedOpError("convert", "batch_norm in training mode outside the functional form", op="batch_norm")
     return _eval_norm(importer, x_node, weight, bias, rm, rv, float(eps))
@@ -202,7 +202,7 @@ def group_norm(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``native_group_norm`` as ``(out, mean, rstd)`` (the frontend returns ``out`` alone, so
     a use of the statistics would read ``out[1]``); float64 written out in arithmetic (TOPI's
     ``group_norm`` takes float32 and float16 only)."""
-    x_node, w_node, b_node, n, c, _hw, groups, eps = node.args[:8]
+    x_node, w_node, b_node, n, c, _hw, groups, eps = args_of(node)[:8]
     bb, op = importer.block_builder, relax.op
     x = importer.env[x_node]
     dtype, shape = str(x.ty.dtype), list(x.ty.shape)

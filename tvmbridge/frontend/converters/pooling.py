@@ -10,7 +10,7 @@ import torch
 from tvm import relax
 
 from ...errors import UnsupportedOpError
-from .registry import converter, uses_of_item
+from .registry import args_of, converter, kwargs_of, op_name, uses_of_item
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 def avg_pool2d_checked(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
     """``divisor_override`` (which the frontend ignores): without ceil_mode and with padding
     counted, every window has kh*kw elements, so the sum over ``d`` is the mean times kh*kw/d."""
+    args, kwargs = args_of(node), kwargs_of(node)
     names_ = ("self", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
-    given = {**dict(zip(names_, node.args)), **node.kwargs}
+    given = {**dict(zip(names_, args)), **kwargs}
     divisor = given.get("divisor_override")
     out = default(node)
     if divisor is None:
@@ -42,7 +43,7 @@ def max_pool_values_only(importer: BridgeImporter, node: torch.fx.Node, default:
     if uses_of_item(node, 1):
         raise UnsupportedOpError(
             "convert",
-            f"{node.target.__name__}: the indices output (return_indices=True) is not supported; use fallback=True",
-            op=node.target.__name__,
+            f"{op_name(node)}: the indices output (return_indices=True) is not supported; use fallback=True",
+            op=op_name(node),
         )
     return default(node)

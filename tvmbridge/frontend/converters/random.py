@@ -16,7 +16,7 @@ from tvm import relax
 
 from ...errors import ConversionError, UnsupportedOpError
 from ..sites import RandomSite, SizeList, TensorMeta
-from .registry import converter, uses_of_item
+from .registry import args_of, converter, kwargs_of, op_name, uses_of_item
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -45,18 +45,20 @@ _RNN_OPS = {"lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input"}
 
 def is_random(node: torch.fx.Node) -> bool:
     """The node draws random values (an RNN only where its inter-layer dropout is on)."""
+    args = args_of(node)
     if getattr(node.target, "__name__", "") in _RNN_OPS:
-        dropout, train = node.args[5], node.args[6]
+        dropout, train = args[5], args[6]
         return bool(train) and float(dropout) > 0
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 def is_train_dropout(node: torch.fx.Node) -> bool:
     """A dropout that drops something: train mode and ``p > 0``."""
+    args, kwargs = args_of(node), kwargs_of(node)
     if getattr(node.target, "__name__", "") not in DROPOUT_OPS:
         return False
-    p = float(node.args[1])
-    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    p = float(args[1])
+    train = args[2] if len(args) > 2 else kwargs.get("train", True)
     return bool(train) and p > 0.0
 
 
@@ -80,8 +82,10 @@ def _size_value(v: Any) -> int | str | None:
 def _meta(value: Any) -> Any:
     """A random op's argument as the runtime replays it: a tensor's layout, a size list (fx's own
     list type, and symbolic sizes, would not reach the op), or the value itself."""
-    if isinstance(value, (list, tuple)) and value and all(_size_value(v) is not None for v in value):
-        return SizeList(tuple(_size_value(v) for v in value))
+    if isinstance(value, (list, tuple)) and value:
+        sizes = [s for s in map(_size_value, value) if s is not None]
+        if len(sizes) == len(value):
+            return SizeList(tuple(sizes))
     if isinstance(value, torch.fx.Node):
         v = value.meta.get("val")
         if not isinstance(v, torch.Tensor):
@@ -94,8 +98,9 @@ def _meta(value: Any) -> Any:
 
 def convert_random(importer: BridgeImporter, node: torch.fx.Node) -> relax.Var:
     """Any other random op: replayed per call when its tensor arguments give only a layout."""
-    name = f"{node.target.__name__}"
-    tensor_args = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    args, kwargs = args_of(node), kwargs_of(node)
+    name = op_name(node)
+    tensor_args = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Node)]
     if name in _RNN_OPS:
         raise UnsupportedOpError(
             "convert",
@@ -118,20 +123,21 @@ def convert_random(importer: BridgeImporter, node: torch.fx.Node) -> relax.Var:
         _dims(val.stride()),
         val.dtype,
         op=node.target,
-        args=tuple(_meta(a) for a in node.args),
-        kwargs={k: _meta(v) for k, v in node.kwargs.items()},
+        args=tuple(_meta(a) for a in args),
+        kwargs={k: _meta(v) for k, v in kwargs.items()},
     )
     return importer.random_input(site, str(val.dtype).removeprefix("torch."), [importer.prim(d) for d in val.shape])
 
 
 def _dropout_expr(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
-    x = importer.env[node.args[0]]
+    args = args_of(node)
+    x = importer.env[args[0]]
     if not is_train_dropout(node):
         return x
-    if uses_of_item(node, 1) and node.target.__name__ == "native_dropout.default":
+    if uses_of_item(node, 1) and op_name(node) == "native_dropout.default":
         raise UnsupportedOpError("convert", "the boolean mask output of native_dropout is used", op="native_dropout")
-    val = node.args[0].meta["val"]
-    site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(node.args[1]))
+    val = args[0].meta["val"]
+    site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(args[1]))
     # the mask's shape from the trace (a Relax type after a tuple getitem may not carry one)
     mask = importer.random_input(site, str(val.dtype).removeprefix("torch."), [importer.prim(d) for d in val.shape])
     return importer.block_builder.emit(relax.op.multiply(x, mask))

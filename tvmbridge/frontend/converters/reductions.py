@@ -11,16 +11,17 @@ import torch
 from tvm import relax
 from tvm.relax.op.grad import no_grad
 
-from .registry import converter, out_dtype
+from .registry import args_of, converter, kwargs_of, out_dtype
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
 
 
 def _extreme(importer: BridgeImporter, node: torch.fx.Node, reduce: Callable) -> relax.Expr:
-    x = importer.env[node.args[0]]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    args, kwargs = args_of(node), kwargs_of(node)
+    x = importer.env[args[0]]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", [])
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     if not x.ty.shape:  # 0-d: over "dim 0" is the value itself
         return importer.block_builder.emit(relax.op.astype(x, str(x.ty.dtype)))
     axis = [dim] if isinstance(dim, int) else (list(dim) or None)
@@ -43,7 +44,7 @@ def amin(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
 def zero_dim_safe(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
     """Reductions and ``index_select`` over a 0-d tensor (dim 0 or -1 names the value itself),
     which Relax's axis checks refuse: the value, in the result's dtype and shape."""
-    x = importer.env[node.args[0]]
+    x = importer.env[args_of(node)[0]]
     if x.ty.shape is None or len(x.ty.shape) > 0:
         return default(node)
     out = relax.op.astype(x, out_dtype(node))
@@ -55,7 +56,8 @@ def vector_norm(importer: BridgeImporter, node: torch.fx.Node, default: Callable
     """``linalg_vector_norm``: ``ord=0`` (the frontend divides by it) counts the nonzeros,
     without gradient; any other finite ``ord > 0`` masks zeros so that the gradient is 0
     where PyTorch's is (an all-zero vector, and zero entries when ``ord < 1``) instead of NaN."""
-    given = {**dict(zip(("self", "ord", "dim", "keepdim"), node.args)), **node.kwargs}
+    args, kwargs = args_of(node), kwargs_of(node)
+    given = {**dict(zip(("self", "ord", "dim", "keepdim"), args)), **kwargs}
     p = float(given.get("ord", 2))
     if not (p == 0 or (0 < p < math.inf)):
         return default(node)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ def converter(*ops: str, wraps_default: bool = False) -> Callable[[Callable], Ca
 def bind(importer: Any, defaults: dict[str, Callable]) -> dict[str, Callable[[torch.fx.Node], Any]]:
     """Every registered converter as TVM's table wants it, ``fn(node)``, bound to ``importer``
     (``defaults``: TVM's table, whose converters the wrapping ones get)."""
-    table = {}
+    table: dict[str, Callable[[torch.fx.Node], Any]] = {}
     for op, entry in CONVERTERS.items():
         if not entry.wraps_default:
             table[op] = functools.partial(entry.fn, importer)
@@ -58,6 +58,27 @@ def bind(importer: Any, defaults: dict[str, Callable]) -> dict[str, Callable[[to
         else:
             raise ValueError(f"{describe(entry)} wraps TVM's converter of {op}, which TVM's table lacks")
     return table
+
+
+# fx types every argument of a node as ``torch.fx.node.Argument``, a union of ~20 types (Node,
+# int, list, slice, dtype, ...), so ``node.args[0].meta`` or ``float(node.args[1])`` is a type
+# error although the op's schema fixes what each position holds. Converters read a node's
+# arguments through these two, as the schema's values: ``Any`` to the type checker.
+def args_of(node: torch.fx.Node) -> tuple[Any, ...]:
+    """``node.args``, as the op's schema gives them (see above)."""
+    return node.args
+
+
+def kwargs_of(node: torch.fx.Node) -> Mapping[str, Any]:
+    """``node.kwargs``, as the op's schema gives them (see above)."""
+    return node.kwargs
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The aten overload name of the op a ``call_function`` node calls (``clamp_min.default``)."""
+    target = node.target
+    assert not isinstance(target, str), f"{node.format_node()} calls no op"  # a method or attribute name
+    return target.__name__
 
 
 def out_dtype(node: torch.fx.Node) -> str:

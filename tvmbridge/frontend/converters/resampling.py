@@ -22,14 +22,14 @@ from tvm import relax
 
 from ...errors import UnsupportedOpError
 from ...ir import static_shape
-from .registry import converter
+from .registry import args_of, converter, op_name
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
 
 
 # --- where ATen reads from, per axis ------------------------------------------------------------
-def source_scale(in_size: int, out_size: int, align_corners: bool, scale: float | None, dtype: str) -> np.generic:
+def source_scale(in_size: int, out_size: int, align_corners: bool, scale: float | None, dtype: str) -> np.floating:
     """``area_pixel_compute_scale``: ``(in-1)/(out-1)`` with aligned corners, else ``1/scale``
     where a scale factor was given, else ``in/out``."""
     t = np.dtype(dtype).type
@@ -86,13 +86,14 @@ def linear_taps(in_size: int, out_size: int, align_corners: bool, scale: float |
 def upsample(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``upsample_nearest2d``/``upsample_bilinear2d`` as ATen computes them: a gather per axis,
     and for bilinear a weighted sum of two, the last axis first."""
-    name = node.target.__name__
+    args = args_of(node)
+    name = op_name(node)
     linear, vec = "bilinear" in name, name.endswith(".vec")
-    x = importer.env[node.args[0]]
-    if static_shape(x) is None:
-        raise UnsupportedOpError("convert", "interpolation over a dynamic dimension", op=name)
+    x = importer.env[args[0]]
     in_dims, out_dims = static_shape(x), [int(d) for d in node.meta["val"].shape]
-    rest = list(node.args[2:])
+    if in_dims is None:
+        raise UnsupportedOpError("convert", "interpolation over a dynamic dimension", op=name)
+    rest = list(args[2:])
     align = bool(rest.pop(0)) if linear else False
     if vec:
         scales = list(rest[0]) if rest and rest[0] is not None else [None, None]
@@ -133,7 +134,7 @@ def _resample_axis(
 def _refusal(what: str) -> Callable:
     def refuse(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
         raise UnsupportedOpError(
-            "convert", f"{what} is not supported; use fallback=True to keep PyTorch", op=node.target.__name__
+            "convert", f"{what} is not supported; use fallback=True to keep PyTorch", op=op_name(node)
         )
 
     return refuse

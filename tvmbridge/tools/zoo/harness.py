@@ -247,7 +247,7 @@ class Case:
         got.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
         return got
 
-    def check(self, step: str, got: dict[str, dict[str, torch.Tensor | None]], allowance: float = 0.0) -> None:
+    def check(self, step: str, got: Mapping[str, Mapping[str, torch.Tensor | None]], allowance: float = 0.0) -> None:
         names = list(dict.fromkeys([*got["eager"], *got["tvm"]]))
         found = []
         for name in names:
@@ -345,9 +345,10 @@ def _where(exc: BaseException) -> str:
     """The innermost frame inside tvmbridge (else the innermost) as ``file:line in fn``."""
     frames = traceback.extract_tb(exc.__traceback__)
     ours = [f for f in frames if "/tvmbridge/" in f.filename and "/tools/zoo/" not in f.filename]
-    frame = (ours or frames or [None])[-1]
-    if frame is None:
+    picked = ours or frames
+    if not picked:
         return "?"
+    frame = picked[-1]
     path = frame.filename.split("/tvmbridge/", 1)[-1] if ours else frame.filename.rsplit("/", 1)[-1]
     return f"{path}:{frame.lineno} in {frame.name}"
 
@@ -408,7 +409,7 @@ def run_case(
             result.verdict, result.reason = "SKIP", f"harness failed: {_first_line(exc)} (at {_where(exc)})"
         fallbacks = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
     dispatchers = case.dispatchers() if case is not None else []
-    if dispatchers:
+    if case is not None and dispatchers:
         variants = [v for d in dispatchers for v in d.variants]
         result.variants = len(variants)
         result.compile_s = round(sum(v.compiled.compile_seconds.get("total", 0.0) for v in variants), 2)

@@ -42,7 +42,7 @@ class ZooEntry:
     external_loss: bool = False  # the model returns logits only: the loss is cross-entropy of them
     note: str = ""
     # applied to the float64 reference copy only, where the model's default kernel has no float64
-    prepare_reference: Callable[[torch.nn.Module], None] | None = None
+    prepare_reference: Callable[[Any], object] | None = None  # gets the library's model (its own methods)
 
     def forward(self, model: torch.nn.Module, batch: Batch) -> tuple[Any, torch.Tensor]:
         """The output and the loss of one call, as a training loop gets them."""
@@ -456,7 +456,7 @@ def _timm() -> list[ZooEntry]:
         ("mixer_s16_224", dict(TIMM_DROP, img_size=IMAGE)),
     ]
     # fmt: on
-    cnns = [  # CNN_IMAGE: see there
+    cnns: list[tuple[str, dict[str, Any]]] = [  # CNN_IMAGE: see there
         ("resnet10t", TIMM_DROP),
         ("resnet18", TIMM_DROP),
         ("efficientnet_b0", TIMM_DROP),
