@@ -20,7 +20,7 @@ _EXPORTS: dict[str, str] = {
     "register_shape_impl": "analysis.profiling.trace",
     "MetaTraceError": "analysis.profiling.trace",
     "symbolic_profile": "analysis.profiling.profile",
-    "profile_table": "analysis.profiling.profile",
+    "profile_table": "analysis.profiling.table",
     "measure_saved_bytes": "analysis.profiling.profile",
     "NodeProfile": "analysis.profiling.profile",
     "ProfileSummary": "analysis.profiling.profile",

@@ -14,7 +14,8 @@ def _profile(args: argparse.Namespace) -> int:
     import torch
 
     from analysis.profiling.meta import MetaTensorMode
-    from analysis.profiling.profile import profile_table, symbolic_profile
+    from analysis.profiling.profile import symbolic_profile
+    from analysis.profiling.table import profile_table
     from analysis.profiling.trace import symbolic_trace
 
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -11,6 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tvmbridge", "analysis")
 MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 250  # a class is not a place to hide a long function
 
 # The bridge's layers, lowest first: a module may import its own layer and the ones below.
 # Read top to bottom this is the compile: trace -> convert -> passes -> split -> build -> run.
@@ -149,3 +151,15 @@ def test_the_state_rule_sees_a_module_level_cache():
     tree = ast.parse("_SEEN: dict[str, int] = {}\n_ALSO = collections.OrderedDict()\nTABLE = {'a': 1}\n"
                      "def f():\n    local = {}\n")
     assert [(line, name) for line, name, _ in _module_state(tree)] == [(1, "_SEEN"), (2, "_ALSO")]
+
+
+def test_modules_and_classes_are_small():
+    big = []
+    for _, path in MODULES:
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            big.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{path.relative_to(ROOT)}:{node.lineno} class {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert not big, f"modules over {MAX_MODULE_LINES} lines or classes over {MAX_CLASS_LINES}: {big}"

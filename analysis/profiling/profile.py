@@ -36,11 +36,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from analysis.profiling.flops import CountingDispatchMode
 from analysis.profiling.meta import find_fake_mode, to_fake
 from analysis.tensors import storage_key, tensor_leaves
-from analysis.units import human_bytes, human_flops
 
 aten = torch.ops.aten
 
-__all__ = ["NodeProfile", "ProfileSummary", "symbolic_profile", "profile_table", "measure_saved_bytes"]
+__all__ = ["NodeProfile", "ProfileSummary", "symbolic_profile", "measure_saved_bytes"]
 
 _INPLACE_OPERATORS = {
     operator.iadd,
@@ -165,6 +164,8 @@ def symbolic_profile(
     else:
         _Profiler(gm, mode, fake_state, bound).run()
     if verbose:
+        from analysis.profiling.table import profile_table  # the table reads this module's types
+
         print(profile_table(gm))
     return gm
 
@@ -187,6 +188,26 @@ class _Liveness:
     def drop(self, k: StorageWeakRef) -> None:
         self.live.discard(k)
         self.total -= self.nbytes[k]
+
+
+def summarize(nodes: list[Node], peak: int, param_bytes: int) -> ProfileSummary:
+    """The graph's totals from its nodes' profiles."""
+    fwd: dict[Any, int] = defaultdict(int)
+    bwd: dict[Any, int] = defaultdict(int)
+    for n in nodes:
+        for op, f in n.meta["profile"].fwd_flops_by_op.items():
+            fwd[op] += f
+        for op, f in n.meta["profile"].bwd_flops_by_op.items():
+            bwd[op] += f
+    return ProfileSummary(
+        fwd_flops=sum(fwd.values()),
+        bwd_flops=sum(bwd.values()),
+        peak_activation_bytes=peak,
+        backward_bytes=sum(n.meta["profile"].backward_bytes for n in nodes),
+        param_bytes=param_bytes,
+        fwd_flops_by_op=dict(fwd),
+        bwd_flops_by_op=dict(bwd),
+    )
 
 
 class _Profiler:
@@ -224,7 +245,7 @@ class _Profiler:
         grad_live = self._grad_live(nodes)
         self._backward_pass(pending_bw, grad_live)
         self._count_grad_accumulation(grad_live)
-        self._summarize(nodes, peak)
+        self.gm.meta["profile"] = summarize(nodes, peak, self.param_bytes)
 
     def _forward_pass(self, nodes: list[Node]) -> tuple[int, list[tuple[Node, list, list]]]:
         index = {n: i for i, n in enumerate(nodes)}
@@ -307,24 +328,6 @@ class _Profiler:
             prof = node.meta["profile"]
             prof.bwd_flops_by_op = dict(d.flops)
             prof.bwd_flops = sum(d.flops.values())
-
-    def _summarize(self, nodes: list[Node], peak: int) -> None:
-        fwd: dict[Any, int] = defaultdict(int)
-        bwd: dict[Any, int] = defaultdict(int)
-        for n in nodes:
-            for op, f in n.meta["profile"].fwd_flops_by_op.items():
-                fwd[op] += f
-            for op, f in n.meta["profile"].bwd_flops_by_op.items():
-                bwd[op] += f
-        self.gm.meta["profile"] = ProfileSummary(
-            fwd_flops=sum(fwd.values()),
-            bwd_flops=sum(bwd.values()),
-            peak_activation_bytes=peak,
-            backward_bytes=sum(n.meta["profile"].backward_bytes for n in nodes),
-            param_bytes=self.param_bytes,
-            fwd_flops_by_op=dict(fwd),
-            bwd_flops_by_op=dict(bwd),
-        )
 
     def _count_grad_accumulation(self, grad_live: set[Node]) -> None:
         """A tensor used by k differentiable consumers gets k gradients: k - 1 adds (the
@@ -448,81 +451,6 @@ class _Profiler:
 
 
 # --- reporting ---------------------------------------------------------------------------------
-def _module_of(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if node.op == "call_module":
-        return str(node.target)
-    if stack:
-        return list(stack.keys())[-1] if not isinstance(stack, list) else str(stack[-1])
-    return ""
-
-
-def _shape_of(node: Node) -> str:
-    v = node.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return "x".join(map(str, v.shape)) or "scalar"
-    ts = tensor_leaves(v) if isinstance(v, (tuple, list)) else []
-    return ",".join("x".join(map(str, t.shape)) for t in ts[:2]) + ("..." if len(ts) > 2 else "")
-
-
-def profile_table(gm: torch.fx.GraphModule, skip_empty: bool = True) -> str:
-    """The per-node table of a profiled GraphModule (human units) and a summary line."""
-    head = (
-        "node",
-        "op",
-        "module",
-        "shape",
-        "output",
-        "temp",
-        "param",
-        "backward",
-        "accumulated",
-        "incremental",
-        "fwd FLOPs",
-        "bwd FLOPs",
-    )
-    rows = [head]
-    for n in gm.graph.nodes:
-        p: NodeProfile = n.meta["profile"]
-        if n.op == "output" or (
-            skip_empty
-            and n.op != "placeholder"
-            and not any((p.output_bytes, p.temp_bytes, p.param_bytes, p.backward_bytes, p.fwd_flops, p.bwd_flops))
-        ):
-            continue
-        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-        rows.append(
-            (
-                n.name,
-                f"{n.op}:{target}"[:32],
-                _module_of(n)[:40],
-                _shape_of(n),
-                human_bytes(p.output_bytes),
-                human_bytes(p.temp_bytes),
-                human_bytes(p.param_bytes),
-                human_bytes(p.backward_bytes),
-                human_bytes(p.accumulated_bytes),
-                human_bytes(p.incremental_bytes),
-                human_flops(p.fwd_flops),
-                human_flops(p.bwd_flops),
-            )
-        )
-    w = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w[i]) if i < 4 else c.rjust(w[i]) for i, c in enumerate(r)) for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    lines.append(summary_line(gm))
-    return "\n".join(lines)
-
-
-def summary_line(gm: torch.fx.GraphModule) -> str:
-    s: ProfileSummary = gm.meta["profile"]
-    return (
-        f"total: forward {human_flops(s.fwd_flops)}, backward {human_flops(s.bwd_flops)}; "
-        f"peak activation memory {human_bytes(s.peak_activation_bytes)}; "
-        f"saved for backward {human_bytes(s.backward_bytes)}; parameters {human_bytes(s.param_bytes)}"
-    )
-
-
 def measure_saved_bytes(fn: Any, *args: Any, exclude: Iterable[torch.Tensor] = (), **kwargs: Any) -> tuple[Any, int]:
     """Run ``fn`` for real and return (output, bytes autograd keeps for the backward).
 
