@@ -17,6 +17,7 @@ A dispatched module can be deep-copied, pickled and saved: the copy recompiles o
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import warnings
@@ -121,6 +122,16 @@ class Dispatcher:
     @property
     def discarded(self) -> list[str]:
         return self.log.discarded
+
+    @property
+    def fallback_reasons(self) -> collections.Counter[str]:
+        """How many calls PyTorch ran, by reason."""
+        return self.log.fallback_reasons
+
+    @property
+    def last_decision(self) -> Variant | str:
+        """The variant the last call ran, or why PyTorch ran it."""
+        return self.log.last_decision
 
     @property
     def compiled(self) -> CompiledModule | None:
