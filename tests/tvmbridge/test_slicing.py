@@ -66,6 +66,15 @@ class Positions(torch.nn.Module):
         return scores.softmax(-1)[..., :seq] @ h
 
 
+def _close_to_scale(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, name: str) -> None:
+    """Every element within ``atol + rtol * max|want|``: float32 sums round relative to the sizes
+    they add up, not to each result (on an AVX2 Zen 3 both eager's and the bridge's embedding
+    gradient at length 13 are 3e-5..4e-5 from float64, elementwise 1e-4 of entries near zero)."""
+    worst = (got - want).abs().max().item()
+    bound = atol + rtol * want.abs().max().item()
+    assert worst <= bound, f"{name}: max abs error {worst:.3g} > {bound:.3g}"
+
+
 def _same_as_eager_in_one_symbolic_variant(eager: torch.nn.Module, calls: list[torch.Tensor], rtol: float,
                                            atol: float, grad_rtol: float, loss=lambda out: out) -> None:
     """At every call: the loss, the input's gradient (where it has one) and every parameter's
@@ -80,9 +89,9 @@ def _same_as_eager_in_one_symbolic_variant(eager: torch.nn.Module, calls: list[t
         want.backward()
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
         if x.requires_grad:
-            torch.testing.assert_close(x.grad, x2.grad, rtol=grad_rtol, atol=atol)
+            _close_to_scale(x.grad, x2.grad, grad_rtol, atol, "input")
         for (name, p), q in zip(tvm.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=grad_rtol, atol=atol, msg=name)
+            _close_to_scale(p.grad, q.grad, grad_rtol, atol, name)
     variants = tvm._tvm_dispatch.variants
     assert len(variants) == 2 and variants[1].symbolic, tvm._tvm_dispatch.explain()
 
