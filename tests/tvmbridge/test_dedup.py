@@ -1,5 +1,5 @@
-"""Dedup (``passes/dedup.py``) on small modules: permute chains by the bridge's rule, reshape
-chains by TVM's ``RemoveRedundantReshape`` (which replaced the bridge's own rule: the same result
+"""Dedup (``passes/dedup.py``) on small modules: permute chains by the bridge's rules on TVM's
+pattern rewriter (``relax.dpl``), reshape chains by TVM's ``RemoveRedundantReshape`` (which replaced the bridge's own rule: the same result
 on static shapes, and symbolic ones folded too). Pins what the bridge relies on, so that a TVM
 upgrade that changes the pass is caught here."""
 from __future__ import annotations
@@ -48,3 +48,19 @@ def test_reshape_chains_fold(name, shape, body, left):
 def test_permute_chains_fold():
     mod = _module((2, 3, 4), lambda bb, x: R.permute_dims(bb.emit(R.permute_dims(x, [2, 0, 1])), [1, 2, 0]))
     assert _count(Dedup()(mod), "relax.permute_dims") == 0
+
+
+def test_a_chain_of_four_permutes_is_one():
+    """TVM's pattern rewriter repeats until nothing matches: four permutes (the last an identity)
+    compose to the one they amount to."""
+    def body(bb, x):
+        a = bb.emit(R.permute_dims(x, [1, 0, 2]))
+        b = bb.emit(R.permute_dims(a, [0, 2, 1]))
+        c = bb.emit(R.permute_dims(b, [2, 1, 0]))
+        return R.permute_dims(c, [0, 1, 2])
+
+    out = Dedup()(_module((2, 3, 4), body))
+    (permute,) = [b.value for b in out["main"].body.blocks[0].bindings if getattr(b.value, "op", None) is not None
+                  and b.value.op.name == "relax.permute_dims"]
+    assert [int(a) for a in permute.attrs.axes] == [0, 2, 1]
+    assert permute.args[0].same_as(out["main"].params[0])

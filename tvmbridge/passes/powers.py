@@ -16,44 +16,48 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax import dpl
 
-from ..ir import is_op, rewrite_and_clean
+from ..ir import cleanup
 
 SMALL_EXPONENTS = (2, 3, 4)
 
 
-def _scalar_exponent(expr: relax.Expr, bound: dict) -> float | None:
-    """The exponent's value where it is a 0-d constant (so it broadcasts nothing)."""
-    if isinstance(expr, relax.Var):
-        expr = bound.get(expr, expr)
-    if not isinstance(expr, tvm.ir.expr.Constant):
-        return None
-    value = expr.value.numpy()
-    return float(value) if value.ndim == 0 and np.isfinite(value) else None
+_BASE, _EXPONENT = dpl.wildcard(), dpl.is_const()
+POWER_BY_CONSTANT = dpl.is_op("relax.power")(_BASE, _EXPONENT)
 
 
-def integer_power(value: relax.Expr, bound: dict) -> relax.Expr | None:
-    """``power(x, n)`` with a float ``x`` and a constant ``n`` in :data:`SMALL_EXPONENTS`: products."""
-    if not is_op(value, "relax.power") or getattr(value, "ty", None) is None:
-        return None
-    x, exponent = value.args
-    ty = getattr(x, "ty", None)
+def as_products(call: relax.Expr, matched: dict[dpl.DFPattern, relax.Expr]) -> relax.Expr:
+    """A matched ``power(x, n)`` with a float ``x`` and a 0-d constant ``n`` in
+    :data:`SMALL_EXPONENTS` as products; anything else unchanged."""
+    x, exponent = matched[_BASE], matched[_EXPONENT]
+    ty, value = getattr(x, "ty", None), exponent.value.numpy()
     if not (
         isinstance(ty, relax.TensorType)
         and str(ty.dtype).startswith(("float", "bfloat"))
-        and str(ty.dtype) == str(value.ty.dtype)
+        and str(ty.dtype) == str(call.ty.dtype)
+        and value.ndim == 0
+        and np.isfinite(value)
+        and float(value) in SMALL_EXPONENTS
     ):
-        return None
-    n = _scalar_exponent(exponent, bound)
-    if n not in SMALL_EXPONENTS:
-        return None
-    mul = relax.op.multiply
+        return call
+    mul, n = relax.op.multiply, float(value)
     if n == 4:
         square = mul(x, x)
         return mul(square, square)
     return mul(x, x) if n == 2 else mul(mul(x, x), x)
 
 
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.IntegerPowers")
+def _integer_powers(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    out = mod.clone()
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            out[gv] = dpl.rewrite_call(POWER_BY_CONSTANT, as_products, func)
+    return out
+
+
 def IntegerPowers() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
-    """Every ``power`` by a small constant integer becomes multiplications (see the module)."""
-    return rewrite_and_clean([integer_power])
+    """Every ``power`` by a small constant integer becomes multiplications (see the module), with
+    TVM's pattern rewriter (``relax.dpl``); then the cleanup passes."""
+    return tvm.transform.Sequential([relax.transform.Normalize(), _integer_powers, *cleanup()])
