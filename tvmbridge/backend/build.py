@@ -1,8 +1,9 @@
 """Lower and compile a Relax module for its target, and load it in a VM.
 
-The default ``tvm.compile`` pipeline legalizes but does not fuse; the bridge adds operator fusion
-so that elementwise chains become one kernel, on CPU its own schedules (``cpu_schedules``), and on
-GPU dlight's default schedules (untuned GPU kernels are not even valid).
+The pipeline is TVM's for the target (``relax.backend.<kind>.pipeline``) with its legalize stage
+replaced by the bridge's (:func:`lower`): TVM's ``LegalizeOps`` with three fixes, operator fusion,
+and on CPU the bridge's schedules (``cpu_schedules``), on GPU dlight's (untuned GPU kernels are not
+even valid).
 """
 
 from __future__ import annotations
@@ -119,7 +120,6 @@ def lower(
         relax.transform.LegalizeOps(_LEGALIZE_FIXES),
         drop_scope_pragmas,
         relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FoldConstant(),
     ]
     if fuse:
         seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
@@ -143,6 +143,31 @@ def lower(
                 dlight.gpu.Fallback(),
             )(mod.clone())  # ApplyDefaultSchedule mutates its input
     return mod
+
+
+def _target_backend(target: tvm.target.Target) -> Any:
+    """TVM's per-target pipeline module (``relax.backend.<kind>.pipeline``: its pass lists)."""
+    import importlib
+
+    kind = {"llvm": "cpu_generic", "cuda": "cuda", "rocm": "rocm"}.get(target.kind.name, "gpu_generic")
+    return importlib.import_module(f"tvm.relax.backend.{kind}.pipeline")  # the package exports three of the four
+
+
+def after_lowering(target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's default pipeline for ``target`` without its legalize stage, which :func:`lower`
+    replaces: library dispatch, dataflow lowering and the VM's finalization as TVM lists them.
+    Left out with that stage is TVM's ``FoldConstant``, which builds and runs every kernel whose
+    inputs are all constants at compile time (a ``full``, an ``arange`` mask), each a separate
+    LLVM build: most of the lowering time of a small model, to save kernels of a few microseconds."""
+    b = _target_backend(target)
+    passes = b.library_dispatch_passes(target) + b.dataflow_lower_passes(target) + b.finalize_passes(target)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmbridge.AfterLowering")
+    def pipeline(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return pipeline
 
 
 def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) -> tvm.IRModule:
@@ -176,14 +201,21 @@ def _apply_tuning(mod: tvm.IRModule, target: tvm.target.Target, tuning_db: str) 
     return tuned
 
 
-def _records_for(tuning_db: str, target: tvm.target.Target) -> tuple[Any, list[str]] | None:
-    """The database's records for ``target`` (``tuning.records_for``), read once per state of its
-    files: every variant a dispatch compiles would otherwise parse the whole database again."""
-    from .tuning import DATABASE_FILES, open_database, records_for
+def tuning_state(tuning_db: str) -> tuple[str, tuple]:
+    """The database's path and its files' (mtime, size): a changed database is another state."""
+    from .tuning import DATABASE_FILES
 
     paths = [os.path.join(tuning_db, f) for f in DATABASE_FILES]
     stamp = tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size) if os.path.isfile(p) else None for p in paths)
-    key = (os.path.abspath(tuning_db), stamp, str(target))
+    return os.path.abspath(tuning_db), stamp
+
+
+def _records_for(tuning_db: str, target: tvm.target.Target) -> tuple[Any, list[str]] | None:
+    """The database's records for ``target`` (``tuning.records_for``), read once per state of its
+    files: every variant a dispatch compiles would otherwise parse the whole database again."""
+    from .tuning import open_database, records_for
+
+    key = (*tuning_state(tuning_db), str(target))
 
     def read() -> tuple[Any, list[str]] | None:
         database = open_database(tuning_db)
@@ -215,13 +247,17 @@ def compile_module(
     with stage_errors("build", what=f"compiling for {target.kind.name} failed"):
         if tuning_db is not None and schedule:
             try:
-                return tvm.compile(lower(mod, target, schedule, fuse, tuning_db), target=target)
+                return _codegen(lower(mod, target, schedule, fuse, tuning_db), target)
             except Exception as exc:  # noqa: BLE001 - a record that replays but does not compile here
                 _note_tuning(
                     f"tvmbridge: compiling with the tuning database {tuning_db} failed "
                     f"({_error_summary(exc)}); compiled with the default schedules instead"
                 )
-        return tvm.compile(lower(mod, target, schedule, fuse, None), target=target)
+        return _codegen(lower(mod, target, schedule, fuse, None), target)
+
+
+def _codegen(lowered: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:
+    return tvm.compile(lowered, target=target, relax_pipeline=after_lowering(target))
 
 
 def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:
