@@ -11,6 +11,8 @@ import pytest
 # measured GEMM choices go to a fresh directory, never the user's cache (tests of the cache
 # itself point it elsewhere again)
 os.environ["TVMBRIDGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tvmbridge-test-cache-")
+# and build every executable: a test of the disk cache turns it on for itself
+os.environ["TVMBRIDGE_DISK_CACHE"] = "0"
 
 
 @pytest.fixture(autouse=True)

@@ -106,6 +106,14 @@ class CompileOptions:
             "schedules of the kernels they cover (the rest keep them, said once), and its GEMM choices are used"
         ),
     )
+    disk_cache: bool = field(
+        default=True,
+        metadata=_doc(
+            "keep compiled executables on disk ($TVMBRIDGE_CACHE_DIR or ~/.cache/tvmbridge, under "
+            "executables/), keyed by everything the build reads, so another process with the same model "
+            "loads instead of compiling; TVMBRIDGE_DISK_CACHE=0 also turns it off"
+        ),
+    )
     converters: tuple[tuple[str, Callable[..., Any]], ...] = field(
         default=(),
         metadata=_doc(
@@ -143,6 +151,7 @@ class CompileOptions:
             "warn_on_fallback",
             "verify",
             "verbose",
+            "disk_cache",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name} must be True or False, got {getattr(self, name)!r}")

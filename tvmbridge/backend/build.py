@@ -3,7 +3,7 @@
 The pipeline is TVM's for the target (``relax.backend.<kind>.pipeline``) with its legalize stage
 replaced by the bridge's (:func:`lower`): TVM's ``LegalizeOps`` with three fixes, operator fusion,
 and on CPU the bridge's schedules (``cpu_schedules``), on GPU dlight's (untuned GPU kernels are not
-even valid).
+even valid). Builds go through the disk cache of executables (``executable_cache``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..errors import stage_errors
 from ..ir import RewriteBindings, is_op, static_shape
 from ..kernels.barrier import register_barrier
 from ..kernels.gemm import register_gemms
+from . import executable_cache
 
 
 def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -233,6 +234,23 @@ def _error_summary(exc: BaseException) -> str:
 def _note_tuning(message: str) -> None:
     """Said once per message: what a tuning database did not cover, or could not do."""
     warnings.warn(message, stacklevel=5)
+
+
+def compile_or_load(
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    schedule: bool = True,
+    fuse: bool = True,
+    tuning_db: str | None = None,
+    disk_cache: bool = True,
+) -> tuple[tvm.runtime.Executable, bool]:
+    """:func:`compile_module` through the disk cache (``executable_cache``; with ``disk_cache``
+    and unless the environment turns it off); and whether the executable was loaded."""
+    if not (disk_cache and executable_cache.enabled()):
+        return compile_module(mod, target, schedule, fuse, tuning_db), False
+    state = tuning_state(tuning_db) if tuning_db is not None and schedule else None
+    key = executable_cache.cache_key(mod, target, schedule, fuse, state)
+    return executable_cache.cached_compile(key, lambda: compile_module(mod, target, schedule, fuse, tuning_db))
 
 
 def compile_module(

@@ -48,6 +48,7 @@ class Artifacts:
     halves: tvm.IRModule | None = None  # names.FORWARD, names.FORWARD_INFER, names.BACKWARD
     gemm_choices: tuple[GemmDecision, ...] = ()  # where each offloaded GEMM runs, and why
     executable: tvm.runtime.Executable | None = None
+    executable_loaded: bool = False  # the build found it in the disk cache (backend.executable_cache)
 
 
 @dataclass(frozen=True)

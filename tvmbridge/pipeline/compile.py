@@ -48,6 +48,7 @@ class CompileResult:
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
     sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at the compiled sample
     gemm_choices: tuple[GemmDecision, ...] = ()
+    executable_loaded: bool = False  # the build loaded it from the disk cache instead of compiling
 
     @property
     def num_outputs(self) -> int:
@@ -88,7 +89,8 @@ class CompileResult:
         return (
             f"{len(self.split.captures)} captured values ({self.captured_bytes() / 2**20:.2f} MiB), "
             f"{len(self.split.recomputed)} recomputed, {len(self.random_sites)} random inputs; "
-            f"compile {t.get('total', 0):.1f}s (build {t.get('build', 0):.1f}s)"
+            f"compile {t.get('total', 0):.1f}s (build {t.get('build', 0):.1f}s"
+            f"{', loaded from the disk cache' if self.executable_loaded else ''})"
         )
 
 
@@ -131,6 +133,7 @@ def compile_result(
         stages={**shown, **shown_rest},
         sizes=dict(done.sizes),
         gemm_choices=done.gemm_choices,
+        executable_loaded=done.executable_loaded,
     )
     if key is not None:
         CACHES.compiles.put(key, result)

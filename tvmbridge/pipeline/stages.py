@@ -192,13 +192,14 @@ def _fast_math(a: Artifacts) -> Artifacts:
 
 def _build(a: Artifacts) -> Artifacts:
     assert a.device is not None
-    exe = backend_build.compile_module(
-        a.halves, target_for(a.device), a.options.cpu_schedules, a.options.fuse, a.options.tuning_db
+    options = a.options
+    exe, loaded = backend_build.compile_or_load(
+        a.halves, target_for(a.device), options.cpu_schedules, options.fuse, options.tuning_db, options.disk_cache
     )
     if a.device.type == "cpu" and a.random_sites and a.options.mask_kernel:
         kernel_works()  # builds and checks the mask kernel now, not on the first call
     backend_build.load(exe, a.device)  # loads in this thread now: a failure is the build stage's
-    return dataclasses.replace(a, executable=exe)
+    return dataclasses.replace(a, executable=exe, executable_loaded=loaded)
 
 
 def _adjoint(a: Artifacts) -> tvm.IRModule:
@@ -250,7 +251,7 @@ STAGES: tuple[Stage, ...] = (
         _build,
         lambda a: a.executable,
         reads=("halves", "device", "options", "random_sites"),
-        writes=("executable",),
+        writes=("executable", "executable_loaded"),
     ),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)

@@ -137,7 +137,9 @@ def compile_inference(
     """Compile ``model``'s forward in eval mode for the sample's shapes (see the module docstring).
     ``options``/``overrides``: :class:`~tvmbridge.options.CompileOptions` fields (``offload_matmul``,
     ``fast_math``, ...); the model's train/eval mode is restored afterwards."""
-    opts = with_overrides(options, overrides)
+    # the weights are bound into the module as constants: a disk cache entry would be the model's
+    # size, and a key per state of its weights
+    opts = with_overrides(options, overrides).replace(disk_cache=False)
     args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     was_training = model.training
     model.eval()

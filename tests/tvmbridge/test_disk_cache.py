@@ -1,0 +1,181 @@
+"""The disk cache of compiled executables (``backend/executable_cache.py``): a new process with
+the same model loads what an earlier one compiled, with PyTorch's numbers; anything that changes
+the code is another key; a damaged entry is detected and compiled again; the directory stays
+within its bound; writes are atomic under concurrent stores; it can be turned off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import MLP, clone_module, max_errors, run_step
+from tvmbridge.backend import executable_cache
+from tvmbridge.backend.executable_cache import ExecutableCache
+from tvmbridge.caches import CACHES
+from tvmbridge.runtime.compiled import compile_training
+from tvmbridge.runtime.dispatch import add_tvm_dispatch, dispatcher_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("TVMBRIDGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "1")
+    return tmp_path / "executables"
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MLP(d=16, h=32)
+
+
+def _compile(model, x, **options):
+    CACHES.clear()  # the process cache would answer first
+    return compile_training(model, (x,), **options)
+
+
+def _dispatched(model, x, **options):
+    """A copy of ``model`` dispatched to TVM, and its compile."""
+    CACHES.clear()
+    module = add_tvm_dispatch(clone_module(model), (x,), **options)
+    return module, dispatcher_of(module).variants[0].compiled
+
+
+def _libraries(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.glob("*.so"))
+
+
+def test_second_compile_loads_and_matches_pytorch(cache_dir):
+    model, x = _model(), torch.randn(4, 16)
+    first, compiled = _dispatched(model, x)
+    assert not compiled.executable_loaded and len(_libraries(cache_dir)) == 1
+    second, compiled = _dispatched(model, x)
+    assert compiled.executable_loaded, "an equal module compiled again instead of loading"
+    assert "loaded from the disk cache" in compiled.summary()
+    for module in (first, second):
+        errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 1e-5, errs
+
+
+def test_options_that_change_the_code_are_another_key(cache_dir):
+    model, x = _model(), torch.randn(4, 16)
+    _compile(model, x)
+    other = _compile(model, x, fuse=False)
+    assert not other.executable_loaded
+    assert len(_libraries(cache_dir)) == 2
+    bigger = _compile(model, torch.randn(5, 16), dynamic=False)
+    assert not bigger.executable_loaded  # another shape: another module
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "record"])
+def test_a_damaged_entry_is_compiled_again(cache_dir, damage):
+    model, x = _model(), torch.randn(4, 16)
+    _compile(model, x)
+    (lib,) = _libraries(cache_dir)
+    data = lib.read_bytes()
+    # damaged as a disk or another process damages it: a new file in its place (this process has
+    # the library mapped, and a mapped file written in place is the loader's undefined behaviour)
+    damaged = lib.with_name("damaged")
+    if damage == "truncate":
+        damaged.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        damaged.write_bytes(data[:-100] + bytes(b ^ 0xFF for b in data[-100:]))
+    else:
+        lib, damaged = lib.with_suffix(".json"), lib.with_name("damaged.json")
+        damaged.write_text("{not json")
+    os.replace(damaged, lib)
+    with pytest.warns(UserWarning, match="damaged"):
+        again, compiled = _dispatched(model, x)
+    assert not compiled.executable_loaded
+    errs = max_errors(run_step(again, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 1e-5, errs
+    assert _compile(model, x).executable_loaded  # the entry was written anew, whole
+
+
+def test_turned_off_by_option_and_environment(cache_dir, monkeypatch):
+    model, x = _model(), torch.randn(4, 16)
+    assert not _compile(model, x, disk_cache=False).executable_loaded
+    assert not cache_dir.exists() or not _libraries(cache_dir)
+    monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "0")
+    _compile(model, x)
+    assert not cache_dir.exists() or not _libraries(cache_dir)
+
+
+def test_the_directory_stays_within_its_bound(cache_dir):
+    model = _model()
+    _compile(model, torch.randn(2, 16), dynamic=False)
+    (first,) = _libraries(cache_dir)
+    one = first.stat().st_size + first.with_suffix(".json").stat().st_size
+    cache = ExecutableCache(cache_dir, limit=int(one * 2.5))
+    os.utime(first.with_suffix(".json"), (1, 1))  # the oldest use
+    exe = compile_training(model, (torch.randn(3, 16),), dynamic=False, disk_cache=False).executable
+    for key in ("a" * 64, "b" * 64):
+        assert cache.store(key, exe)
+    assert first not in _libraries(cache_dir), "the least recently used entry was kept over the bound"
+    assert sum(size for _, size, _ in cache.entries()) <= cache.limit
+    assert {p.stem for p in _libraries(cache_dir)} == {"a" * 64, "b" * 64}
+
+
+def test_concurrent_stores_leave_one_whole_entry(cache_dir):
+    model, x = _model(), torch.randn(4, 16)
+    exe = compile_training(model, (x,), disk_cache=False).executable
+    cache = ExecutableCache(cache_dir)
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(cache.store("c" * 64, exe))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["c" * 64 + ".json", "c" * 64 + ".so"]
+    assert cache.load("c" * 64) is not None  # no temporary left, the record matches the library
+
+
+def test_an_unwritable_directory_is_a_warning_not_an_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TVMBRIDGE_CACHE_DIR", str(blocker))
+    monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "1")
+    executable_cache._warn_once.cache_clear()
+    model, x = _model(), torch.randn(4, 16)
+    with pytest.warns(UserWarning, match="could not store the compiled executable"):
+        module, _ = _dispatched(model, x)
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 1e-5, errs
+
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from tests.helpers import MLP, run_step
+    from tvmbridge import add_tvm_dispatch
+    from tvmbridge.runtime.dispatch import dispatcher_of
+    torch.manual_seed(0)
+    model = MLP(d=16, h=32)
+    x = torch.randn(4, 16)
+    add_tvm_dispatch(model, (x,))
+    outs, grads = run_step(model, (x,))
+    variants = dispatcher_of(model).variants
+    print("LOADED", all(v.compiled.executable_loaded for v in variants))
+    print("SUM", float(outs[0].sum()), float(sum(g.sum() for g in grads.values())))
+""")
+
+
+def test_a_new_process_loads_what_another_compiled(cache_dir):
+    env = {**os.environ, "TVMBRIDGE_CACHE_DIR": str(cache_dir.parent), "TVMBRIDGE_DISK_CACHE": "1"}
+    runs = [
+        subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    lines = [dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:4] in ("LOAD", "SUM ")) for r in runs]
+    assert lines[0]["LOADED"] == "False" and lines[1]["LOADED"] == "True", lines
+    assert lines[0]["SUM"] == lines[1]["SUM"]  # the same numbers from the loaded executable
