@@ -40,6 +40,7 @@ import torch
 
 from analysis.models import bert_layer, bert_layer_inputs
 from tvmbridge import CompileOptions, add_tvm_dispatch
+from tvmbridge.tools.roofline import roofline_cell, roofline_header, step_flops
 from tvmbridge.tools.timing import interleaved, machine_line, write_results
 
 
@@ -156,6 +157,7 @@ def bench_shape(batch: int, seq: int, args) -> dict:
                               "pytorch_saved": report.pytorch_saved_bytes, "recompute_MFLOP": report.recompute_flops / 1e6}
     eager = copy.deepcopy(base)
     layers["eager"] = eager
+    res["flops"] = step_flops(lambda: train_step(eager, x, mask)(0))
     if not args.no_compile:
         compiled = torch.compile(copy.deepcopy(base))
         t = time.perf_counter()
@@ -223,6 +225,7 @@ def bench_autocast(model: str, batch: int, seq: int, args) -> dict:
         call_of = lambda m: (lambda i: m(*task.args, **task.kwargs).loss)  # noqa: E731
         sample = (task.args, task.kwargs)
     res: dict = {"model": model, "shape": f"({batch},{seq})", "train_ms": {}, "compile_s": {}}
+    res["flops"] = step_flops(lambda: autocast_train_step(call_of(base), list(base.parameters()), None)(0))
     tvm_model = copy.deepcopy(base)
     t = time.perf_counter()
     with torch.autocast("cpu", dtype=low):
@@ -248,22 +251,25 @@ def bench_autocast(model: str, batch: int, seq: int, args) -> dict:
 
 
 def markdown_autocast(rows: list[dict], machine: str, args) -> str:
-    out = [f"machine: {machine}", bf16_path(), f"median of {args.runs} interleaved runs after {args.warmup} warm-up", "",
-           "| model | shape | variant | train step ms | vs eager autocast | vs eager float32 | compile s |",
-           "|---|---|---|---|---|---|---|"]
+    out = [f"machine: {machine}", roofline_header(), bf16_path(),
+           f"median of {args.runs} interleaved runs after {args.warmup} warm-up", "",
+           "| model | shape | variant | train step ms | vs eager autocast | vs eager float32 | rate (of its dtype's peak) "
+           "| compile s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ac, f32 = r["train_ms"]["eager autocast"], r["train_ms"]["eager float32"]
         for name, ms in r["train_ms"].items():
             comp = f"{r['compile_s'][name]:.1f}" if name in r["compile_s"] else ""
-            out.append(f"| {r['model']} | {r['shape']} | {name} | {ms:.1f} | {ms / ac:.2f}x | {ms / f32:.2f}x | {comp} |")
+            rate = roofline_cell(r["flops"], ms / 1e3, torch.float32 if "float32" in name else torch.bfloat16)
+            out.append(f"| {r['model']} | {r['shape']} | {name} | {ms:.1f} | {ms / ac:.2f}x | {ms / f32:.2f}x | {rate} "
+                       f"| {comp} |")
     return "\n".join(out)
 
 
 def markdown(rows: list[dict], machine: str, args) -> str:
-    out = [f"machine: {machine}", f"median of {args.runs} interleaved runs after {args.warmup} warm-up "
-           "(tvm-no-offload: fewer, timed alone)", ""]
-    out += ["| shape | variant | train step ms | vs eager | compile s | kept for backward MiB | PyTorch saved MiB |",
-            "|---|---|---|---|---|---|---|"]
+    out = [f"machine: {machine}", roofline_header((torch.float32,)), f"median of {args.runs} interleaved runs after "
+           f"{args.warmup} warm-up (tvm-no-offload: fewer, timed alone)", ""]
+    out += ["| shape | variant | train step ms | vs eager | rate (of float32 peak) | compile s | kept for backward MiB "
+            "| PyTorch saved MiB |", "|---|---|---|---|---|---|---|---|"]
     mib = 2**20
     for r in rows:
         eager = r["train_ms"]["eager"]
@@ -272,7 +278,8 @@ def markdown(rows: list[dict], machine: str, args) -> str:
             kept = f"{b['tvm_kept'] / mib:.2f}" if b else ""
             saved = f"{b['pytorch_saved'] / mib:.2f}" if b else ""
             comp = f"{r['compile_s'][name]:.1f}" if name in r["compile_s"] else ""
-            out.append(f"| {r['shape']} | {name} | {ms:.2f} | {ms / eager:.2f}x | {comp} | {kept} | {saved} |")
+            rate = roofline_cell(r["flops"], ms / 1e3)
+            out.append(f"| {r['shape']} | {name} | {ms:.2f} | {ms / eager:.2f}x | {rate} | {comp} | {kept} | {saved} |")
     out += ["", "| shape | inference (no_grad) tvm ms | eager ms | tvm/eager |", "|---|---|---|---|"]
     for r in rows:
         t, e = r["infer_ms"]["tvm"], r["infer_ms"]["eager"]
@@ -311,7 +318,7 @@ def main() -> None:
     args = ap.parse_args()
     machine = machine_line()
     if args.autocast:
-        print(machine, "\n" + bf16_path(), flush=True)
+        print(machine, "\n" + roofline_header(), "\n" + bf16_path(), flush=True)
         rows = []
         for spec in args.shapes.split(","):
             b, s = (int(v) for v in spec.split("x"))

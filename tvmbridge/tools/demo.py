@@ -19,7 +19,8 @@ from analysis.models import bert_layer, bert_layer_inputs
 
 from ..options import CompileOptions
 from ..runtime.dispatch import add_tvm_dispatch, dispatcher_of
-from .timing import interleaved
+from .roofline import roofline_cell, roofline_header, step_flops
+from .timing import interleaved, machine_line
 
 
 def _grad_copy(t: torch.Tensor) -> torch.Tensor:
@@ -80,6 +81,13 @@ def run(
         f"tvm {med['tvm'] * 1e3:.1f} ms, pytorch {med['pytorch'] * 1e3:.1f} ms, "
         f"ratio {med['tvm'] / med['pytorch']:.2f}x; "
         f"compile {compile_s:.1f}s; {torch.get_num_threads()} threads"
+    )
+    flops = step_flops(lambda: torch.nn.functional.mse_loss(ref(x.clone().requires_grad_(), mask), target).backward())
+    ref.zero_grad(set_to_none=True)
+    print(f"on {machine_line()}\n{roofline_header((torch.float32,))}")
+    print(
+        f"step {flops / 1e9:.2f} GFLOP: tvm {roofline_cell(flops, med['tvm'])}, "
+        f"pytorch {roofline_cell(flops, med['pytorch'])}"
     )
     return {"worst": worst, "step_ms": {k: v * 1e3 for k, v in med.items()}, "compile_s": compile_s}
 
