@@ -5,11 +5,14 @@ within its bound; writes are atomic under concurrent stores; it can be turned of
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -80,6 +83,7 @@ def test_a_damaged_entry_is_compiled_again(cache_dir, damage):
     model, x = _model(), torch.randn(4, 16)
     _compile(model, x)
     (lib,) = _libraries(cache_dir)
+    (record,) = cache_dir.glob("*.json")
     data = lib.read_bytes()
     # damaged as a disk or another process damages it: a new file in its place (this process has
     # the library mapped, and a mapped file written in place is the loader's undefined behaviour)
@@ -89,7 +93,7 @@ def test_a_damaged_entry_is_compiled_again(cache_dir, damage):
     elif damage == "flip":
         damaged.write_bytes(data[:-100] + bytes(b ^ 0xFF for b in data[-100:]))
     else:
-        lib, damaged = lib.with_suffix(".json"), lib.with_name("damaged.json")
+        lib = record
         damaged.write_text("{not json")
     os.replace(damaged, lib)
     with pytest.warns(UserWarning, match="damaged"):
@@ -113,15 +117,16 @@ def test_the_directory_stays_within_its_bound(cache_dir):
     model = _model()
     _compile(model, torch.randn(2, 16), dynamic=False)
     (first,) = _libraries(cache_dir)
-    one = first.stat().st_size + first.with_suffix(".json").stat().st_size
+    (record,) = cache_dir.glob("*.json")
+    one = first.stat().st_size + record.stat().st_size
     cache = ExecutableCache(cache_dir, limit=int(one * 2.5))
-    os.utime(first.with_suffix(".json"), (1, 1))  # the oldest use
+    os.utime(record, (1, 1))  # the oldest use
     exe = compile_training(model, (torch.randn(3, 16),), dynamic=False, disk_cache=False).executable
     for key in ("a" * 64, "b" * 64):
         assert cache.store(key, exe)
     assert first not in _libraries(cache_dir), "the least recently used entry was kept over the bound"
     assert sum(size for _, size, _ in cache.entries()) <= cache.limit
-    assert {p.stem for p in _libraries(cache_dir)} == {"a" * 64, "b" * 64}
+    assert {p.stem for p in cache_dir.glob("*.json")} == {"a" * 64, "b" * 64}
 
 
 def test_concurrent_stores_leave_one_whole_entry(cache_dir):
@@ -135,8 +140,32 @@ def test_concurrent_stores_leave_one_whole_entry(cache_dir):
     for t in threads:
         t.join()
     assert results == [True] * 4
-    assert sorted(p.name for p in cache_dir.iterdir()) == ["c" * 64 + ".json", "c" * 64 + ".so"]
-    assert cache.load("c" * 64) is not None  # no temporary left, the record matches the library
+    assert [p.name for p in cache_dir.glob(".tmp-*")] == []
+    assert [p.stem for p in cache_dir.glob("*.json")] == ["c" * 64] and len(_libraries(cache_dir)) == 1
+    assert cache.load("c" * 64) is not None
+
+
+def test_a_writer_replacing_an_entry_never_shows_a_half_one(cache_dir):
+    """Another process storing the same key with a different library (a nondeterministic build)
+    between this one's store and load: the record names the library it describes, so the reader
+    gets one whole entry, never one library checked against the other's record."""
+    model, x = _model(), torch.randn(4, 16)
+    exe = compile_training(model, (x,), disk_cache=False).executable
+    cache = ExecutableCache(cache_dir)
+    assert cache.store("d" * 64, exe)
+    (mine,) = _libraries(cache_dir)
+    theirs = cache_dir / ("d" * 64 + "-0123456789abcdef.so")
+    theirs.write_bytes(mine.read_bytes() + b"\0" * 64)  # another library, its own record
+    record = json.loads((cache_dir / ("d" * 64 + ".json")).read_text())
+    other = {**record, "library": theirs.name, "size": theirs.stat().st_size,
+             "sha256": hashlib.sha256(theirs.read_bytes()).hexdigest()}
+    (cache_dir / ("d" * 64 + ".json")).write_text(json.dumps(other))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "damaged" entry
+        assert cache.load("d" * 64) is not None
+    os.utime(mine, (1, 1))  # the replaced library, long unused: the next write's eviction removes it
+    cache.evict()
+    assert not mine.exists() and theirs.exists()
 
 
 def test_an_unwritable_directory_is_a_warning_not_an_error(tmp_path, monkeypatch):

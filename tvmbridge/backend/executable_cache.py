@@ -5,18 +5,19 @@ Content-addressed: the key is a digest of everything the build reads: the Relax 
 (its JSON), the target, the schedule options, the tuning database's state, the machine (CPU model,
 ISA flags, threads) and the versions of TVM, tvm-ffi, torch and the bridge's own source. Equal keys
 compile to the same code, so an entry is never stale: a changed pass, option or library is another
-key. An entry is the shared library ``export_library`` writes and a JSON record beside it (the
-library's digest and size); an entry that does not match its record, or does not load, is a
-warning, is removed, and the module compiles again.
+key. An entry is the shared library ``export_library`` writes, named by its own digest, and a JSON
+record ``<key>.json`` that names it (with its digest and size); an entry that does not match its
+record, or does not load, is a warning, is removed, and the module compiles again.
 
-Writes are atomic (a temporary file renamed into place), so two processes storing one module at
-once leave one whole entry. The directory is bounded (``TVMBRIDGE_CACHE_MAX_MB``, default 2048):
-after a write the least recently used entries go. ``TVMBRIDGE_DISK_CACHE=0`` or
+Writes are atomic (a temporary file renamed into place, the record last), so two processes storing
+one module at once leave one whole entry. The directory is bounded (``TVMBRIDGE_CACHE_MAX_MB``,
+default 2048): after a write the least recently used entries go. ``TVMBRIDGE_DISK_CACHE=0`` or
 ``CompileOptions(disk_cache=False)`` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -96,18 +97,23 @@ class ExecutableCache:
         self.root = root or cache_dir() / "executables"
         self.limit = max_bytes() if limit is None else limit
 
-    def _paths(self, key: str) -> tuple[Path, Path]:
-        return self.root / f"{key}.so", self.root / f"{key}.json"
+    def _record(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def _read_record(self, key: str) -> dict:
+        meta = json.loads(self._record(key).read_text())
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"not a format {FORMAT} record")
+        return meta
 
     def load(self, key: str) -> relax.VMExecutable | None:
         """The stored executable, or None (absent; a damaged entry is removed, with a warning)."""
-        lib, record = self._paths(key)
-        if not record.is_file() or not lib.is_file():
+        if not self._record(key).is_file():
             return None
+        lib = self.root / f"{key}.so"
         try:
-            meta = json.loads(record.read_text())
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT}")
+            meta = self._read_record(key)
+            lib = self.root / meta["library"]
             if lib.stat().st_size != meta["size"] or _file_digest(lib) != meta["sha256"]:
                 raise ValueError("the library does not match its record (truncated or changed)")
             exe = relax.VMExecutable(tvm.runtime.load_module(str(lib)))
@@ -119,13 +125,14 @@ class ExecutableCache:
             )
             self._remove(key)
             return None
-        os.utime(record)  # least recently used goes first
+        os.utime(self._record(key))  # least recently used goes first
         return exe
 
     def store(self, key: str, exe: tvm.runtime.Executable) -> bool:
-        """Write the entry atomically; False (with a warning) where it cannot be written (no C
-        compiler to link the library, a read-only directory)."""
-        lib, record = self._paths(key)
+        """Write the entry; False (with a warning) where it cannot be written (no C compiler to
+        link the library, a read-only directory). The library is named by its own digest and the
+        record, replaced atomically, names it: a process reading the entry while another writes
+        it sees the old entry or the new one, whole."""
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".so")
@@ -133,14 +140,11 @@ class ExecutableCache:
             try:
                 with self._export_lock:
                     exe.export_library(tmp)
-                meta = {
-                    "format": FORMAT,
-                    "sha256": _file_digest(Path(tmp)),
-                    "size": os.path.getsize(tmp),
-                    "created": time.time(),
-                }
-                os.replace(tmp, lib)  # the library first: a record always names a whole library
-                _write_atomic(record, json.dumps(meta))
+                digest = _file_digest(Path(tmp))
+                library = f"{key}-{digest[:16]}.so"
+                meta = {"format": FORMAT, "library": library, "sha256": digest, "size": os.path.getsize(tmp)}
+                os.replace(tmp, self.root / library)  # the library first: a record names a whole one
+                _write_atomic(self._record(key), json.dumps({**meta, "created": time.time()}))
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -157,15 +161,17 @@ class ExecutableCache:
         """(last use, bytes, key) of each whole entry, least recently used first."""
         out = []
         for record in self.root.glob("*.json"):
-            lib = record.with_suffix(".so")
             try:
+                lib = self.root / self._read_record(record.stem)["library"]
                 out.append((record.stat().st_mtime, lib.stat().st_size + record.stat().st_size, record.stem))
-            except OSError:  # removed by another process meanwhile
+            except (OSError, ValueError, KeyError):  # removed or being replaced by another process
                 continue
         return sorted(out)
 
-    def evict(self) -> None:
-        """Remove least recently used entries until the directory is within its bound."""
+    def evict(self, orphan_age_s: float = 600.0) -> None:
+        """Remove least recently used entries until the directory is within its bound, and
+        libraries no record names (a concurrent writer's, replaced) once older than
+        ``orphan_age_s``."""
         entries = self.entries()
         total = sum(size for _, size, _ in entries)
         for _, size, key in entries:
@@ -173,13 +179,20 @@ class ExecutableCache:
                 break
             self._remove(key)
             total -= size
+        named = set()
+        for _, _, key in self.entries():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                named.add(self._read_record(key)["library"])
+        for lib in self.root.glob("*.so"):
+            with contextlib.suppress(OSError):
+                if lib.name not in named and time.time() - lib.stat().st_mtime > orphan_age_s:
+                    lib.unlink()
 
     def _remove(self, key: str) -> None:
-        for path in self._paths(key):
-            try:
-                path.unlink()
-            except OSError:
-                pass
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            (self.root / self._read_record(key)["library"]).unlink()
+        with contextlib.suppress(OSError):
+            self._record(key).unlink()
 
 
 def _write_atomic(path: Path, text: str) -> None:
