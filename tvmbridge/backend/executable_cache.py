@@ -125,7 +125,8 @@ class ExecutableCache:
             )
             self._remove(key)
             return None
-        os.utime(self._record(key))  # least recently used goes first
+        with contextlib.suppress(OSError):  # a cache shared read-only still serves
+            os.utime(self._record(key))  # least recently used goes first
         return exe
 
     def store(self, key: str, exe: tvm.runtime.Executable) -> bool:
