@@ -35,12 +35,13 @@ COLUMNS = ("model", "family", "verdict", "reason / worst tensor", "compile s", "
            "TVM ms", "eager ms", "ratio")
 
 
-def run_one(name: str, timeout: float, verify: str, timing: bool, log_dir: Path, via: str = "dispatch") -> dict:
+def run_one(name: str, timeout: float, verify: str, timing: bool, log_dir: Path, via: str = "dispatch",
+            device: str = "cpu") -> dict:
     """One case in a fresh interpreter; its JSON result, or a CRASH naming how the process ended."""
     out = log_dir / f"{name}.json"
     log = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", "tvmbridge.tools.zoo.harness", name, "--json-out", str(out), "--verify", verify,
-           "--via", via]
+           "--via", via, "--device", device]
     if not timing:
         cmd.append("--no-timing")
     start = time.perf_counter()
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-timing", action="store_true", help="skip the timed steps")
     parser.add_argument("--via", choices=("dispatch", "backend"), default="dispatch",
                         help="add_tvm_dispatch (default) or torch.compile(model, backend=tvmbridge)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where models and batches live")
     parser.add_argument("--json", help="write all results (and the machine) to this file")
     parser.add_argument("--markdown", help="write the table as markdown (for the README) to this file")
     parser.add_argument("--logs", help="directory for each case's output and result (default: a temp dir)")
@@ -150,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     results: list[dict] = []
     for i, name in enumerate(names, 1):
-        result = run_one(name, args.timeout, args.verify, not args.no_timing, log_dir, args.via)
+        result = run_one(name, args.timeout, args.verify, not args.no_timing, log_dir, args.via, args.device)
         results.append(result)
         print(f"[{i}/{len(names)}] {name}: {result['verdict']} ({result.get('wall_s', 0):.0f} s) "
               f"{(result.get('reason') or '')[:160]}", flush=True)
         if args.json:  # after every case: a long run that is stopped keeps what it found
             Path(args.json).write_text(json.dumps({"machine": machine, "verify": args.verify, "via": args.via,
+                                                   "device": args.device,
                                                    "results": results}, indent=1))
     print()
     print(text_table(results))

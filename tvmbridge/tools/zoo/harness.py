@@ -137,6 +137,11 @@ def named_leaves(obj: Any, prefix: str = "out", depth: int = 0, seen: set | None
     return out
 
 
+def to_device(batch: Batch, device: str) -> Batch:
+    """The batch's tensors on ``device`` (the zoo's batches are made on the CPU, seeded)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def to_reference(batch: Batch) -> Batch:
     """The batch for the float64 reference: float tensors in float64."""
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
@@ -186,17 +191,18 @@ def compare(
 class Case:
     """The three models, their optimizers, and the steps of the protocol."""
 
-    def __init__(self, entry: ZooEntry, options: dict[str, Any], via: str = "dispatch") -> None:
+    def __init__(self, entry: ZooEntry, options: dict[str, Any], via: str = "dispatch", device: str = "cpu") -> None:
         from tvmbridge import add_tvm_dispatch, compile_backend
 
         self.entry = entry
+        self.device = torch.device(device)
         self.backend = None
         self.mismatches: list[list[Mismatch]] = []
         self.step3_variant: Any = None
         self.closest: tuple[float, str] = (0.0, "")  # the passing tensor nearest its tolerance
         torch.manual_seed(BUILD_SEED)
         with self.guard("eager", "build"):
-            eager = entry.build().train()
+            eager = entry.build().train().to(self.device)
         with self.guard("eager", "deepcopy"):
             tvm = copy.deepcopy(eager)
             ref = copy.deepcopy(eager).double()
@@ -318,6 +324,8 @@ class Case:
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the step's kernels inside its time
 
             return run
 
@@ -371,12 +379,18 @@ def compile_options(verify: bool | None) -> tuple[dict[str, Any], str]:
 
 
 def run_case(
-    entry: ZooEntry | str, *, verify: bool | None = None, timing: bool = True, via: str = "dispatch"
+    entry: ZooEntry | str,
+    *,
+    verify: bool | None = None,
+    timing: bool = True,
+    via: str = "dispatch",
+    device: str = "cpu",
 ) -> CaseResult:
     """Run the protocol on one entry (module docstring); never raises for the model's failures.
 
     ``verify``: passed as ``CompileOptions.verify`` when not None and the field exists (the
-    zoo's own runs pass False: the raw state of the bridge)."""
+    zoo's own runs pass False: the raw state of the bridge). ``device``: where all three copies
+    and the batches live (``"cuda"``: the bridge's CUDA build against PyTorch on the same GPU)."""
     from tvmbridge.errors import ConversionError, FallbackWarning
 
     entry = get(entry) if isinstance(entry, str) else entry
@@ -388,11 +402,11 @@ def run_case(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            case = Case(entry, options, via)
-            first = entry.make_batch(*FIRST, 1)
+            case = Case(entry, options, via, device)
+            first = to_device(entry.make_batch(*FIRST, 1), device)
             case.train_step("step 1", first)
             case.train_step("step 2", first)
-            case.train_step("step 3", entry.make_batch(*SECOND, 2))
+            case.train_step("step 3", to_device(entry.make_batch(*SECOND, 2), device))
             case.eval_step(first)
             result.verdict = "EXACT"
         except _StepError as failed:
@@ -452,9 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         default="dispatch",
         help="add_tvm_dispatch (default) or torch.compile(backend=tvmbridge)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and batches live")
     args = parser.parse_args(argv)
     verify = {"off": False, "on": True, "default": None}[args.verify]
-    result = run_case(args.name, verify=verify, timing=not args.no_timing, via=args.via)
+    result = run_case(args.name, verify=verify, timing=not args.no_timing, via=args.via, device=args.device)
     text = json.dumps(asdict(result))
     if args.json_out:
         with open(args.json_out, "w") as f:
