@@ -134,15 +134,10 @@ def lower(
             from .cpu_schedules import apply_cpu_schedules
 
             mod = apply_cpu_schedules(mod, target)
-        if target.kind.name in ("cuda", "rocm"):
-            from tvm.s_tir import dlight
+        if target.kind.name in ("cuda", "rocm") and schedule:  # unscheduled: for kernel_check only
+            from .gpu_schedules import apply_gpu_schedules
 
-            mod = dlight.ApplyDefaultSchedule(
-                dlight.gpu.Matmul(),
-                dlight.gpu.Reduction(),
-                dlight.gpu.GeneralReduction(),
-                dlight.gpu.Fallback(),
-            )(mod.clone())  # ApplyDefaultSchedule mutates its input
+            mod = apply_gpu_schedules(mod, target)
     return mod
 
 

@@ -1,10 +1,12 @@
-"""Every scheduled CPU kernel of a compile against its own unscheduled form, on random inputs.
+"""Every scheduled kernel of a compile against its own unscheduled form, on random inputs.
 
-The bridge's CPU schedules (``backend/cpu_schedules.py``) inline, fuse, split, vectorize and
-parallelize TVM's kernels; a schedule must never change what a kernel computes. This builds each
-kernel twice (TVM's serial loops, and the schedule ``apply_cpu_schedules`` gives it), runs both
-on the same random inputs and reports the largest difference. Kernels with symbolic sizes are
-left out (no sizes to draw inputs at).
+The bridge's CPU schedules (``backend/cpu_schedules.py``) and dlight's GPU rules
+(``backend/gpu_schedules.py``) inline, fuse, split, vectorize, bind threads and reduce across
+threads; a schedule must never change what a kernel computes. This builds each kernel twice
+(TVM's serial loops on the CPU, and the schedule the build gives it, on the compile's device),
+runs both on the same random inputs and reports the largest difference. Kernels with symbolic
+sizes are left out (no sizes to draw inputs at), and on a GPU those TOPI wrote for the GPU
+directly (already scheduled when legalized: no serial form to compare with).
 
     from tvmbridge.tools.kernel_check import check_kernels
     diffs = check_kernels(dispatched_module._tvm_dispatch.compiled)
@@ -14,7 +16,7 @@ left out (no sizes to draw inputs at).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,7 +24,8 @@ import tvm
 
 from ..backend.build import lower
 from ..backend.cpu_schedules import default_cpu_schedule
-from ..devices import target_for
+from ..backend.gpu_schedules import gpu_schedule_rules
+from ..devices import target_for, tvm_device
 
 if TYPE_CHECKING:
     from ..runtime.compiled import CompiledModule
@@ -48,40 +51,80 @@ def _static_shape(buf: tvm.tirx.Buffer) -> list[int] | None:
         return None
 
 
-def _run(func: tvm.tirx.PrimFunc, target: tvm.target.Target, args: list[np.ndarray]) -> list[np.ndarray]:
-    built = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)["main"]
-    tensors = [tvm.runtime.tensor(a.copy()) for a in args]
-    built(*tensors)
-    return [t.numpy() for t in tensors]
+def _run_all(funcs: dict[str, tvm.tirx.PrimFunc], target: tvm.target.Target, args: dict[str, list]) -> dict:
+    """Every kernel built in one module (one code generation, one nvcc call on a GPU) and run on
+    its own copy of its inputs; each kernel's buffers after the call."""
+    mod = tvm.IRModule({name: f.without_attr("target").with_attr("global_symbol", name) for name, f in funcs.items()})
+    built = tvm.compile(mod, target=target)
+    dev = tvm.cpu(0) if target.kind.name == "llvm" else tvm_device(torch.device("cuda"))
+    out = {}
+    for name in funcs:
+        tensors = [tvm.runtime.tensor(a.copy(), device=dev) for a in args[name]]
+        built[name](*tensors)
+        out[name] = [t.numpy() for t in tensors]
+    return out
+
+
+def _difference(got: np.ndarray, want: np.ndarray) -> float:
+    """The largest absolute difference where ``want`` is finite; inf where the non-finite
+    values (NaN, +-inf) are not the same ones at the same places."""
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    finite = np.isfinite(w)
+    if not np.array_equal(finite, np.isfinite(g)) or not np.array_equal(g[~finite], w[~finite], equal_nan=True):
+        return float("inf")
+    return float(np.abs(g[finite] - w[finite]).max()) if finite.any() else 0.0
+
+
+def _binds_threads(func: tvm.tirx.PrimFunc) -> bool:
+    """Whether ``func`` is already a GPU kernel (TOPI's own GPU forms): no serial form to run."""
+    if func.attrs and "tirx.is_scheduled" in func.attrs:
+        return True
+    text = func.script()  # TIR has no Python visitor in TVM 0.27
+    return "T.launch_thread(" in text or "T.thread_binding(" in text
+
+
+def _gpu_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> Any:
+    """The schedule the GPU build gives ``func``: the first guarded dlight rule that applies."""
+    with target:
+        for rule in gpu_schedule_rules():
+            space = rule.apply(func, target, False)
+            if space is not None:
+                return space[0] if isinstance(space, list) else space
+    return None
 
 
 def check_kernels(compiled: CompiledModule, seed: int = 0) -> list[KernelDiff]:
-    """Each scheduled static-shape kernel of ``compiled`` (a ``CompiledModule`` for CPU) against
-    its unscheduled form."""
-    target = target_for(torch.device("cpu"))
+    """Each scheduled static-shape kernel of ``compiled`` against its unscheduled form (on the
+    CPU); the scheduled one runs on the compile's device (a CPU or a CUDA GPU)."""
+    device = compiled.device if compiled.device is not None else torch.device("cpu")
+    target, cpu = target_for(device), target_for(torch.device("cpu"))
     mod = lower(compiled.stages["fast_math"], target, schedule=False, fuse=compiled.options.fuse)
     rng = np.random.default_rng(seed)
-    diffs = []
+    serial, scheduled, args = {}, {}, {}
     for gv, func in mod.functions.items():
-        if not isinstance(func, tvm.tirx.PrimFunc):
+        if not isinstance(func, tvm.tirx.PrimFunc) or _binds_threads(func):
             continue
         shapes = [_static_shape(p.ty) for p in func.params]
-        sch = default_cpu_schedule(func, target) if all(s is not None for s in shapes) else None
+        if any(s is None for s in shapes):
+            continue
+        sch = default_cpu_schedule(func, target) if device.type == "cpu" else _gpu_schedule(func, target)
         if sch is None:
             continue
-        args = []
-        for p, shape in zip(func.params, shapes):
-            dtype = str(p.ty.dtype)
-            args.append(
-                rng.standard_normal(shape).astype(dtype)
-                if "float" in dtype
-                else rng.integers(0, 2, shape).astype(dtype)
-            )
-        want, got = _run(func, target, args), _run(sch.mod["main"], target, args)
-        diff = max(
-            (float(np.abs(g.astype(np.float64) - w.astype(np.float64)).max()) for g, w in zip(got, want) if w.size),
-            default=0.0,
-        )
-        top = max((float(np.abs(w.astype(np.float64)).max()) for w in want if w.size), default=0.0)
-        diffs.append(KernelDiff(gv.name_hint, diff, top))
+        name = gv.name_hint
+        serial[name], scheduled[name] = func, sch.mod["main"]
+        args[name] = [
+            rng.standard_normal(shape).astype(str(p.ty.dtype))
+            if "float" in str(p.ty.dtype)
+            else rng.integers(0, 2, shape).astype(str(p.ty.dtype))
+            for p, shape in zip(func.params, shapes)
+        ]
+    if not serial:
+        return []
+    wants, gots = _run_all(serial, cpu, args), _run_all(scheduled, target, args)
+    diffs = []
+    for name in serial:
+        want, got = wants[name], gots[name]
+        diff = max((_difference(g, w) for g, w in zip(got, want) if w.size), default=0.0)
+        top = max((float(np.abs(w[np.isfinite(w)]).max(initial=0.0)) for w in want if w.size), default=0.0)
+        diffs.append(KernelDiff(name, diff, top))
     return diffs
