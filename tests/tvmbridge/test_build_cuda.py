@@ -1,9 +1,11 @@
 """The CUDA build path: both halves compile for target ``cuda`` with nvcc (nothing runs here)."""
+
 from __future__ import annotations
 
 import shutil
 
 import pytest
+import tvm
 import torch
 
 from tvmbridge import devices
@@ -35,3 +37,41 @@ def test_forward_and_backward_compile_for_cuda():
     assert cuda, "no CUDA device module in the executable"
     src = cuda[0].inspect_source()
     assert "__global__" in src or ".entry" in src
+
+
+def test_convolutions_and_max_pool_backward_compile_for_cuda():
+    """A ResNet stem (strided 7x7 convolution, batch norm, padded 3x3 max pool): dlight's Matmul
+    rule asserts on its convolutions' backward and GeneralReduction gives the max pool's backward
+    (an argmax) a cross-thread reduction TIR cannot lower; guarded, both leave those kernels to
+    the next rule, and the whole training graph builds."""
+    from torch import nn
+
+    stem = nn.Sequential(
+        nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+        nn.Conv2d(8, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+    compiled = compile_training(stem, (torch.randn(2, 3, 32, 32),))
+    exe = build.compile_module(compiled.stages["split"], devices.target_for(torch.device("cuda")))
+    assert [m for m in _modules(exe.mod) if m.kind == "cuda"]
+
+
+def test_a_rule_that_raises_or_does_not_lower_leaves_the_kernel_to_the_next():
+    from tvm.s_tir import dlight
+
+    from tvmbridge.backend.gpu_schedules import Guarded, apply_gpu_schedules
+
+    class Raises(dlight.ScheduleRule):
+        def apply(self, func, target, tunable):
+            raise AssertionError("a rule's bug")
+
+    guarded = Guarded(Raises())
+    compiled = compile_training(MLP(), (torch.randn(4, 32),))
+    target = devices.target_for(torch.device("cuda"))
+    lowered = build.lower(compiled.stages["split"], target, schedule=False)
+    func = next(f for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    assert guarded.apply(func, target, False) is None
+    assert guarded.refusals and "a rule's bug" in guarded.refusals[0][1]
+    scheduled = apply_gpu_schedules(lowered, target)
+    funcs = [f for f in scheduled.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert funcs and all("tirx.is_scheduled" in f.attrs for f in funcs)

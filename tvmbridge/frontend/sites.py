@@ -63,6 +63,7 @@ class RandomSite:
     stride: tuple[int | str, ...]
     dtype: torch.dtype
     p: float = 0.0
+    offset: int | str = 0  # a dropout input's storage offset (a GPU's fused kernel reads its alignment)
     op: Any = None
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
@@ -74,6 +75,7 @@ class RandomSite:
         return any(
             isinstance(d, str)
             for d in (
+                self.offset,
                 *self.shape,
                 *self.stride,
                 *(x for m in metas for x in m.shape),
@@ -91,6 +93,7 @@ class RandomSite:
             self,
             shape=evaluate_dims(self.shape, sizes),
             stride=evaluate_dims(self.stride, sizes),
+            offset=evaluate_dims((self.offset,), sizes)[0],
             args=args,
             kwargs=kwargs,
         )

@@ -7,7 +7,7 @@ In graph order, site by site, so the generator advances exactly as in the eager 
   large contiguous one by ``kernels.mt19937``, the same stream drawn vectorized, where its
   start-up check passed (a bfloat16/float16 mask drawn in float32 and converted: ATen's
   ``bernoulli_`` samples in double whatever the dtype, checked once per dtype). On CUDA/ROCm the fused
-  ``native_dropout`` kernel on ones;
+  ``native_dropout`` kernel on ones laid out as eager's input was (:func:`ones_laid_out_as`);
 * any other random op by calling the same aten op with empty tensors of the recorded layout in
   place of its tensor arguments (whose values it does not read).
 """
@@ -30,11 +30,10 @@ def _dropout_mask(site: RandomSite, device: torch.device, fast: bool) -> torch.T
     keep = 1 - site.p
     # eager's noise is ``empty_like(input)``: the input's strides where they are dense, else
     # contiguous (an expanded input, stride 0: XLNet's position embeddings)
+    if device.type != "cpu":
+        return torch.native_dropout(ones_laid_out_as(site, device), site.p, True)[0]
     shape, stride = int_dims(site.shape), int_dims(site.stride)
     noise = torch.empty_like(torch.empty_strided(shape, stride, dtype=site.dtype, device=device))
-    if device.type != "cpu":
-        noise.fill_(1)
-        return torch.native_dropout(noise, site.p, True)[0]
     if fast and noise.is_contiguous() and noise.numel() >= mt19937.MIN_ELEMENTS and draws_like_float32(site.dtype):
         if site.dtype == torch.float32:
             mt19937.bernoulli_(noise, keep)
@@ -43,6 +42,22 @@ def _dropout_mask(site: RandomSite, device: torch.device, fast: bool) -> torch.T
     else:
         noise.bernoulli_(keep)
     return noise.div_(keep)
+
+
+OFFSET_PERIOD = 64  # elements: keeps a storage offset's alignment to 64 bytes and more, for any dtype
+
+
+def ones_laid_out_as(site: RandomSite, device: torch.device) -> torch.Tensor:
+    """Ones with the strides of the dropout's input as traced, starting at its storage offset
+    modulo :data:`OFFSET_PERIOD`. The fused CUDA/ROCm dropout kernel hands its random numbers
+    out to elements one way for a dense input whose first element is 16-byte aligned (vectorized)
+    and another way otherwise (a slice ``x[:, 0]``, an expanded or an offset view), so the
+    same mask needs an input that takes the same kernel as eager's did."""
+    shape, stride = int_dims(site.shape), int_dims(site.stride)
+    offset = int(site.offset) % OFFSET_PERIOD
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride)) if all(n > 0 for n in shape) else 0
+    storage = torch.ones(offset + extent, dtype=site.dtype, device=device)  # filled before any overlap
+    return storage.as_strided(shape, stride, offset)
 
 
 @functools.cache

@@ -137,7 +137,8 @@ def _dropout_expr(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     if uses_of_item(node, 1) and op_name(node) == "native_dropout.default":
         raise UnsupportedOpError("convert", "the boolean mask output of native_dropout is used", op="native_dropout")
     val = args[0].meta["val"]
-    site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(args[1]))
+    offset = _dims((val.storage_offset(),))[0]
+    site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(args[1]), offset=offset)
     # the mask's shape from the trace (a Relax type after a tuple getitem may not carry one)
     mask = importer.random_input(site, str(val.dtype).removeprefix("torch."), [importer.prim(d) for d in val.shape])
     return importer.block_builder.emit(relax.op.multiply(x, mask))
