@@ -5,12 +5,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import tvm
 import torch
+import tvm
 
-from tvmbridge import devices
+from tvmbridge import compile_training, devices
 from tvmbridge.backend import build
-from tvmbridge import compile_training
 
 from ..helpers import MLP
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
 
 from tvmbridge import compile_training
