@@ -173,13 +173,21 @@ class CompileOptions:
         return with_overrides(self, changes)
 
     def gemm_backend(self, device_type: str) -> str | None:
-        """The offload backend for a device (None: TVM's own matmul kernels)."""
+        """The offload backend for a device (None: TVM's own matmul kernels). Off the CPU only
+        ``torch`` (cuBLAS/hipBLAS) runs a GPU's tensors: ``True``/``'auto'`` mean it there, and
+        ``'onednn'`` (a CPU library) is an error that says so."""
         choice = self.offload_matmul
         if choice is None:
             choice = device_type == "cpu"
         if choice is False:
             return None
-        return "auto" if choice is True else str(choice)
+        backend = "auto" if choice is True else str(choice)
+        if device_type != "cpu" and backend == "onednn":
+            raise ValueError(
+                f"offload_matmul='onednn' runs on the CPU only; on {device_type} use 'torch' (its GEMM "
+                "library through torch.matmul) or False (TVM's own kernels)"
+            )
+        return backend if device_type == "cpu" else "torch"
 
     @property
     def policy_name(self) -> str:

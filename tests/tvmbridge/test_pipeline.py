@@ -76,6 +76,11 @@ def test_one_options_object_serves_the_api_and_the_command_line(capsys):
     assert opts.replace(fuse=False) == CompileOptions(capture="all", fast_math=False, fuse=False)
     assert opts.gemm_backend("cpu") == "auto" and opts.gemm_backend("cuda") is None
     assert CompileOptions(offload_matmul=False).gemm_backend("cpu") is None
+    # a GPU's tensors run on torch's GEMM library only: 'auto' means it there, oneDNN is refused
+    assert CompileOptions(offload_matmul=True).gemm_backend("cuda") == "torch"
+    assert CompileOptions(offload_matmul="auto").gemm_backend("cuda") == "torch"
+    with pytest.raises(ValueError, match="CPU only"):
+        CompileOptions(offload_matmul="onednn").gemm_backend("cuda")
     torch.manual_seed(0)
     m = MLP()
     ref = clone_module(m)
