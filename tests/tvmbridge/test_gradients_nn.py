@@ -315,6 +315,28 @@ def test_vector_norm(ord_, dim):
     check(Fn(lambda x: torch.linalg.vector_norm(x, ord_, dim)), x)
 
 
+def test_a_parameter_seen_only_by_a_count_of_nonzeros_keeps_grad_none():
+    """PyTorch's ``vector_norm(ord=0)`` backward is undefined: a parameter reached only through
+    it keeps ``.grad`` None (an optimizer then skips it: no weight decay, no moments), as an
+    input used elsewhere still gets its gradient."""
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w, self.counted = nn.Parameter(randn(4)), nn.Parameter(randn(4, seed=1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * self.w).sum() + torch.linalg.vector_norm(self.counted, 0) + torch.linalg.vector_norm(x, 0)
+
+    module, x = Counted(), randn(3, 4).requires_grad_()
+    ref = clone_module(module)
+    add_tvm_dispatch(module, (x,), verify=False)
+    module(x).backward()
+    ref(x.detach().clone().requires_grad_()).backward()
+    assert module.counted.grad is None and ref.counted.grad is None
+    assert module.w.grad is not None and torch.allclose(module.w.grad, ref.w.grad)
+
+
 # --- where and safe softmax ------------------------------------------------------------------------
 def test_where_gradient_sums_a_broadcast_branch():
     """Minimal reproduction: Relax's own ``where`` gradient returns each branch's gradient at the

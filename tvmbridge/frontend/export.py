@@ -336,6 +336,19 @@ def _constant_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[i
     return frozenset(found)
 
 
+def _passes_no_gradient(node: torch.fx.Node) -> bool:
+    """Ops whose backward PyTorch leaves undefined for their inputs: ``detach``, and
+    ``linalg_vector_norm`` with ``ord=0`` (a count of nonzeros), so an input reached only
+    through them keeps ``.grad`` None."""
+    name = getattr(node.target, "__name__", "")
+    if name == "detach.default":
+        return True
+    if name == "linalg_vector_norm.default":
+        ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+        return ord_ == 0
+    return False
+
+
 def _inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
     """The export's inputs (by position) from which no floating-point user output can be reached
     through floating-point values: PyTorch leaves their ``.grad`` None (an unused ``mask_token``, a
@@ -356,8 +369,8 @@ def _inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> fro
         if node in reached:
             continue
         reached.add(node)
-        if getattr(node.target, "__name__", "") == "detach.default":
-            continue  # no gradient flows through a detach
+        if _passes_no_gradient(node):
+            continue
         stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
     placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
     return frozenset(i for i, spec in enumerate(_user_input_specs(ep)) if placeholders[spec.arg.name] not in reached)
