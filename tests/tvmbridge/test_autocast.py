@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tvmbridge import FallbackWarning, add_tvm_dispatch, compile_inference
+from tvmbridge.errors import VerificationWarning
 
 from ..helpers import is_tvm
 
@@ -294,8 +295,12 @@ def test_whole_model_under_autocast(name, train):
         out.loss.backward()
         return (out.loss.reshape(1),), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
-    got = run(task.model, False, True)
-    assert task.model._tvm_dispatch.calls_tvm == 1
+    with warnings.catch_warnings():
+        # the first-call check keeps the variant: bfloat16 gradients as far from float32's as
+        # eager's own are (ResNet's convolution weights: ~20% of their size) are not a mismatch
+        warnings.simplefilter("error", VerificationWarning)
+        got = run(task.model, False, True)
+    assert task.model._tvm_dispatch.calls_tvm == 1 and not task.model._tvm_dispatch.discarded
     assert_as_accurate_as_eager(got, run(ref, False, True), run(exact, True, False), torch.bfloat16)
     for (n, b), b_ref in zip(task.model.named_buffers(), ref.buffers()):
         if b.is_floating_point():

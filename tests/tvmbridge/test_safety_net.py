@@ -69,6 +69,27 @@ def test_wrong_converter_is_caught_on_the_first_call(converter, where: str) -> N
     assert dispatch.calls_fallback >= 1
 
 
+def test_under_autocast_a_wrong_gradient_is_caught_against_the_float32_reference(monkeypatch) -> None:
+    """Under autocast a gradient outside bfloat16's tolerance is judged again against the same
+    call run without autocast (eager's own rounding error is the allowance): a wrong gradient is
+    not as close to it as eager's, and is still caught."""
+    from tvmbridge.runtime import verify
+
+    judged = []
+    original = verify._as_close_as_eager
+    monkeypatch.setattr(verify, "_as_close_as_eager", lambda *a: judged.append(original(*a)) or judged[-1])
+    torch.manual_seed(0)
+    eager = MLP().train()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), converters={"relu.default": _relu_wrong_gradient})
+    x = torch.randn(5, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(VerificationWarning, match="its gradients disagreed with PyTorch's"):
+            got = _step(tvm, x)
+        want = _step(eager, x)
+    assert judged and not all(judged)  # the reference was there, and did not excuse the error
+    torch.testing.assert_close(got[1]["a.weight"], want[1]["a.weight"])  # PyTorch's values stand
+
+
 def test_without_the_net_the_wrong_converter_is_silently_wrong() -> None:
     """The net is what catches it (so the test above tests the net, not the converter)."""
     torch.manual_seed(0)

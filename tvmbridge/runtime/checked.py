@@ -56,7 +56,6 @@ def run_checked(
         dispatcher.discard(variant, args, kwargs, "PyTorch raises an error on this call", warn=False)
         raise
     after = rng_states(compiled.device)
-    set_rng_states(before, compiled.device)
     paths = labelled_output_tensors(eager_out)[0]
     precision = traced.autocast.dtype if traced.autocast is not None else None  # autocast rounds to it
     n_user = traced.num_user_outputs
@@ -64,13 +63,19 @@ def run_checked(
     if needs_grad:
         differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
         leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
+        reference = None
+        if precision is not None:
+            set_rng_states(before, compiled.device)
+            reference = _full_precision(dispatcher, compiled, inputs, paths, differentiable, precision)
         check = GradientCheck(
             leaves,
             inputs,
             variant.tensor_names(),
             lambda found: _gradients_checked(dispatcher, variant, args, kwargs, found),
             precision,
+            reference,
         )
+    set_rng_states(before, compiled.device)
     found: str | None  # what went wrong, if anything
     try:
         outs = dispatcher.execute(variant, fitted, needs_grad, before, args, kwargs, check)
@@ -95,6 +100,32 @@ def run_checked(
         for (_, tensor), new in zip(update_targets(compiled, fitted.tensors), eager_state):
             tensor.copy_(new)
     return eager_out
+
+
+def _full_precision(
+    dispatcher: Dispatcher,
+    compiled: Any,
+    inputs: list[torch.Tensor],
+    paths: list[tuple[str, torch.Tensor]],
+    differentiable: list[bool],
+    precision: torch.dtype,
+) -> list[torch.Tensor | None] | None:
+    """Under autocast: the same call with autocast off, from the same generator state (the same
+    dropout masks), as the reference that measures eager's own rounding (``GradientCheck``).
+    None where it cannot serve: PyTorch fails without autocast, or its outputs are not eager's
+    to the low precision's tolerance (a random op that draws differently by dtype, say)."""
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            out, _ = dispatcher.eager.call(compiled, inputs, full_precision=True)
+    except Exception:  # noqa: BLE001 - no reference: the check stays at the dtype's tolerance
+        return None
+    ref_paths = labelled_output_tensors(out)[0]
+    if len(ref_paths) != len(paths):
+        return None
+    pairs = [(where, ref.to(want.dtype), want) for (where, want), (_, ref) in zip(paths, ref_paths)]
+    if worst(pairs, precision) is not None:
+        return None
+    return [ref_paths[i][1] if d else None for i, d in enumerate(differentiable)]
 
 
 def _gradients_checked(

@@ -66,10 +66,13 @@ class EagerForward:
         compiled code returns them (for a double backward)."""
         return flatten_output(self.call(compiled, tensors)[0])[0]
 
-    def call(self, compiled: CompiledModule, tensors: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]]:
+    def call(
+        self, compiled: CompiledModule, tensors: list[torch.Tensor], full_precision: bool = False
+    ) -> tuple[Any, list[torch.Tensor]]:
         """PyTorch's forward on the given call and state tensors: its output, and the new values
         of the buffers and inputs it updates, in the compiled outputs' order (updated on clones,
-        so they are not updated twice)."""
+        so they are not updated twice). ``full_precision``: with autocast off, whatever the
+        variant was traced under (the safety net's reference for a low-precision call)."""
         traced = compiled.traced
         user = [t.clone() if i in traced.updated_inputs else t for i, t in enumerate(tensors[: traced.num_user_inputs])]
         pending = iter(user)
@@ -85,7 +88,7 @@ class EagerForward:
             # tensors swapped for these meanwhile; its forward alone (its own hooks run around this call)
             with (
                 TRACING.writing(),
-                AutocastState.entered(traced.autocast, compiled.device.type),
+                AutocastState.entered(None if full_precision else traced.autocast, compiled.device.type),
                 _reparametrize_module(self.module, state, tie_weights=True, strict=False),
             ):
                 out = self(*args, **kwargs)
