@@ -345,7 +345,7 @@ def _passes_no_gradient(node: torch.fx.Node) -> bool:
         return True
     if name == "linalg_vector_norm.default":
         ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
-        return ord_ == 0
+        return isinstance(ord_, (int, float)) and ord_ == 0
     return False
 
 

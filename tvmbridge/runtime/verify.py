@@ -175,7 +175,7 @@ class GradientCheck:
             g.to(o.dtype) if g is not None and o is not None else g
             for o, g in zip(self.reference_outputs, grad_outputs)
         ]
-        refs = _gradients(reference, self.inputs, needs, widened)
+        refs = _gradients(self.reference_outputs, self.inputs, needs, widened)
         exact = {f"gradient of {name}": r for name, r, need in zip(self.names, refs, needs) if need}
         floor = GROUP_FLOOR * max((_magnitude(w) for _, _, w in pairs), default=0.0)
         left = [
