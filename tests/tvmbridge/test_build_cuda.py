@@ -58,19 +58,28 @@ def test_convolutions_and_max_pool_backward_compile_for_cuda():
 def test_a_rule_that_raises_or_does_not_lower_leaves_the_kernel_to_the_next():
     from tvm.s_tir import dlight
 
-    from tvmbridge.backend.gpu_schedules import Guarded, apply_gpu_schedules
+    from tvmbridge.backend.gpu_schedules import Guarded, gpu_schedule_rules
 
     class Raises(dlight.ScheduleRule):
         def apply(self, func, target, tunable):
             raise AssertionError("a rule's bug")
 
-    guarded = Guarded(Raises())
-    compiled = compile_training(MLP(), (torch.randn(4, 32),))
+    class DoesNotLower(dlight.ScheduleRule):  # GeneralReduction's argmax schedule, found in a max pool's backward
+        def apply(self, func, target, tunable):
+            return dlight.gpu.GeneralReduction().apply(func, target, tunable)
+
     target = devices.target_for(torch.device("cuda"))
+    nn = torch.nn
+    stem = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Flatten(), nn.Linear(64, 2)
+    )  # the max pool's backward fused with ReLU's: the argmax reduction GeneralReduction mis-schedules
+    compiled = compile_training(stem, (torch.randn(2, 3, 8, 8),))
     lowered = build.lower(compiled.stages["split"], target, schedule=False)
-    func = next(f for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
-    assert guarded.apply(func, target, False) is None
-    assert guarded.refusals and "a rule's bug" in guarded.refusals[0][1]
-    scheduled = apply_gpu_schedules(lowered, target)
+    first, second = Guarded(Raises()), Guarded(DoesNotLower())
+    with target:
+        scheduled = dlight.ApplyDefaultSchedule(first, second, *gpu_schedule_rules())(lowered.clone())
     funcs = [f for f in scheduled.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert funcs and all("tirx.is_scheduled" in f.attrs for f in funcs)
+    assert funcs and all("tirx.is_scheduled" in f.attrs for f in funcs)  # every kernel found a rule
+    assert first.refusals and all("a rule's bug" in why for _, why in first.refusals)
+    assert any("cross-thread reduction" in why for _, why in second.refusals)  # refused by the lowering check
+    build.compile_module(compiled.stages["split"], target)  # and the whole graph builds

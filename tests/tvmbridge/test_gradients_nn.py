@@ -333,6 +333,7 @@ def test_a_parameter_seen_only_by_a_count_of_nonzeros_keeps_grad_none():
     add_tvm_dispatch(module, (x,), verify=False)
     module(x).backward()
     ref(x.detach().clone().requires_grad_()).backward()
+    assert module._tvm_dispatch.calls_tvm == 1
     assert module.counted.grad is None and ref.counted.grad is None
     assert module.w.grad is not None and torch.allclose(module.w.grad, ref.w.grad)
 

@@ -71,13 +71,13 @@ def test_wrong_converter_is_caught_on_the_first_call(converter, where: str) -> N
 
 def test_under_autocast_a_wrong_gradient_is_caught_against_the_float32_reference(monkeypatch) -> None:
     """Under autocast a gradient outside bfloat16's tolerance is judged again against the same
-    call run without autocast (eager's own rounding error is the allowance): a wrong gradient is
-    not as close to it as eager's, and is still caught."""
+    call run without autocast: a wrong gradient is not within the tolerance of that either, and
+    is still caught."""
     from tvmbridge.runtime import verify
 
     judged = []
-    original = verify._as_close_as_eager
-    monkeypatch.setattr(verify, "_as_close_as_eager", lambda *a: judged.append(original(*a)) or judged[-1])
+    original = verify._excused
+    monkeypatch.setattr(verify, "_excused", lambda *a: judged.append(original(*a)) or judged[-1])
     torch.manual_seed(0)
     eager = MLP().train()
     tvm = add_tvm_dispatch(copy.deepcopy(eager), converters={"relu.default": _relu_wrong_gradient})

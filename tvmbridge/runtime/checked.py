@@ -8,6 +8,7 @@ backward. A disagreement discards the variant and this call returns PyTorch's re
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,9 +65,10 @@ def run_checked(
         differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
         leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
         reference = None
-        if precision is not None:
-            set_rng_states(before, compiled.device)
-            reference = _full_precision(dispatcher, compiled, inputs, paths, differentiable, precision)
+        if precision is not None:  # run at the first backward, only if a gradient needs it
+            reference = functools.partial(
+                _full_precision, dispatcher, compiled, inputs, paths, differentiable, precision, before
+            )
         check = GradientCheck(
             leaves,
             inputs,
@@ -109,16 +111,22 @@ def _full_precision(
     paths: list[tuple[str, torch.Tensor]],
     differentiable: list[bool],
     precision: torch.dtype,
+    rng: dict[str, torch.Tensor],
 ) -> list[torch.Tensor | None] | None:
-    """Under autocast: the same call with autocast off, from the same generator state (the same
-    dropout masks), as the reference that measures eager's own rounding (``GradientCheck``).
-    None where it cannot serve: PyTorch fails without autocast, or its outputs are not eager's
-    to the low precision's tolerance (a random op that draws differently by dtype, say)."""
+    """Under autocast: the same call with autocast off, from the call's generator state ``rng``
+    (the same dropout masks; the generator is left as it was), the full-precision values the
+    gradient check judges against (``GradientCheck``). None where it cannot serve: PyTorch
+    fails without autocast, or its outputs are not eager's to the low precision's tolerance (a
+    random op that draws differently by dtype, say)."""
+    now = rng_states(compiled.device)
+    set_rng_states(rng, compiled.device)
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             out, _ = dispatcher.eager.call(compiled, inputs, full_precision=True)
     except Exception:  # noqa: BLE001 - no reference: the check stays at the dtype's tolerance
         return None
+    finally:
+        set_rng_states(now, compiled.device)
     ref_paths = labelled_output_tensors(out)[0]
     if len(ref_paths) != len(paths):
         return None

@@ -146,9 +146,9 @@ class GradientCheck:
     names: list[str]  # per call tensor (the call's, then the module's state)
     on_result: Callable[[Discrepancy | None], None]
     precision: torch.dtype | None = None  # autocast's dtype: the gradients carry its rounding
-    # under autocast: the same call's outputs computed without it (same masks), whose gradients
-    # measure how far eager's own low-precision gradients are from the exact ones
-    reference_outputs: list[torch.Tensor | None] | None = None
+    # under autocast, run only if a gradient is outside the dtype's tolerance: the same call's
+    # outputs without autocast (same masks), the full-precision values to judge it against again
+    reference: Callable[[], list[torch.Tensor | None] | None] | None = None
 
     def eager_gradients(
         self, needs: tuple[bool, ...], grad_outputs: list[torch.Tensor | None]
@@ -163,38 +163,49 @@ class GradientCheck:
         needs: tuple[bool, ...],
         grad_outputs: list[torch.Tensor | None] | None = None,
     ) -> Discrepancy | None:
-        """The worst gradient outside float noise. Under autocast, a gradient outside the dtype's
-        tolerance is judged again against the full-precision reference: it passes when it is as
-        close to the reference as eager's own gradient is (within twice eager's distance), which
-        a real bug's error is not."""
+        """The worst gradient outside float noise. Under autocast eager's own gradients may be
+        further from the exact ones than the dtype's tolerance (rounding at every op, where the
+        compiled code accumulates in float32): a gradient outside it is judged again against
+        the full-precision run, and passes only if it is within the tolerance of that, or at
+        least as close to it as eager's own gradient is."""
         pairs = [(f"gradient of {name}", g, w) for name, g, w, need in zip(self.names, got, want, needs) if need]
         found = worst(pairs, self.precision)
-        if found is None or self.reference_outputs is None or grad_outputs is None:
+        if found is None or self.reference is None or grad_outputs is None:
             return found
-        widened = [
-            g.to(o.dtype) if g is not None and o is not None else g
-            for o, g in zip(self.reference_outputs, grad_outputs)
-        ]
-        refs = _gradients(self.reference_outputs, self.inputs, needs, widened)
+        outputs = self.reference()
+        if outputs is None:
+            return found
+        widened = [g.to(o.dtype) if g is not None and o is not None else g for o, g in zip(outputs, grad_outputs)]
+        refs = _gradients(outputs, self.inputs, needs, widened)
         exact = {f"gradient of {name}": r for name, r, need in zip(self.names, refs, needs) if need}
         floor = GROUP_FLOOR * max((_magnitude(w) for _, _, w in pairs), default=0.0)
         left = [
             d
             for name, g, w in pairs
             if (d := compare(name, g, w, floor, self.precision)) is not None
-            and not _as_close_as_eager(g, w, exact.get(name))
+            and not _excused(name, g, w, exact.get(name), floor, self.precision)
         ]
         return max(left, key=lambda d: d.excess) if left else None
 
 
-def _as_close_as_eager(got: torch.Tensor | None, want: torch.Tensor | None, exact: torch.Tensor | None) -> bool:
-    """Whether ``got`` is within twice eager's own distance of the full-precision ``exact``."""
-    if got is None or want is None or exact is None or got.shape != exact.shape:
+def _excused(
+    name: str,
+    got: torch.Tensor | None,
+    want: torch.Tensor | None,
+    exact: torch.Tensor | None,
+    floor: float,
+    precision: torch.dtype | None,
+) -> bool:
+    """Whether ``got`` is the full-precision gradient ``exact`` to the low precision's tolerance,
+    or at least as close to it as eager's own ``want`` is (never a structural difference)."""
+    if got is None or want is None or exact is None or got.shape != exact.shape or got.dtype != want.dtype:
         return False
+    if compare(name, got, exact.to(got.dtype), floor, precision) is None:
+        return True
     g, w, x = got.detach().double(), want.detach().double(), exact.detach().double()
     if not (torch.isfinite(g).all() and torch.isfinite(w).all() and torch.isfinite(x).all()):
         return False
-    return float((g - x).abs().max()) <= 2 * float((w - x).abs().max())
+    return float((g - x).abs().max()) <= float((w - x).abs().max())
 
 
 def _gradients(

@@ -51,12 +51,14 @@ def _static_shape(buf: tvm.tirx.Buffer) -> list[int] | None:
         return None
 
 
-def _run_all(funcs: dict[str, tvm.tirx.PrimFunc], target: tvm.target.Target, args: dict[str, list]) -> dict:
+def _run_all(
+    funcs: dict[str, tvm.tirx.PrimFunc], target: tvm.target.Target, args: dict[str, list], device: torch.device
+) -> dict:
     """Every kernel built in one module (one code generation, one nvcc call on a GPU) and run on
     its own copy of its inputs; each kernel's buffers after the call."""
     mod = tvm.IRModule({name: f.without_attr("target").with_attr("global_symbol", name) for name, f in funcs.items()})
     built = tvm.compile(mod, target=target)
-    dev = tvm.cpu(0) if target.kind.name == "llvm" else tvm_device(torch.device("cuda"))
+    dev = tvm_device(device)
     out = {}
     for name in funcs:
         tensors = [tvm.runtime.tensor(a.copy(), device=dev) for a in args[name]]
@@ -120,7 +122,7 @@ def check_kernels(compiled: CompiledModule, seed: int = 0) -> list[KernelDiff]:
         ]
     if not serial:
         return []
-    wants, gots = _run_all(serial, cpu, args), _run_all(scheduled, target, args)
+    wants, gots = _run_all(serial, cpu, args, torch.device("cpu")), _run_all(scheduled, target, args, device)
     diffs = []
     for name in serial:
         want, got = wants[name], gots[name]
