@@ -34,7 +34,8 @@ class ManySlices(torch.nn.Module):
         return total
 
 
-@pytest.mark.parametrize("size", [1, 2, 7, 8])
+# 7 and 8 (the odd/even split of a larger size, ~30 s each on 2 cores) are in the slow run
+@pytest.mark.parametrize("size", [1, 2, pytest.param(7, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_stepped_slices_and_their_gradients(size: int) -> None:
     torch.manual_seed(size)
     eager = ManySlices(size)

@@ -104,7 +104,10 @@ def test_records_made_for_the_tasks_apply_to_the_compile(tmp_path):
     assert _tuning_warnings(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("other", [{"kind": "cuda", "arch": "sm_90"}, {"kind": "llvm", "mcpu": "another cpu"}])
+@pytest.mark.parametrize(
+    "other",
+    [{"kind": "cuda", "arch": "sm_90"}, pytest.param({"kind": "llvm", "mcpu": "another cpu"}, marks=pytest.mark.slow)],
+)
 def test_records_for_another_target_are_ignored_with_a_warning(tmp_path, other):
     """A database tuned on another machine (a GPU, or another CPU model) is not applied here: a
     warning names the target, the kernels keep the default schedules, the numbers are PyTorch's."""
