@@ -225,3 +225,14 @@ def cleanup() -> list[tvm.transform.Pass]:
 def rewrite_and_clean(rules: list[Rule]) -> tvm.transform.Pass:
     """Normalize, apply ``rules``, clean up: one ``Sequential``."""
     return tvm.transform.Sequential([relax.transform.Normalize(), RewriteBindings(rules), *cleanup()])
+
+
+def first_schedule(rules: list, func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> Any:
+    """The schedule the first of the dlight ``rules`` that applies gives ``func`` (what
+    ``ApplyDefaultSchedule`` would give it), or None when none does."""
+    with target:
+        for rule in rules:
+            space = rule.apply(func, target, False)
+            if space is not None:
+                return space[0] if isinstance(space, list) else space
+    return None

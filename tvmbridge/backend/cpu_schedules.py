@@ -49,6 +49,8 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
+from ..ir import first_schedule
+
 _MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread start-up dominates)
 _BROADCAST_RATIO = 8  # an elementwise block this many times smaller than the kernel's output stays a block
 
@@ -393,9 +395,4 @@ def apply_cpu_schedules(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
 def default_cpu_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
     """The schedule ``apply_cpu_schedules`` gives one kernel, with its trace; None when no rule
     takes it."""
-    with target:
-        for rule in cpu_rules():
-            sch = rule.apply(func, target, False)
-            if sch is not None:
-                return sch[0] if isinstance(sch, list) else sch
-    return None
+    return first_schedule(cpu_rules(), func, target)

@@ -16,16 +16,17 @@ directly (already scheduled when legalized: no serial form to compare with).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import tvm
 
 from ..backend.build import lower
-from ..backend.cpu_schedules import default_cpu_schedule
+from ..backend.cpu_schedules import cpu_rules
 from ..backend.gpu_schedules import gpu_schedule_rules
 from ..devices import target_for, tvm_device
+from ..ir import first_schedule
 
 if TYPE_CHECKING:
     from ..runtime.compiled import CompiledModule
@@ -85,16 +86,6 @@ def _binds_threads(func: tvm.tirx.PrimFunc) -> bool:
     return "T.launch_thread(" in text or "T.thread_binding(" in text
 
 
-def _gpu_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> Any:
-    """The schedule the GPU build gives ``func``: the first guarded dlight rule that applies."""
-    with target:
-        for rule in gpu_schedule_rules():
-            space = rule.apply(func, target, False)
-            if space is not None:
-                return space[0] if isinstance(space, list) else space
-    return None
-
-
 def check_kernels(compiled: CompiledModule, seed: int = 0) -> list[KernelDiff]:
     """Each scheduled static-shape kernel of ``compiled`` against its unscheduled form (on the
     CPU); the scheduled one runs on the compile's device (a CPU or a CUDA GPU)."""
@@ -109,7 +100,8 @@ def check_kernels(compiled: CompiledModule, seed: int = 0) -> list[KernelDiff]:
         shapes = [_static_shape(p.ty) for p in func.params]
         if any(s is None for s in shapes):
             continue
-        sch = default_cpu_schedule(func, target) if device.type == "cpu" else _gpu_schedule(func, target)
+        rules = cpu_rules() if device.type == "cpu" else gpu_schedule_rules()
+        sch = first_schedule(rules, func, target)
         if sch is None:
             continue
         name = gv.name_hint
