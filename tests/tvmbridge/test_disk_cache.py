@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from tests.helpers import MLP, clone_module, max_errors, run_step
+from tvmbridge.backend import build as backend_build
 from tvmbridge.backend import executable_cache
 from tvmbridge.backend.executable_cache import ExecutableCache
 from tvmbridge.caches import CACHES
+from tvmbridge.devices import target_for
 from tvmbridge.runtime.compiled import compile_training
 from tvmbridge.runtime.dispatch import add_tvm_dispatch, dispatcher_of
 
@@ -33,6 +35,13 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("TVMBRIDGE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "1")
     return tmp_path / "executables"
+
+
+def _fresh_executable(model: torch.nn.Module, x: torch.Tensor, **options):
+    """An executable as the build makes it, before any store (a compile without the disk cache
+    hands out a library already loaded, which TVM cannot export again)."""
+    compiled = compile_training(model, (x,), disk_cache=False, **options)
+    return backend_build.compile_module(compiled.stages["fast_math"], target_for(compiled.device))
 
 
 def _model() -> torch.nn.Module:
@@ -121,7 +130,7 @@ def test_the_directory_stays_within_its_bound(cache_dir):
     one = first.stat().st_size + record.stat().st_size
     cache = ExecutableCache(cache_dir, limit=int(one * 2.5))
     os.utime(record, (1, 1))  # the oldest use
-    exe = compile_training(model, (torch.randn(3, 16),), dynamic=False, disk_cache=False).executable
+    exe = _fresh_executable(model, torch.randn(3, 16), dynamic=False)
     for key in ("a" * 64, "b" * 64):
         assert cache.store(key, exe)
     assert first not in _libraries(cache_dir), "the least recently used entry was kept over the bound"
@@ -131,7 +140,7 @@ def test_the_directory_stays_within_its_bound(cache_dir):
 
 def test_concurrent_stores_leave_one_whole_entry(cache_dir):
     model, x = _model(), torch.randn(4, 16)
-    exe = compile_training(model, (x,), disk_cache=False).executable
+    exe = _fresh_executable(model, x)
     cache = ExecutableCache(cache_dir)
     results: list[bool] = []
     threads = [threading.Thread(target=lambda: results.append(cache.store("c" * 64, exe))) for _ in range(4)]
@@ -150,15 +159,19 @@ def test_a_writer_replacing_an_entry_never_shows_a_half_one(cache_dir):
     between this one's store and load: the record names the library it describes, so the reader
     gets one whole entry, never one library checked against the other's record."""
     model, x = _model(), torch.randn(4, 16)
-    exe = compile_training(model, (x,), disk_cache=False).executable
+    exe = _fresh_executable(model, x)
     cache = ExecutableCache(cache_dir)
     assert cache.store("d" * 64, exe)
     (mine,) = _libraries(cache_dir)
     theirs = cache_dir / ("d" * 64 + "-0123456789abcdef.so")
     theirs.write_bytes(mine.read_bytes() + b"\0" * 64)  # another library, its own record
     record = json.loads((cache_dir / ("d" * 64 + ".json")).read_text())
-    other = {**record, "library": theirs.name, "size": theirs.stat().st_size,
-             "sha256": hashlib.sha256(theirs.read_bytes()).hexdigest()}
+    other = {
+        **record,
+        "library": theirs.name,
+        "size": theirs.stat().st_size,
+        "sha256": hashlib.sha256(theirs.read_bytes()).hexdigest(),
+    }
     (cache_dir / ("d" * 64 + ".json")).write_text(json.dumps(other))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "damaged" entry

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import tempfile
 import warnings
 from typing import Any
 
@@ -26,7 +27,7 @@ from ..errors import stage_errors
 from ..ir import RewriteBindings, is_op, static_shape
 from ..kernels.barrier import register_barrier
 from ..kernels.gemm import register_gemms
-from . import executable_cache
+from . import codegen, executable_cache
 
 
 def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -242,7 +243,7 @@ def compile_or_load(
     """:func:`compile_module` through the disk cache (``executable_cache``; with ``disk_cache``
     and unless the environment turns it off); and whether the executable was loaded."""
     if not (disk_cache and executable_cache.enabled()):
-        return compile_module(mod, target, schedule, fuse, tuning_db), False
+        return _as_library(compile_module(mod, target, schedule, fuse, tuning_db), target), False
     state = tuning_state(tuning_db) if tuning_db is not None and schedule else None
     key = executable_cache.cache_key(mod, target, schedule, fuse, state)
     return executable_cache.cached_compile(key, lambda: compile_module(mod, target, schedule, fuse, tuning_db))
@@ -270,7 +271,23 @@ def compile_module(
 
 
 def _codegen(lowered: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:
-    return tvm.compile(lowered, target=target, relax_pipeline=after_lowering(target))
+    return codegen.build_executable(lowered, target, after_lowering(target))
+
+
+def _as_library(exe: tvm.runtime.Executable, target: tvm.target.Target) -> tvm.runtime.Executable:
+    """A CPU executable as a shared library loaded from a temporary file: its object code emitted
+    on every core (``codegen.write_library``), where the in-memory one would be compiled by LLVM's
+    JIT on one core when its first VM is made. Where no library can be written (no C compiler),
+    the in-memory executable."""
+    if target.kind.name != "llvm" or codegen.compile_threads() <= 1:
+        return exe
+    with tempfile.TemporaryDirectory(prefix="tvmbridge-") as work:
+        path = os.path.join(work, "executable.so")
+        try:
+            codegen.write_library(exe, path)
+            return relax.VMExecutable(tvm.runtime.load_module(path))  # mapped: the file may go
+        except Exception:  # noqa: BLE001 - the in-memory executable is the same code
+            return exe
 
 
 def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:

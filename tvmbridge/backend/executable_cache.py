@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
+from .codegen import write_library
 from .gemm_choice import cache_dir, machine
 
 FORMAT = 1
@@ -91,8 +91,6 @@ def _file_digest(path: Path) -> str:
 class ExecutableCache:
     """Executables by key in one directory (``<cache dir>/executables``)."""
 
-    _export_lock = threading.Lock()  # TVM's export of one executable from two threads crashes
-
     def __init__(self, root: Path | None = None, limit: int | None = None) -> None:
         self.root = root or cache_dir() / "executables"
         self.limit = max_bytes() if limit is None else limit
@@ -139,8 +137,7 @@ class ExecutableCache:
             fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".so")
             os.close(fd)
             try:
-                with self._export_lock:
-                    exe.export_library(tmp)
+                write_library(exe, tmp)
                 digest = _file_digest(Path(tmp))
                 library = f"{key}-{digest[:16]}.so"
                 meta = {"format": FORMAT, "library": library, "sha256": digest, "size": os.path.getsize(tmp)}

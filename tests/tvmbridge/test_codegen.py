@@ -1,0 +1,97 @@
+"""Code generation on every core (``backend/codegen.py``): it must give the code the one-module
+path gives, only faster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from tests.helpers import bert_inputs, bert_layer, clone_module, max_errors, run_step
+from tvmbridge.backend import build as backend_build
+from tvmbridge.backend import codegen
+from tvmbridge.runtime.compiled import compile_training
+from tvmbridge.runtime.dispatch import add_tvm_dispatch
+
+TARGET = tvm.target.Target("llvm")
+
+
+@pytest.fixture(scope="module")
+def layer_halves() -> tvm.IRModule:
+    """A small BertLayer's split halves, before lowering."""
+    torch.manual_seed(0)
+    compiled = compile_training(bert_layer(small=True), bert_inputs(hidden=64), verify=False)
+    return compiled.stages["fast_math"]
+
+
+def _kernels(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def test_kernel_groups_hold_every_kernel_once_and_balance_sizes(layer_halves):
+    tir = tvm.IRModule(_kernels(backend_build.lower(layer_halves, TARGET)))
+    sizes = {gv.name_hint: codegen._kernel_size(f) for gv, f in tir.functions_items()}
+    groups = codegen.kernel_groups(tir, 4)
+    names = [gv.name_hint for g in groups for gv in g.get_global_vars()]
+    assert sorted(names) == sorted(sizes) and len(groups) == 4
+    totals = [sum(sizes[gv.name_hint] for gv in g.get_global_vars()) for g in groups]
+    assert totals == sorted(totals, reverse=True), "the largest group is built first"
+    assert max(totals) <= sum(totals) / 4 + max(sizes.values()), "greedy groups are within one kernel of even"
+    assert len(codegen.kernel_groups(tir, 10_000)) == len(sizes)  # never an empty group
+
+
+def _vm_outputs(exe: tvm.runtime.Executable, mod: tvm.IRModule) -> list[np.ndarray]:
+    """The forward run on fixed inputs of the module's parameter types."""
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    rng = np.random.default_rng(0)
+    func = mod["forward_infer"]
+    args = []
+    for p in func.params:
+        shape = [int(d) for d in p.ty.shape.values]
+        dtype = str(p.ty.dtype)
+        value = rng.standard_normal(shape).astype(dtype) if "float" in dtype else np.zeros(shape, dtype)
+        args.append(tvm.runtime.tensor(value))
+    out = vm["forward_infer"](*args)
+    outs = out if isinstance(out, tvm_ffi.Array) else [out]
+    return [o.numpy() for o in outs]
+
+
+def test_kernels_built_in_threads_run_as_one_module_does(layer_halves, tmp_path):
+    lowered = backend_build.lower(layer_halves, TARGET)
+    pipeline = backend_build.after_lowering(TARGET)
+    one = codegen.build_executable(lowered, TARGET, pipeline, threads=1)
+    split = codegen.build_executable(lowered, TARGET, pipeline, threads=3)
+    assert len(one.mod._collect_dso_modules()) == 1
+    assert len(split.mod._collect_dso_modules()) > 1, "the kernels were not built in groups"
+    expected = _vm_outputs(one, layer_halves)
+    for got in (_vm_outputs(split, layer_halves),):
+        assert all(np.array_equal(a, b) for a, b in zip(expected, got))
+    path = str(tmp_path / "lib.so")
+    codegen.write_library(split, path, threads=2)  # objects emitted in threads, linked as one
+    loaded = relax.VMExecutable(tvm.runtime.load_module(path))
+    assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(loaded, layer_halves)))
+
+
+def test_compile_threads_setting(monkeypatch):
+    monkeypatch.setenv("TVMBRIDGE_COMPILE_THREADS", "3")
+    assert codegen.compile_threads() == 3
+    monkeypatch.setenv("TVMBRIDGE_COMPILE_THREADS", "many")
+    with pytest.raises(ValueError, match="TVMBRIDGE_COMPILE_THREADS"):
+        codegen.compile_threads()
+    monkeypatch.delenv("TVMBRIDGE_COMPILE_THREADS")
+    assert codegen.compile_threads() >= 1
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_training_matches_pytorch_at_any_thread_count(threads, monkeypatch):
+    monkeypatch.setenv("TVMBRIDGE_COMPILE_THREADS", threads)
+    torch.manual_seed(0)
+    model = bert_layer(small=True)
+    reference = clone_module(model)
+    add_tvm_dispatch(model, bert_inputs(hidden=64))
+    errs = max_errors(run_step(model, bert_inputs(hidden=64)), run_step(reference, bert_inputs(hidden=64)))
+    assert max(errs.values()) < 1e-4, errs
+    assert model._tvm_dispatch.calls_tvm == 1 and model._tvm_dispatch.calls_fallback == 0

@@ -1,0 +1,123 @@
+"""Code generation for a lowered module, on every core the process may use.
+
+``tvm.compile`` hands all of a module's kernels to LLVM as one module, and ``export_library``
+emits its object code in one call: both run on one core, and on CPU they are most of a compile.
+Kernels do not call one another, so on an ``llvm`` target the kernels are cut into groups of about
+equal size, each group is built (TVM's TIR pipeline, LLVM's optimizer) and later emitted as object
+code in a thread of its own (tvm-ffi releases the GIL inside both), and the groups are linked into
+one library. The VM's bytecode and the kernels' code are those ``tvm.compile`` makes; only how
+many LLVM modules hold the kernels differs. GPU targets keep ``tvm.compile`` and
+``export_library`` as they are (a device module per group would need its own packing).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import tvm
+from tvm import relax
+from tvm.relax import vm_build
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_WRITE_LOCK = threading.Lock()  # TVM's export of one executable from two threads at once crashes
+GROUPS_PER_THREAD = 3  # more groups than threads: a group of slow kernels does not leave a core idle
+
+
+def compile_threads() -> int:
+    """Threads for code generation: ``TVMBRIDGE_COMPILE_THREADS``, else the cores this process
+    may run on."""
+    value = os.environ.get("TVMBRIDGE_COMPILE_THREADS", "").strip()
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            raise ValueError(f"TVMBRIDGE_COMPILE_THREADS={value!r} is not a number of threads") from None
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _in_threads(work: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
+    if threads <= 1 or len(items) <= 1:
+        return [work(x) for x in items]
+    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="tvmbridge-codegen") as pool:
+        return list(pool.map(work, items))
+
+
+def _kernel_size(func: tvm.tirx.PrimFunc) -> int:
+    """A kernel's size, for balancing groups: the length of its serialized TIR (what LLVM gets,
+    before unrolling)."""
+    return len(tvm.ir.save_json(func))
+
+
+def kernel_groups(tir: tvm.IRModule, groups: int) -> list[tvm.IRModule]:
+    """The module's kernels in at most ``groups`` modules of about equal size (largest first, each
+    to the smallest group so far), in descending order of size (the slowest starts first)."""
+    sized = sorted(((_kernel_size(f), gv) for gv, f in tir.functions_items()), key=lambda x: (-x[0], x[1].name_hint))
+    bins: list[tuple[int, list[tvm.ir.GlobalVar]]] = [(0, []) for _ in range(max(1, min(groups, len(sized))))]
+    for size, gv in sized:
+        i = min(range(len(bins)), key=lambda j: bins[j][0])
+        bins[i] = (bins[i][0] + size, [*bins[i][1], gv])
+    bins.sort(key=lambda b: -b[0])
+    return [tvm.IRModule({gv: tir[gv] for gv in members}, attrs=tir.attrs) for _, members in bins if members]
+
+
+def build_executable(
+    lowered: tvm.IRModule, target: tvm.target.Target, relax_pipeline: tvm.transform.Pass, threads: int | None = None
+) -> tvm.runtime.Executable:
+    """What ``tvm.compile(lowered, target, relax_pipeline=...)`` makes, with the kernels built in
+    ``threads`` threads (default :func:`compile_threads`) on an ``llvm`` target."""
+    threads = compile_threads() if threads is None else threads
+    if target.kind.name != "llvm" or threads <= 1:
+        return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
+    with target:
+        mod = relax_pipeline(lowered)
+    attrs = dict(mod.attrs) if mod.attrs else {}
+    params = dict(attrs.get("const_name_to_constant", {}))
+    ext_libs = list(attrs.get("external_mods", []))
+    builder = relax.ExecBuilder()
+    leftover = vm_build._vmcodegen(builder, mod)
+    tir = vm_build._filter_tir(leftover)
+    if tir is None or ext_libs or vm_build._auto_attach_system_lib_prefix(tir, target).attrs != tir.attrs:
+        # nothing to split, or what tvm.compile links in a way this path does not (a system library)
+        return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
+    groups = kernel_groups(tir, threads * GROUPS_PER_THREAD)
+    libs = _in_threads(lambda g: tvm.tirx.build(g, target=target), groups, threads)
+    for lib in libs[1:]:  # one import tree: the VM finds a kernel in any of them
+        libs[0].import_module(lib)
+    return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, libs[0], [], params))
+
+
+def write_library(exe: tvm.runtime.Executable, path: str, threads: int | None = None) -> None:
+    """``exe.export_library(path)``, the LLVM modules' object code emitted in ``threads`` threads.
+    Anything but plain LLVM modules (a GPU's device code, a system library) goes through
+    ``export_library`` itself."""
+    with _WRITE_LOCK:
+        _write_library(exe, path, compile_threads() if threads is None else threads)
+
+
+def _write_library(exe: tvm.runtime.Executable, path: str, threads: int) -> None:
+    root = exe.mod
+    dso = root._collect_dso_modules()
+    plain = all(m.kind == "llvm" and not m.get_function("__tvm_is_system_module")() for m in dso)
+    if threads <= 1 or len(dso) <= 1 or not plain:
+        exe.export_library(path)
+        return
+    from tvm.runtime import _ffi_api
+    from tvm.support import cc
+
+    with tempfile.TemporaryDirectory(prefix="tvmbridge-link-") as work:
+        objects = [os.path.join(work, f"lib{i}.o") for i in range(len(dso))]
+        _in_threads(lambda pair: pair[0].write_to_file(pair[1]), list(zip(dso, objects)), threads)
+        files = list(objects)
+        if root.imports:  # the VM's bytecode (and constants), as export_library packs them
+            llvm_target = dso[0].get_function("_get_target_string")()
+            packed = _ffi_api.ModulePackImportsToLLVM(root, False, llvm_target, "")
+            files.append(os.path.join(work, "devc.o"))
+            packed.write_to_file(files[-1])
+        cc.create_shared(path, files)
