@@ -93,23 +93,23 @@ def copy_with_fresh_vars(func: relax.Function) -> relax.Function:
     params = [fresh(p) for p in func.params]
     bindings = []
     for b in only_dataflow_block(func, "copy").bindings:
-        value = _with_vars(b.value, renamed)
+        value = with_vars(b.value, renamed)
         bindings.append(relax.VarBinding(fresh(b.var), value))
-    copy = rebuild(func, params, bindings, _with_vars(func.body.body, renamed))
+    copy = rebuild(func, params, bindings, with_vars(func.body.body, renamed))
     sizes = {v: tvm.tirx.Var(v.name, "int64") for v in _size_vars(copy.params)}
     return copy.bind_symbolic_vars(sizes) if sizes else copy
 
 
-def _with_vars(expr: relax.Expr, renamed: dict[relax.Var, relax.Var]) -> relax.Expr:
+def with_vars(expr: relax.Expr, renamed: dict[relax.Var, relax.Var]) -> relax.Expr:
     """``expr`` (a binding's value in a dataflow block) reading the renamed variables."""
     if isinstance(expr, relax.Var):
         return renamed.get(expr, expr)
     if isinstance(expr, relax.Tuple):
-        return relax.Tuple([_with_vars(f, renamed) for f in expr.fields])
+        return relax.Tuple([with_vars(f, renamed) for f in expr.fields])
     if isinstance(expr, relax.TupleGetItem):
-        return relax.TupleGetItem(_with_vars(expr.tuple_value, renamed), expr.index)
+        return relax.TupleGetItem(with_vars(expr.tuple_value, renamed), expr.index)
     if isinstance(expr, relax.Call):
-        return relax.Call(expr.op, [_with_vars(a, renamed) for a in expr.args], expr.attrs, expr.ty_args)
+        return relax.Call(expr.op, [with_vars(a, renamed) for a in expr.args], expr.attrs, expr.ty_args)
     return expr  # constants, shapes, sizes
 
 

@@ -1,5 +1,6 @@
-"""Code generation on every core (``backend/codegen.py``): it must give the code the one-module
-path gives, only faster."""
+"""Code generation on every core (``backend/codegen.py``) and legalization done once per distinct
+call (``backend/legalize_memo.py``): both must give the code the one-module, call-by-call path
+gives, only faster."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tvm import relax
 from tests.helpers import bert_inputs, bert_layer, clone_module, max_errors, run_step
 from tvmbridge.backend import build as backend_build
 from tvmbridge.backend import codegen
+from tvmbridge.backend.legalize_memo import MemoizedLegalization
 from tvmbridge.runtime.compiled import compile_training
 from tvmbridge.runtime.dispatch import add_tvm_dispatch
 
@@ -95,3 +97,41 @@ def test_training_matches_pytorch_at_any_thread_count(threads, monkeypatch):
     errs = max_errors(run_step(model, bert_inputs(hidden=64)), run_step(reference, bert_inputs(hidden=64)))
     assert max(errs.values()) < 1e-4, errs
     assert model._tvm_dispatch.calls_tvm == 1 and model._tvm_dispatch.calls_fallback == 0
+
+
+def _legalized(mod: tvm.IRModule, memo: MemoizedLegalization | None) -> tvm.IRModule:
+    table = memo.table() if memo is not None else backend_build._LEGALIZE_FIXES
+    with TARGET:
+        return relax.transform.LegalizeOps(table)(mod)
+
+
+def test_memoized_legalization_makes_the_same_module(layer_halves):
+    memo = MemoizedLegalization(backend_build._LEGALIZE_FIXES)
+    assert tvm_ffi.structural_equal(_legalized(layer_halves, None), _legalized(layer_halves, memo))
+    assert memo.hits > memo.misses, "forward, no-grad forward and backward repeat most calls"
+
+
+def test_a_repeated_argument_is_part_of_the_memo_key():
+    """``x + x`` and ``x + y`` have the same op and types; one's kernel call must not serve the
+    other's arguments (nor ``y + x`` reuse ``x + y`` with the arguments swapped wrongly)."""
+    t = relax.TensorType((4, 8), "float32")
+    x, y = relax.Var("x", t), relax.Var("y", t)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.add(x, x))
+            b = bb.emit(relax.op.add(x, y))
+            c = bb.emit(relax.op.subtract(y, x))
+            d = bb.emit(relax.op.subtract(x, y))
+            out = bb.emit_output(relax.Tuple([a, b, c, d]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    memo = MemoizedLegalization(backend_build._LEGALIZE_FIXES)
+    legalized = _legalized(mod, memo)
+    assert memo.hits == 1  # subtract(x, y) reuses subtract(y, x)'s kernel, on its own arguments
+    exe = tvm.compile(legalized, target=TARGET)
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    xv, yv = np.arange(32, dtype="float32").reshape(4, 8), np.full((4, 8), 5.0, "float32")
+    got = [o.numpy() for o in vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(yv))]
+    for g, want in zip(got, (xv + xv, xv + yv, yv - xv, xv - yv)):
+        np.testing.assert_array_equal(g, want)

@@ -28,6 +28,7 @@ from ..ir import RewriteBindings, is_op, static_shape
 from ..kernels.barrier import register_barrier
 from ..kernels.gemm import register_gemms
 from . import codegen, executable_cache
+from .legalize_memo import MemoizedLegalization
 
 
 def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -119,7 +120,7 @@ def lower(
     Relax op: both for measuring what each buys. ``tuning_db``: a MetaSchedule work directory
     whose best records replace the default schedules of the kernels they cover."""
     seq = [
-        relax.transform.LegalizeOps(_LEGALIZE_FIXES),
+        relax.transform.LegalizeOps(MemoizedLegalization(_LEGALIZE_FIXES).table()),
         drop_scope_pragmas,
         relax.transform.AnnotateTIROpPattern(),
     ]
