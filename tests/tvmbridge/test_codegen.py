@@ -16,7 +16,7 @@ from tvmbridge.backend import build as backend_build
 from tvmbridge.backend import codegen
 from tvmbridge.backend.legalize_memo import MemoizedLegalization
 from tvmbridge.runtime.compiled import compile_training
-from tvmbridge.runtime.dispatch import add_tvm_dispatch
+from tvmbridge.runtime.dispatch import add_tvm_dispatch, dispatcher_of
 
 TARGET = tvm.target.Target("llvm")
 
@@ -69,12 +69,27 @@ def test_kernels_built_in_threads_run_as_one_module_does(layer_halves, tmp_path)
     assert len(one.mod._collect_dso_modules()) == 1
     assert len(split.mod._collect_dso_modules()) > 1, "the kernels were not built in groups"
     expected = _vm_outputs(one, layer_halves)
-    for got in (_vm_outputs(split, layer_halves),):
-        assert all(np.array_equal(a, b) for a, b in zip(expected, got))
+    assert expected and all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(split, layer_halves), strict=True))
     path = str(tmp_path / "lib.so")
     codegen.write_library(split, path, threads=2)  # objects emitted in threads, linked as one
     loaded = relax.VMExecutable(tvm.runtime.load_module(path))
-    assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(loaded, layer_halves)))
+    assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(loaded, layer_halves), strict=True))
+
+
+def test_the_callers_pass_context_holds_in_every_build_thread(layer_halves):
+    """A caller's ``PassContext`` reaches the threads that build the kernels (it is thread-local
+    in TVM): with ``tirx.disable_assert`` the kernels lose their argument checks in every group."""
+    lowered = backend_build.lower(layer_halves, TARGET)
+    pipeline = backend_build.after_lowering(TARGET)
+
+    def object_sizes(exe: tvm.runtime.Executable) -> int:
+        return sum(len(m.inspect_source("ll")) for m in exe.mod._collect_dso_modules())
+
+    default = codegen.build_executable(lowered, TARGET, pipeline, threads=2)
+    with tvm.transform.PassContext(config={"tirx.disable_assert": True}):
+        unchecked = codegen.build_executable(lowered, TARGET, pipeline, threads=2)
+    assert len(unchecked.mod._collect_dso_modules()) > 1
+    assert object_sizes(unchecked) < object_sizes(default)
 
 
 def test_compile_threads_setting(monkeypatch):
@@ -95,6 +110,8 @@ def test_training_matches_pytorch_at_any_thread_count(threads, monkeypatch):
     reference = clone_module(model)
     add_tvm_dispatch(model, bert_inputs(hidden=64))
     errs = max_errors(run_step(model, bert_inputs(hidden=64)), run_step(reference, bert_inputs(hidden=64)))
+    imports = [m.kind for m in dispatcher_of(model).variants[0].compiled.executable.mod.imports]
+    assert imports == (["library"] if threads == "2" else ["llvm"]), "a library on two threads, the JIT on one"
     assert max(errs.values()) < 1e-4, errs
     assert model._tvm_dispatch.calls_tvm == 1 and model._tvm_dispatch.calls_fallback == 0
 
@@ -133,5 +150,28 @@ def test_a_repeated_argument_is_part_of_the_memo_key():
     vm = relax.VirtualMachine(exe, tvm.cpu())
     xv, yv = np.arange(32, dtype="float32").reshape(4, 8), np.full((4, 8), 5.0, "float32")
     got = [o.numpy() for o in vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(yv))]
-    for g, want in zip(got, (xv + xv, xv + yv, yv - xv, xv - yv)):
+    for g, want in zip(got, (xv + xv, xv + yv, yv - xv, xv - yv), strict=True):
         np.testing.assert_array_equal(g, want)
+
+
+def test_a_size_the_legalization_defines_is_never_reused():
+    """Two slices with data-dependent bounds have equal types but their own output sizes, which
+    each legalization defines with a ``match_cast`` of its own: the second may not reuse the
+    first's sizes."""
+    t = relax.TensorType((6, 4), "float32")
+    x, b1, b2 = relax.Var("x", t), relax.Var("b1", relax.TensorType((2,), "int64")), relax.Var(
+        "b2", relax.TensorType((2,), "int64")
+    )
+    steps = relax.const([1, 1], "int64")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, b1, b2]):
+        with bb.dataflow():
+            ends = relax.const([6, 4], "int64")
+            a = bb.emit(relax.op.dynamic_strided_slice(x, b1, ends, steps))
+            c = bb.emit(relax.op.dynamic_strided_slice(x, b2, ends, steps))
+            out = bb.emit_output(relax.Tuple([a, c]))
+        bb.emit_func_output(out)
+    memo = MemoizedLegalization(backend_build._LEGALIZE_FIXES)
+    legalized = _legalized(bb.get(), memo)
+    assert memo.hits == 0
+    assert tvm_ffi.structural_equal(legalized, _legalized(bb.get(), None))

@@ -287,8 +287,17 @@ def _as_library(exe: tvm.runtime.Executable, target: tvm.target.Target) -> tvm.r
         try:
             codegen.write_library(exe, path)
             return relax.VMExecutable(tvm.runtime.load_module(path))  # mapped: the file may go
-        except Exception:  # noqa: BLE001 - the in-memory executable is the same code
+        except Exception as exc:  # noqa: BLE001 - the in-memory executable is the same code
+            _note_library(
+                f"tvmbridge: could not link the compiled code as a library ({_error_summary(exc)}); "
+                "the executable runs through LLVM's JIT instead (slower to load, the same code)"
+            )
             return exe
+
+
+@functools.cache
+def _note_library(message: str) -> None:
+    warnings.warn(message, stacklevel=6)
 
 
 def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:

@@ -71,9 +71,12 @@ def build_executable(
     lowered: tvm.IRModule, target: tvm.target.Target, relax_pipeline: tvm.transform.Pass, threads: int | None = None
 ) -> tvm.runtime.Executable:
     """What ``tvm.compile(lowered, target, relax_pipeline=...)`` makes, with the kernels built in
-    ``threads`` threads (default :func:`compile_threads`) on an ``llvm`` target."""
+    ``threads`` threads (default :func:`compile_threads`) on an ``llvm`` target. The caller's
+    ``PassContext`` (options, disabled passes) holds in every thread; under pass instruments
+    (which see passes in order) the kernels are built in this thread."""
     threads = compile_threads() if threads is None else threads
-    if target.kind.name != "llvm" or threads <= 1:
+    context = tvm.transform.PassContext.current()
+    if target.kind.name != "llvm" or threads <= 1 or list(context.instruments):
         return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     with target:
         mod = relax_pipeline(lowered)
@@ -81,13 +84,18 @@ def build_executable(
     params = dict(attrs.get("const_name_to_constant", {}))
     ext_libs = list(attrs.get("external_mods", []))
     builder = relax.ExecBuilder()
-    leftover = vm_build._vmcodegen(builder, mod)
-    tir = vm_build._filter_tir(leftover)
-    if tir is None or ext_libs or vm_build._auto_attach_system_lib_prefix(tir, target).attrs != tir.attrs:
-        # nothing to split, or what tvm.compile links in a way this path does not (a system library)
-        return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
-    groups = kernel_groups(tir, threads * GROUPS_PER_THREAD)
-    libs = _in_threads(lambda g: tvm.tirx.build(g, target=target), groups, threads)
+    tir = vm_build._filter_tir(vm_build._vmcodegen(builder, mod))
+    system_lib = tir is not None and (
+        tir.get_attr("system_lib_prefix") is not None or vm_build._auto_attach_system_lib_prefix(tir, target) is not tir
+    )
+    if tir is None or ext_libs or system_lib:  # what relax.build links in a way this path does not
+        return vm_build._vmlink(builder, target, tir, ext_libs=ext_libs, params=params)
+
+    def build(group: tvm.IRModule) -> tvm.runtime.Module:
+        with context:
+            return tvm.tirx.build(group, target=target)
+
+    libs = _in_threads(build, kernel_groups(tir, threads * GROUPS_PER_THREAD), threads)
     for lib in libs[1:]:  # one import tree: the VM finds a kernel in any of them
         libs[0].import_module(lib)
     return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, libs[0], [], params))

@@ -6,7 +6,8 @@ its ``BlockBuilder`` notices that an equal kernel is already in the module. In a
 ``LegalizeOps`` was most of the lowering time. Here a call whose op, attributes, argument types
 and pattern of repeated arguments equal an earlier one's gets the earlier result with its own
 arguments put in: the same kernel, called on this call's tensors. A result that reads anything
-but the call's own arguments (a binding the legalization emitted on the side) is never reused.
+but the call's own arguments and their sizes (a binding or a size the legalization defined on the
+side) is never reused.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def _reusable(expr: Any) -> bool:
     if isinstance(expr, relax.Call):
         return _reusable(expr.op) and all(_reusable(a) for a in expr.args)
     return not isinstance(expr, relax.Expr) or not relax.analysis.free_vars(expr)
+
+
+def _reads_only_its_arguments(call: relax.Call, result: relax.Expr) -> bool:
+    """The result reads the call's arguments and their sizes, nothing the legalization defined on
+    the side: no variable it emitted, no size a ``match_cast`` of its own gave (a data-dependent
+    output shape), which another call with equal types may not share."""
+    own = {a for a in call.args if isinstance(a, relax.Var)}
+    sizes = {v for a in own for v in relax.analysis.tir_vars_in_type(a.ty)}
+    return (
+        _reusable(result)
+        and all(v in own for v in relax.analysis.free_vars(result))
+        and all(v in sizes for v in relax.analysis.free_symbolic_vars(result))
+    )
 
 
 def _signature(call: relax.Call) -> list:
@@ -77,7 +91,6 @@ class MemoizedLegalization:
         self.misses += 1
         legalize = self.fixes.get(call.op.name) or call.op.get_attr("FLegalize")
         result = legalize(bb, call)
-        own = {a for a in call.args if isinstance(a, relax.Var)}
-        if _reusable(result) and all(v in own for v in relax.analysis.free_vars(result)):
+        if _reads_only_its_arguments(call, result):
             self._memo.setdefault(key, []).append((signature, call, result))
         return result
