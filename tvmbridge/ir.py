@@ -101,7 +101,8 @@ def copy_with_fresh_vars(func: relax.Function) -> relax.Function:
 
 
 def with_vars(expr: relax.Expr, renamed: dict[relax.Var, relax.Var]) -> relax.Expr:
-    """``expr`` (a binding's value in a dataflow block) reading the renamed variables."""
+    """``expr`` (a binding's value, or what a legalization returns) reading the renamed
+    variables; only where :func:`rewrites_whole` holds are none of the old ones left."""
     if isinstance(expr, relax.Var):
         return renamed.get(expr, expr)
     if isinstance(expr, relax.Tuple):
@@ -111,6 +112,20 @@ def with_vars(expr: relax.Expr, renamed: dict[relax.Var, relax.Var]) -> relax.Ex
     if isinstance(expr, relax.Call):
         return relax.Call(expr.op, [with_vars(a, renamed) for a in expr.args], expr.attrs, expr.ty_args)
     return expr  # constants, shapes, sizes
+
+
+def rewrites_whole(expr: Any) -> bool:
+    """:func:`with_vars` renames every variable ``expr`` reads: they sit in calls, tuples and
+    projections only, and every other leaf (a constant, a shape, a kernel's name) reads none."""
+    if isinstance(expr, relax.Var):
+        return True
+    if isinstance(expr, relax.Tuple):
+        return all(rewrites_whole(f) for f in expr.fields)
+    if isinstance(expr, relax.TupleGetItem):
+        return rewrites_whole(expr.tuple_value)
+    if isinstance(expr, relax.Call):
+        return rewrites_whole(expr.op) and all(rewrites_whole(a) for a in expr.args)
+    return not isinstance(expr, relax.Expr) or not relax.analysis.free_vars(expr)
 
 
 def _size_vars(params: list[relax.Var]) -> list:

@@ -13,29 +13,14 @@ side) is never reused.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..ir import with_vars
+from ..ir import rewrites_whole, with_vars
 
 Legalization = Callable[[relax.BlockBuilder, relax.Call], relax.Expr]
-
-
-def _reusable(expr: Any) -> bool:
-    """An expression ``with_vars`` rewrites whole: variables inside calls, tuples and
-    projections, and leaves that read no variable (constants, shapes, kernels' names)."""
-    if isinstance(expr, relax.Var):
-        return True
-    if isinstance(expr, relax.Tuple):
-        return all(_reusable(f) for f in expr.fields)
-    if isinstance(expr, relax.TupleGetItem):
-        return _reusable(expr.tuple_value)
-    if isinstance(expr, relax.Call):
-        return _reusable(expr.op) and all(_reusable(a) for a in expr.args)
-    return not isinstance(expr, relax.Expr) or not relax.analysis.free_vars(expr)
 
 
 def _reads_only_its_arguments(call: relax.Call, result: relax.Expr) -> bool:
@@ -45,7 +30,7 @@ def _reads_only_its_arguments(call: relax.Call, result: relax.Expr) -> bool:
     own = {a for a in call.args if isinstance(a, relax.Var)}
     sizes = {v for a in own for v in relax.analysis.tir_vars_in_type(a.ty)}
     return (
-        _reusable(result)
+        rewrites_whole(result)
         and all(v in own for v in relax.analysis.free_vars(result))
         and all(v in sizes for v in relax.analysis.free_symbolic_vars(result))
     )
