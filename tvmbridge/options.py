@@ -109,9 +109,10 @@ class CompileOptions:
     disk_cache: bool = field(
         default=True,
         metadata=_doc(
-            "keep compiled executables on disk ($TVMBRIDGE_CACHE_DIR or ~/.cache/tvmbridge, under "
-            "executables/), keyed by everything the build reads, so another process with the same model "
-            "loads instead of compiling; TVMBRIDGE_DISK_CACHE=0 also turns it off"
+            "keep compiled executables and compile results on disk ($TVMBRIDGE_CACHE_DIR or "
+            "~/.cache/tvmbridge, under executables/ and compiles/), keyed by everything the compile reads, "
+            "so another process with the same model traces it and loads the rest instead of compiling; "
+            "TVMBRIDGE_DISK_CACHE=0 also turns it off"
         ),
     )
     converters: tuple[tuple[str, Callable[..., Any]], ...] = field(

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.helpers import MLP, clone_module, max_errors, run_step
+from tvmbridge import disk_cache
 from tvmbridge.backend import build as backend_build
-from tvmbridge.backend import executable_cache
 from tvmbridge.backend.executable_cache import ExecutableCache
 from tvmbridge.caches import CACHES
 from tvmbridge.devices import target_for
@@ -168,7 +168,7 @@ def test_a_writer_replacing_an_entry_never_shows_a_half_one(cache_dir):
     record = json.loads((cache_dir / ("d" * 64 + ".json")).read_text())
     other = {
         **record,
-        "library": theirs.name,
+        "file": theirs.name,
         "size": theirs.stat().st_size,
         "sha256": hashlib.sha256(theirs.read_bytes()).hexdigest(),
     }
@@ -186,7 +186,7 @@ def test_an_unwritable_directory_is_a_warning_not_an_error(tmp_path, monkeypatch
     blocker.write_text("not a directory")
     monkeypatch.setenv("TVMBRIDGE_CACHE_DIR", str(blocker))
     monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "1")
-    executable_cache._warn_once.cache_clear()
+    disk_cache.warn_once.cache_clear()
     model, x = _model(), torch.randn(4, 16)
     with pytest.warns(UserWarning, match="could not store the compiled executable"):
         module, _ = _dispatched(model, x)
@@ -206,6 +206,7 @@ SCRIPT = textwrap.dedent("""
     outs, grads = run_step(model, (x,))
     variants = dispatcher_of(model).variants
     print("LOADED", all(v.compiled.executable_loaded for v in variants))
+    print("RESULT", all(v.compiled.result_loaded for v in variants))
     print("SUM", float(outs[0].sum()), float(sum(g.sum() for g in grads.values())))
 """)
 
@@ -218,6 +219,9 @@ def test_a_new_process_loads_what_another_compiled(cache_dir):
     ]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
-    lines = [dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:4] in ("LOAD", "SUM ")) for r in runs]
+    lines = [
+        dict(line.split(" ", 1) for line in r.stdout.splitlines() if line[:4] in ("LOAD", "RESU", "SUM ")) for r in runs
+    ]
     assert lines[0]["LOADED"] == "False" and lines[1]["LOADED"] == "True", lines
+    assert lines[0]["RESULT"] == "False" and lines[1]["RESULT"] == "True", lines  # gradient, split not redone
     assert lines[0]["SUM"] == lines[1]["SUM"]  # the same numbers from the loaded executable

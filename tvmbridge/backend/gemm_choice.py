@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..disk_cache import cache_dir
 from ..kernels.gemm import library_call, onednn_available, onednn_fits
 from ..options import GEMM_BACKENDS
 
@@ -46,15 +47,6 @@ _ISA_FLAGS = (
     "asimd",
     "sve",
 )
-
-
-def cache_dir() -> Path:
-    """Where the bridge keeps what it learned about this machine: ``$TVMBRIDGE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/tvmbridge``, else ``~/.cache/tvmbridge``."""
-    if os.environ.get("TVMBRIDGE_CACHE_DIR"):
-        return Path(os.environ["TVMBRIDGE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tvmbridge"
 
 
 def machine() -> dict[str, Any]:

@@ -19,6 +19,7 @@ from tvm import relax
 
 from ..backend.gemm_choice import GemmDecision
 from ..caches import CACHES
+from ..disk_cache import enabled as disk_cache_enabled
 from ..frontend.export import TracedModule
 from ..frontend.sites import RandomSite
 from ..options import CompileOptions
@@ -27,6 +28,7 @@ from ..partition.split import SplitResult
 from . import stages
 from .artifacts import Artifacts
 from .driver import run_stages
+from .result_cache import ResultCache, result_key
 
 
 @dataclass
@@ -49,6 +51,7 @@ class CompileResult:
     sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at the compiled sample
     gemm_choices: tuple[GemmDecision, ...] = ()
     executable_loaded: bool = False  # the build loaded it from the disk cache instead of compiling
+    result_loaded: bool = False  # the stages between trace and build loaded from the disk cache
 
     @property
     def num_outputs(self) -> int:
@@ -90,7 +93,8 @@ class CompileResult:
             f"{len(self.split.captures)} captured values ({self.captured_bytes() / 2**20:.2f} MiB), "
             f"{len(self.split.recomputed)} recomputed, {len(self.random_sites)} random inputs; "
             f"compile {t.get('total', 0):.1f}s (build {t.get('build', 0):.1f}s"
-            f"{', loaded from the disk cache' if self.executable_loaded else ''})"
+            f"{', loaded from the disk cache' if self.executable_loaded else ''}"
+            f"{'; gradient, split and offload loaded from the disk cache' if self.result_loaded else ''})"
         )
 
 
@@ -109,13 +113,22 @@ def compile_result(
     With ``reuse``, a traced graph equal to one compiled before reuses that compile."""
     start = Artifacts(module=module, args=args, kwargs=kwargs, options=options, device=device, dynamic=dynamic)
     after_trace, shown, seconds = run_stages(start, stages.STAGES[:2])
-    key = graph_fingerprint(after_trace) if reuse else None
-    reused = CACHES.compiles.get(key) if key is not None else None
+    key = graph_fingerprint(after_trace)
+    reused = CACHES.compiles.get(key) if reuse else None
     if reused is not None:  # another module's trace (the call's form, outputs), the same executable
         return dataclasses.replace(
             reused, traced=after_trace.traced, sizes=dict(after_trace.sizes), compile_seconds={**seconds, "reused": 1.0}
         )
-    done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:])
+    disk = ResultCache() if options.disk_cache and disk_cache_enabled() else None
+    disk_key = result_key(key, after_trace) if disk is not None else ""
+    stored = disk.load(disk_key) if disk is not None else None
+    if stored is not None:  # the stages between trace and build ran in an earlier process
+        done, shown_rest, seconds_rest = run_stages(dataclasses.replace(after_trace, **stored), (stages.STAGES[-1],))
+        shown_rest = {"fast_math": done.halves, **shown_rest}
+    else:
+        done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:])
+        if disk is not None:
+            disk.store(disk_key, done)
     seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
     assert done.traced is not None and done.device is not None and done.gradient is not None and done.split is not None
     result = CompileResult(
@@ -134,23 +147,29 @@ def compile_result(
         sizes=dict(done.sizes),
         gemm_choices=done.gemm_choices,
         executable_loaded=done.executable_loaded,
+        result_loaded=stored is not None,
     )
-    if key is not None:
+    if reuse:
         CACHES.compiles.put(key, result)
     return result
 
 
 def graph_fingerprint(a: Artifacts) -> str:
     """What the stages after the trace depend on: the exported graph's code, its inputs' metadata
-    and ranges, its lifted constants, the state's layout and which parameters require grad, the
-    outputs, the options and the device. Equal fingerprints compile to the same code; the state
-    is an input, so modules with equal graphs (a model's identical layers) can share it."""
+    (shapes, dtypes, strides) and ranges, its lifted constants, the state's layout and which
+    parameters require grad, the outputs, the options and the device. Equal fingerprints compile
+    to the same code; the state is an input, so modules with equal graphs (a model's identical layers) can share it."""
     assert a.traced is not None
     ep = a.traced.exported
     h = hashlib.sha256(ep.graph_module.code.encode())
     for node in ep.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
-        h.update(repr((node.name, tuple(map(str, getattr(val, "shape", ()))), str(getattr(val, "dtype", "")))).encode())
+        layout = (tuple(map(str, val.stride())), str(val.storage_offset())) if isinstance(val, torch.Tensor) else ()
+        h.update(
+            repr(
+                (node.name, tuple(map(str, getattr(val, "shape", ()))), str(getattr(val, "dtype", "")), layout)
+            ).encode()
+        )
     for name, value in sorted(ep.constants.items()):
         h.update(name.encode())
         if isinstance(value, torch.Tensor):
@@ -170,6 +189,9 @@ def graph_fingerprint(a: Artifacts) -> str:
                 a.traced.updated_inputs,
                 a.traced.num_user_outputs,
                 a.traced.input_dims,
+                sorted(a.traced.ranges.items()),
+                sorted(a.traced.no_grad_path),
+                sorted(a.traced.constant_outputs),
                 str(a.traced.out_spec),
                 repr(a.options),
                 str(a.device),

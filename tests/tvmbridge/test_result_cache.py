@@ -1,0 +1,149 @@
+"""The disk cache of compile results (``pipeline/result_cache.py``): a second compile of an equal
+graph skips the stages between trace and build, with PyTorch's numbers (dropout masks, random ops
+and buffer updates included); what those stages read is in the key; a damaged entry compiles
+again; the stored TVM objects come back as one graph (vars shared between the halves and the
+joint graph stay shared)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import tvm
+import tvm_ffi
+
+from tests.helpers import clone_module, max_errors, run_step
+from tvmbridge.caches import CACHES
+from tvmbridge.pipeline import result_cache
+from tvmbridge.runtime.compiled import compile_training
+from tvmbridge.runtime.dispatch import add_tvm_dispatch, dispatcher_of
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TVMBRIDGE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "1")
+    return tmp_path / "compiles"
+
+
+class Noisy(torch.nn.Module):
+    """Dropout (a mask from PyTorch's RNG), a random op, a running statistic: every kind of
+    artifact the skipped stages make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.drop = torch.nn.Dropout(0.25)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.norm(self.a(x)))
+        return self.b(torch.nn.functional.gelu(h) + 0.01 * torch.rand_like(h))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Noisy()
+
+
+def _dispatched(model, x, **options):
+    CACHES.clear()  # the process cache would answer first
+    module = add_tvm_dispatch(clone_module(model), (x,), **options)
+    return module, dispatcher_of(module).variants[0].compiled
+
+
+def test_a_second_compile_loads_the_result_and_matches_pytorch(cache_dir):
+    model, x = _model(), torch.randn(6, 8)
+    first, compiled = _dispatched(model, x)
+    assert not compiled.result_loaded and len(list(cache_dir.glob("*.pkl"))) == 1
+    second, loaded = _dispatched(model, x)
+    assert loaded.result_loaded and loaded.executable_loaded, "an equal graph compiled again"
+    assert "split and offload loaded from the disk cache" in loaded.summary()
+    assert "gradient" not in loaded.compile_seconds  # the stages did not run
+    assert len(loaded.random_sites) == len(compiled.random_sites) == 2
+    assert loaded.split.captures == compiled.split.captures
+    eager = clone_module(model)
+    expected = run_step(eager, (x,))
+    for module in (first, second):
+        errs = max_errors(run_step(module, (x,)), expected)
+        assert max(errs.values()) < 1e-5, errs
+    for name in ("running_mean", "running_var"):  # the buffer update runs in the loaded code too
+        assert torch.allclose(getattr(second.norm, name), getattr(eager.norm, name), atol=1e-6)
+
+
+def test_stored_objects_come_back_as_one_graph(cache_dir):
+    model, x = _model(), torch.randn(6, 8)
+    CACHES.clear()
+    compiled = compile_training(model, (x,), disk_cache=False)
+    from tvmbridge.pipeline.artifacts import Artifacts
+
+    artifacts = Artifacts(
+        module=model,
+        args=(x,),
+        kwargs={},
+        options=compiled.options,
+        random_sites=tuple(compiled.random_sites),
+        num_index_checks=compiled.num_index_checks,
+        grad_param_indices=tuple(compiled.grad_param_indices),
+        split=compiled.split,
+        halves=compiled.stages["fast_math"],
+        gemm_choices=compiled.gemm_choices,
+        gradient=None,
+    )
+    back = result_cache.loads(result_cache.dumps(artifacts))
+    assert tvm_ffi.structural_equal(back["halves"], artifacts.halves)
+    split = back["split"]
+    assert tvm_ffi.structural_equal(split.forward, compiled.split.forward)
+    assert tvm_ffi.structural_equal(split.backward, compiled.split.backward)
+    # the joint graph's keys are the loaded forward's own vars, not copies of them
+    forward_vars = {b.var for block in split.forward.body.blocks for b in block.bindings}
+    assert forward_vars and sum(v in split.joint.keys for v in forward_vars) > len(forward_vars) // 2
+    assert back["random_sites"] == artifacts.random_sites  # torch ops and dtypes by name
+
+
+def test_what_the_skipped_stages_read_is_in_the_key(cache_dir):
+    model, x = _model(), torch.randn(6, 8)
+    _dispatched(model, x)
+    frozen = clone_module(model)
+    frozen.a.weight.requires_grad_(False)  # another gradient
+    CACHES.clear()
+    assert not add_tvm_dispatch(frozen, (x,))._tvm_dispatch.variants[0].compiled.result_loaded
+    wide = torch.randn(8, 6).t()  # another layout of the input: the masks' strides differ
+    _, compiled = _dispatched(model, wide)
+    assert not compiled.result_loaded
+    _, compiled = _dispatched(model, x, fast_math=False)
+    assert not compiled.result_loaded
+    _, compiled = _dispatched(model, x)
+    assert compiled.result_loaded
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_damaged_result_is_compiled_again(cache_dir, damage):
+    model, x = _model(), torch.randn(6, 8)
+    _dispatched(model, x)
+    (entry,) = cache_dir.glob("*.pkl")
+    data = entry.read_bytes()
+    entry.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\0" * 64 + data[64:])
+    with pytest.warns(UserWarning, match="damaged"):
+        module, compiled = _dispatched(model, x)
+    assert not compiled.result_loaded
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 1e-5, errs
+    assert _dispatched(model, x)[1].result_loaded  # stored again, whole
+
+
+def test_a_record_naming_a_file_of_other_fields_is_refused(cache_dir):
+    """A payload whose digest matches but that holds something else (an older layout under the
+    same key) is damage, not a result."""
+    data = pickle.dumps({"other": 1})
+    objects = tvm.ir.save_json(tvm.runtime.convert([])).encode()
+    cache = result_cache.ResultCache(cache_dir)
+    cache.write = lambda value, path: Path(path).write_bytes(len(data).to_bytes(8, "little") + data + objects)  # type: ignore[method-assign]
+    assert cache.store("e" * 64, None)
+    with pytest.warns(UserWarning, match="damaged"):
+        assert result_cache.ResultCache(cache_dir).load("e" * 64) is None
+    assert not os.path.exists(cache_dir / ("e" * 64 + ".json"))
