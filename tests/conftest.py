@@ -9,10 +9,16 @@ import tempfile
 import pytest
 
 # measured GEMM choices go to a fresh directory, never the user's cache (tests of the cache
-# itself point it elsewhere again)
-os.environ["TVMBRIDGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tvmbridge-test-cache-")
-# and build every executable: a test of the disk cache turns it on for itself
-os.environ["TVMBRIDGE_DISK_CACHE"] = "0"
+# itself point it elsewhere again), and every executable is built: a test of the disk cache
+# turns it on for itself. TVMBRIDGE_TEST_WARM_CACHE=<dir> runs the suite with the disk caches on
+# in <dir> instead: run it twice, and the second run takes the warm path (traces, compile
+# results and executables loaded) in every test.
+if os.environ.get("TVMBRIDGE_TEST_WARM_CACHE"):
+    os.environ["TVMBRIDGE_CACHE_DIR"] = os.environ["TVMBRIDGE_TEST_WARM_CACHE"]
+    os.environ["TVMBRIDGE_DISK_CACHE"] = "1"
+else:
+    os.environ["TVMBRIDGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tvmbridge-test-cache-")
+    os.environ["TVMBRIDGE_DISK_CACHE"] = "0"
 
 
 @pytest.fixture(autouse=True)

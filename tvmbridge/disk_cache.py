@@ -53,6 +53,26 @@ def cache_dir() -> Path:
     return Path(base) / "tvmbridge"
 
 
+@functools.cache
+def code_digest() -> str:
+    """The bridge's own source (its passes, schedules and kernels shape what is cached), TVM's
+    library, tvm-ffi's and torch's versions: a changed file here is a different key."""
+    import torch
+    import tvm
+    import tvm_ffi
+
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode())
+        h.update(path.read_bytes())
+    libs = sorted(Path(tvm.__file__).parent.glob("lib*.so"))
+    h.update(repr([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in libs]).encode())
+    h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()
+
+
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -1,8 +1,9 @@
-"""The disk cache of compile results (``pipeline/result_cache.py``): a second compile of an equal
-graph skips the stages between trace and build, with PyTorch's numbers (dropout masks, random ops
-and buffer updates included); what those stages read is in the key; a damaged entry compiles
-again; the stored TVM objects come back as one graph (vars shared between the halves and the
-joint graph stay shared)."""
+"""The disk caches of compile results (``pipeline/result_cache.py``) and of traces
+(``frontend/trace_cache.py``): a second compile of an equal graph skips the decomposition and the
+stages between trace and build, with PyTorch's numbers (dropout masks, random ops and buffer
+updates included); what those stages read is in the keys; a damaged entry compiles again; the
+stored TVM objects come back as one graph (vars shared between the halves and the joint graph stay
+shared)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import tvm_ffi
 
 from tests.helpers import clone_module, max_errors, run_step
 from tvmbridge.caches import CACHES
+from tvmbridge.errors import ConversionError
+from tvmbridge.frontend.digest import program_digest
+from tvmbridge.frontend.export import Deferred
+from tvmbridge.frontend.trace_cache import TraceCache, TraceFacts, cached_trace
 from tvmbridge.pipeline import result_cache
 from tvmbridge.runtime.compiled import compile_training
 from tvmbridge.runtime.dispatch import add_tvm_dispatch, dispatcher_of
@@ -62,6 +67,8 @@ def test_a_second_compile_loads_the_result_and_matches_pytorch(cache_dir):
     assert not compiled.result_loaded and len(list(cache_dir.glob("*.pkl"))) == 1
     second, loaded = _dispatched(model, x)
     assert loaded.result_loaded and loaded.executable_loaded, "an equal graph compiled again"
+    assert loaded.trace_loaded and isinstance(loaded.traced.program, Deferred), "decomposed again"
+    assert loaded.traced.graph_digest == compiled.traced.graph_digest
     assert "split and offload loaded from the disk cache" in loaded.summary()
     assert "gradient" not in loaded.compile_seconds  # the stages did not run
     assert len(loaded.random_sites) == len(compiled.random_sites) == 2
@@ -147,3 +154,53 @@ def test_a_record_naming_a_file_of_other_fields_is_refused(cache_dir):
     with pytest.warns(UserWarning, match="damaged"):
         assert result_cache.ResultCache(cache_dir).load("e" * 64) is None
     assert not os.path.exists(cache_dir / ("e" * 64 + ".json"))
+
+
+def test_a_loaded_trace_decomposes_when_a_later_stage_reads_the_graph(cache_dir):
+    """Trace facts from the cache, the compile result not (other options): the convert stage
+    reads the program, which is decomposed then, and the compile is PyTorch's."""
+    model, x = _model(), torch.randn(6, 8)
+    _dispatched(model, x)
+    module, compiled = _dispatched(model, x, fast_math=False)
+    assert compiled.trace_loaded and not compiled.result_loaded
+    assert program_digest(compiled.traced.exported) == compiled.traced.graph_digest
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 1e-5, errs
+
+
+class WritesInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        count.add_(1)
+        return self.lin(x) * 2
+
+
+def test_the_trace_key_covers_what_the_trace_checks(cache_dir):
+    """Writing into an input that requires grad is refused by the trace; a cached trace of the
+    same call without grad must not let it through."""
+    torch.manual_seed(0)
+    model, x, count = WritesInput(), torch.randn(3, 4), torch.zeros(3, 4)
+    CACHES.clear()
+    assert not compile_training(model, (x, count)).trace_loaded
+    CACHES.clear()
+    assert compile_training(model, (x, count)).trace_loaded
+    CACHES.clear()
+    with pytest.raises(ConversionError, match="requires grad"):
+        compile_training(model, (x, count.clone().requires_grad_()))
+
+
+def test_facts_of_another_program_are_an_error_not_a_compile(cache_dir):
+    model, x = _model(), torch.randn(6, 8)
+    cache = TraceCache()
+    traced, loaded = cached_trace(model, (x,), {}, None, cache)
+    assert not loaded
+    (record,) = (cache_dir.parent / "traces").glob("*.json")
+    wrong = TraceFacts.of(traced).__dict__ | {"graph_digest": "0" * 64}
+    assert cache.store(record.stem, TraceFacts(**wrong))
+    again, loaded = cached_trace(model, (x,), {}, None, cache)
+    assert loaded and again.num_user_outputs == traced.num_user_outputs
+    with pytest.raises(RuntimeError, match="describes another program"):
+        again.exported

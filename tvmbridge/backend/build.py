@@ -240,14 +240,17 @@ def compile_or_load(
     fuse: bool = True,
     tuning_db: str | None = None,
     disk_cache: bool = True,
-) -> tuple[tvm.runtime.Executable, bool]:
+    key: str = "",
+) -> tuple[tvm.runtime.Executable, bool, str]:
     """:func:`compile_module` through the disk cache (``executable_cache``; with ``disk_cache``
-    and unless the environment turns it off); and whether the executable was loaded."""
+    and unless the environment turns it off); whether the executable was loaded, and its key
+    (``key``: the one an earlier compile of this very module computed, else computed now)."""
     if not (disk_cache and executable_cache.enabled()):
-        return _as_library(compile_module(mod, target, schedule, fuse, tuning_db), target), False
+        return _as_library(compile_module(mod, target, schedule, fuse, tuning_db), target), False, ""
     state = tuning_state(tuning_db) if tuning_db is not None and schedule else None
-    key = executable_cache.cache_key(mod, target, schedule, fuse, state)
-    return executable_cache.cached_compile(key, lambda: compile_module(mod, target, schedule, fuse, tuning_db))
+    key = key or executable_cache.cache_key(mod, target, schedule, fuse, state)
+    exe, loaded = executable_cache.cached_compile(key, lambda: compile_module(mod, target, schedule, fuse, tuning_db))
+    return exe, loaded, key
 
 
 def compile_module(

@@ -12,39 +12,19 @@ or ``CompileOptions(disk_cache=False)`` turns it off.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import tvm
 from tvm import relax
 
-from ..disk_cache import FORMAT, DiskCache, cache_dir, enabled, max_bytes, warn_once
+from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest, enabled, max_bytes, warn_once
 from .codegen import write_library
 from .gemm_choice import machine
 
 __all__ = ["ExecutableCache", "cache_key", "cached_compile", "code_digest", "enabled", "max_bytes", "warn_once"]
-
-
-@functools.cache
-def code_digest() -> str:
-    """The bridge's own source (its passes, schedules and kernels shape the compiled code), TVM's
-    library, tvm-ffi's and torch's versions: a changed file here is a different key."""
-    import tvm_ffi
-
-    h = hashlib.sha256()
-    package = Path(__file__).resolve().parents[1]
-    for path in sorted(package.rglob("*.py")):
-        h.update(str(path.relative_to(package)).encode())
-        h.update(path.read_bytes())
-    libs = sorted(Path(tvm.__file__).parent.glob("lib*.so"))
-    h.update(repr([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in libs]).encode())
-    h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
-    h.update(torch.__version__.encode())
-    return h.hexdigest()
 
 
 def cache_key(mod: tvm.IRModule, target: tvm.target.Target, schedule: bool, fuse: bool, tuning_state: object) -> str:

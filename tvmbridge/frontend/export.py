@@ -11,7 +11,9 @@ learned is kept in :class:`TracedModule` for the guard and the runtime.
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,87 +23,30 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from ..errors import ConversionError, describe
+from .call_state import AutocastState, ModuleState
 from .custom_functions import custom_functions_seen
 from .decompositions import decomposition_table
+from .digest import program_digest
 from .mixed_dtypes import make_dtype_mixing_explicit
 from .outputs import OutputLayout, flatten_output, unflatten_output
 from .signature import canonical_call
 
 
-@dataclass(frozen=True)
-class AutocastState:
-    """An enabled ``torch.autocast`` on one device type: tracing under it records its casts as
-    ops of the graph, so the graph fits calls made under the same state only."""
+class Deferred:
+    """A decomposed program made on first use, once: a trace the trace cache answered needs it
+    only where a later stage or a tool reads the graph itself."""
 
-    device_type: str
-    dtype: torch.dtype
+    def __init__(self, make: Callable[[], ExportedProgram]) -> None:
+        self._make: Callable[[], ExportedProgram] | None = make
+        self._value: ExportedProgram | None = None
+        self._lock = threading.Lock()
 
-    @classmethod
-    def current(cls, device_type: str) -> AutocastState | None:
-        """The autocast in effect for ``device_type`` now (None: off)."""
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return cls(device_type, torch.get_autocast_dtype(device_type))
-
-    @staticmethod
-    def entered(state: AutocastState | None, device_type: str) -> torch.autocast:
-        """A context that puts ``state`` (None: autocast off) in effect for ``device_type``."""
-        if state is None:
-            return torch.autocast(device_type, enabled=False)
-        return torch.autocast(state.device_type, dtype=state.dtype)
-
-    def __str__(self) -> str:
-        return f"autocast({self.device_type}, {str(self.dtype).removeprefix('torch.')})"
-
-
-@dataclass(frozen=True)
-class ModuleState:
-    """The tensors of a module that a compiled call reads, each tied tensor once, in input order:
-    parameters, then buffers. ``aliases`` maps every other name of a tied tensor to its name here."""
-
-    names: tuple[str, ...]
-    is_parameter: tuple[bool, ...]
-    aliases: dict[str, str]
-
-    @classmethod
-    def of(cls, module: torch.nn.Module) -> ModuleState:
-        names: list[str] = []
-        is_param: list[bool] = []
-        seen: dict[int, str] = {}  # id of a tensor -> its first name
-        aliases: dict[str, str] = {}
-        for kind, items in (
-            (True, module.named_parameters(remove_duplicate=False)),
-            (False, module.named_buffers(remove_duplicate=False)),
-        ):
-            for name, t in items:
-                if id(t) in seen:
-                    aliases[name] = seen[id(t)]
-                    continue
-                seen[id(t)] = name
-                names.append(name)
-                is_param.append(kind)
-        return cls(tuple(names), tuple(is_param), aliases)
-
-    def lookup(self, module: torch.nn.Module) -> list[torch.Tensor | None]:
-        """The module's current tensor under each name (None where there is none any more)."""
-        return [self.lookup_one(module, name) for name in self.names]
-
-    def tensors(self, module: torch.nn.Module) -> list[torch.Tensor]:
-        """:meth:`lookup` where every name has its tensor: the module the state was read from, as
-        a compile reads it (a call checks the state first, ``runtime.guards``)."""
-        found = self.lookup(module)
-        missing = [name for name, t in zip(self.names, found) if t is None]
-        assert not missing, f"the module has no tensor {missing} any more"
-        return [t for t in found if t is not None]
-
-    @staticmethod
-    def lookup_one(module: torch.nn.Module, name: str) -> torch.Tensor | None:
-        owner, _, leaf = name.rpartition(".")
-        try:
-            sub = module.get_submodule(owner) if owner else module
-        except AttributeError:
-            return None
-        return sub._parameters.get(leaf) if leaf in sub._parameters else sub._buffers.get(leaf)
+    def get(self) -> ExportedProgram:
+        with self._lock:
+            if self._value is None:
+                assert self._make is not None
+                self._value, self._make = self._make(), None  # what made it (the sample, the module) can go
+            return self._value
 
 
 @dataclass(frozen=True)
@@ -111,7 +56,7 @@ class TracedModule:
     The exported program takes ``user tensors + state tensors`` and returns ``user outputs +
     updated buffers`` (flat)."""
 
-    exported: ExportedProgram
+    program: ExportedProgram | Deferred = field(repr=False)  # see ``exported``
     in_spec: pytree.TreeSpec  # of the canonical (args, kwargs)
     out_spec: OutputLayout  # of the module's own output
     constant_leaves: dict[int, Any]  # leaf index -> the non-tensor value the export specialised on
@@ -125,6 +70,12 @@ class TracedModule:
     autocast: AutocastState | None = None  # the autocast the graph was traced under (its casts are ops)
     no_grad_path: frozenset[int] = frozenset()  # inputs no float user output depends on: no gradient
     constant_outputs: frozenset[int] = frozenset()  # user outputs that are copies of a constant
+    graph_digest: str = ""  # frontend.digest of the decomposed program
+
+    @property
+    def exported(self) -> ExportedProgram:
+        """The program decomposed to core ATen (made now if the trace cache answered the rest)."""
+        return self.program.get() if isinstance(self.program, Deferred) else self.program
 
     def output_of(self, outs: list[torch.Tensor]) -> Any:
         """The module's output from the compiled code's user outputs. An output copied from a
@@ -272,11 +223,41 @@ def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
             ) from exc
 
 
-def trace(
+@dataclass(frozen=True)
+class RawTrace:
+    """A call's first export, before decomposition (what the trace cache keys on), and what
+    finishing the trace needs."""
+
+    module: torch.nn.Module
+    leaves: list[Any]
+    in_spec: pytree.TreeSpec
+    tensors: tuple[torch.Tensor, ...]
+    inputs: tuple[torch.Tensor, ...]  # the call's tensors, then the state's
+    state: ModuleState
+    flat: FlatCall
+    autocast: AutocastState | None
+    dynamic: dict[int, frozenset[int]] | None
+    exported: ExportedProgram
+
+    def traced(self, program: ExportedProgram | Deferred, **facts: Any) -> TracedModule:
+        """The trace of this call, with what was learned from the decomposed program."""
+        assert self.flat.seen.out_spec is not None  # the export ran its forward
+        return TracedModule(
+            program=program,
+            in_spec=self.in_spec,
+            out_spec=self.flat.seen.out_spec,
+            constant_leaves={i: x for i, x in enumerate(self.leaves) if not isinstance(x, torch.Tensor)},
+            num_user_inputs=len(self.tensors),
+            state=self.state,
+            autocast=self.autocast,
+            **facts,
+        )
+
+
+def export_call(
     module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic: dict[int, frozenset[int]] | None = None
-) -> TracedModule:
-    """Export ``module`` for one call and decompose to core ATen (the form that is converted).
-    ``dynamic`` marks dims of the call's tensors (by position among them) to trace symbolically."""
+) -> RawTrace:
+    """The first half of :func:`trace`: ``torch.export`` of the call in canonical form."""
     call_args, call_kwargs = canonical_call(module.forward, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
@@ -284,40 +265,49 @@ def trace(
     inputs = tensors + tuple(t.detach() for t in state.tensors(module))
     flat = FlatCall(module, in_spec, leaves, state)
     autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")
-    ep = _decompose(module, _export(module, flat, inputs, dynamic))
+    ep = _export(module, flat, inputs, dynamic)
+    return RawTrace(module, leaves, in_spec, tensors, inputs, state, flat, autocast, dynamic, ep)
+
+
+def decompose_call(raw: RawTrace) -> TracedModule:
+    """The second half of :func:`trace`: the export decomposed to core ATen, and what it shows."""
+    module, tensors, state = raw.module, raw.tensors, raw.state
+    ep = _decompose(module, raw.exported)
     updated, updated_inputs = _updated_tensors(ep, tensors, state)
     if updated or updated_inputs:  # again, updating clones: their new values become ordinary outputs
-        flat = FlatCall(module, in_spec, leaves, state, updated, updated_inputs)
-        ep = _decompose(module, _export(module, flat, inputs, dynamic))
+        flat = FlatCall(module, raw.in_spec, raw.leaves, state, updated, updated_inputs)
+        ep = _decompose(module, _export(module, flat, raw.inputs, raw.dynamic))
     if make_dtype_mixing_explicit(ep.graph):  # autocast's mixed-type kernels: one dtype per op
         ep.graph_module.recompile()
     num_user_outputs = _check_outputs(ep) - len(updated) - len(updated_inputs)
     user_inputs = _user_input_specs(ep)
     others = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
-    if len(user_inputs) != len(inputs) or any(s.kind != InputKind.CONSTANT_TENSOR for s in others):
+    if len(user_inputs) != len(raw.inputs) or any(s.kind != InputKind.CONSTANT_TENSOR for s in others):
         raise ConversionError(
             "trace",
-            f"expected {len(inputs)} tensor inputs in the export (the call's {len(tensors)} and the "
+            f"expected {len(raw.inputs)} tensor inputs in the export (the call's {len(tensors)} and the "
             f"module's {len(state.names)} parameters and buffers) and lifted constants, found "
             f"{[s.kind.name for s in ep.graph_signature.input_specs]}",
         )
-    assert flat.seen.out_spec is not None  # the export ran its forward
-    return TracedModule(
-        exported=ep,
-        in_spec=in_spec,
-        out_spec=flat.seen.out_spec,
-        constant_leaves={i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)},
-        num_user_inputs=len(tensors),
-        state=state,
+    return raw.traced(
+        ep,
         num_user_outputs=num_user_outputs,
         updated_buffers=updated,
         updated_inputs=updated_inputs,
         input_dims=_input_dims(ep, len(tensors)),
         ranges=_ranges(ep),
-        autocast=autocast,
         no_grad_path=_inputs_without_grad_path(ep, num_user_outputs),
         constant_outputs=_constant_outputs(ep, num_user_outputs),
+        graph_digest=program_digest(ep),
     )
+
+
+def trace(
+    module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic: dict[int, frozenset[int]] | None = None
+) -> TracedModule:
+    """Export ``module`` for one call and decompose to core ATen (the form that is converted).
+    ``dynamic`` marks dims of the call's tensors (by position among them) to trace symbolically."""
+    return decompose_call(export_call(module, args, kwargs, dynamic))
 
 
 # ops that return their input's value (what a traced ``.clone()``, ``.to()`` or ``.detach()`` leaves)

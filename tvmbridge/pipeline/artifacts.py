@@ -37,6 +37,7 @@ class Artifacts:
     dynamic: dict[int, frozenset[int]] | None = None  # call tensor -> dims to trace symbolically
     sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at this call (for costs)
     traced: TracedModule | None = None
+    trace_loaded: bool = False  # what the decomposed program shows came from the trace cache
     primal: tvm.IRModule | None = None  # names.MAIN, through the passes before the gradient
     random_sites: tuple[RandomSite, ...] = ()
     num_index_checks: int = 0
@@ -48,6 +49,7 @@ class Artifacts:
     halves: tvm.IRModule | None = None  # names.FORWARD, names.FORWARD_INFER, names.BACKWARD
     gemm_choices: tuple[GemmDecision, ...] = ()  # where each offloaded GEMM runs, and why
     executable: tvm.runtime.Executable | None = None
+    build_key: str = ""  # the executable's key in the disk cache (backend.executable_cache)
     executable_loaded: bool = False  # the build found it in the disk cache (backend.executable_cache)
 
 

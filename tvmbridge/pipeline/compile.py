@@ -52,6 +52,7 @@ class CompileResult:
     gemm_choices: tuple[GemmDecision, ...] = ()
     executable_loaded: bool = False  # the build loaded it from the disk cache instead of compiling
     result_loaded: bool = False  # the stages between trace and build loaded from the disk cache
+    trace_loaded: bool = False  # the decomposition skipped: what it shows loaded from the disk cache
 
     @property
     def num_outputs(self) -> int:
@@ -117,7 +118,11 @@ def compile_result(
     reused = CACHES.compiles.get(key) if reuse else None
     if reused is not None:  # another module's trace (the call's form, outputs), the same executable
         return dataclasses.replace(
-            reused, traced=after_trace.traced, sizes=dict(after_trace.sizes), compile_seconds={**seconds, "reused": 1.0}
+            reused,
+            traced=after_trace.traced,
+            sizes=dict(after_trace.sizes),
+            trace_loaded=after_trace.trace_loaded,
+            compile_seconds={**seconds, "reused": 1.0},
         )
     disk = ResultCache() if options.disk_cache and disk_cache_enabled() else None
     disk_key = result_key(key, after_trace) if disk is not None else ""
@@ -148,6 +153,7 @@ def compile_result(
         gemm_choices=done.gemm_choices,
         executable_loaded=done.executable_loaded,
         result_loaded=stored is not None,
+        trace_loaded=done.trace_loaded,
     )
     if reuse:
         CACHES.compiles.put(key, result)
@@ -160,27 +166,12 @@ def graph_fingerprint(a: Artifacts) -> str:
     parameters require grad, the outputs, the options and the device. Equal fingerprints compile
     to the same code; the state is an input, so modules with equal graphs (a model's identical layers) can share it."""
     assert a.traced is not None
-    ep = a.traced.exported
-    h = hashlib.sha256(ep.graph_module.code.encode())
-    for node in ep.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        layout = (tuple(map(str, val.stride())), str(val.storage_offset())) if isinstance(val, torch.Tensor) else ()
-        h.update(
-            repr(
-                (node.name, tuple(map(str, getattr(val, "shape", ()))), str(getattr(val, "dtype", "")), layout)
-            ).encode()
-        )
-    for name, value in sorted(ep.constants.items()):
-        h.update(name.encode())
-        if isinstance(value, torch.Tensor):
-            h.update(repr((tuple(value.shape), value.dtype)).encode())
-            h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
+    h = hashlib.sha256(a.traced.graph_digest.encode())  # the graph, its inputs' layouts, constants, ranges
     state = a.traced.state
     grads = tuple(t.requires_grad for t in state.tensors(a.module))
     h.update(
         repr(
             (
-                sorted(map(str, ep.range_constraints.items())),
                 state.names,
                 state.is_parameter,
                 sorted(state.aliases.items()),

@@ -24,14 +24,23 @@ import tvm
 import tvm_ffi
 
 from ..backend.build import tuning_state
-from ..backend.executable_cache import code_digest
 from ..backend.gemm_choice import machine
-from ..disk_cache import FORMAT, DiskCache, cache_dir
+from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest
 from .artifacts import Artifacts
 
 # what the stages after the trace and before the build write that the compile's result or the
-# build reads (``primal``, ``joint`` and ``captures`` live on in ``gradient`` and ``split``)
-STORED = ("random_sites", "num_index_checks", "grad_param_indices", "gradient", "split", "halves", "gemm_choices")
+# build reads (``primal``, ``joint`` and ``captures`` live on in ``gradient`` and ``split``), and
+# the executable's key (the build need not serialize ``halves`` again to find it)
+STORED = (
+    "random_sites",
+    "num_index_checks",
+    "grad_param_indices",
+    "gradient",
+    "split",
+    "halves",
+    "gemm_choices",
+    "build_key",
+)
 
 
 def _resolve_op(qualified: str) -> torch._ops.OpOverload:

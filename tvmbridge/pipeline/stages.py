@@ -17,15 +17,16 @@ from tvm import relax
 
 from analysis.tensors import tensor_leaves
 
-from .. import names
+from .. import disk_cache, names
 from ..backend import build as backend_build
 from ..backend.fast_math import FastMathFloat32
 from ..backend.gemm_choice import ChoiceCache, GemmChooser
 from ..backend.offload import ApplyOffloadPlan, gemm_problems, plan_offload
 from ..devices import SUPPORTED, target_for
 from ..errors import ConversionError
-from ..frontend.export import TracedModule, trace
+from ..frontend.export import Deferred, TracedModule, trace
 from ..frontend.importer import to_relax
+from ..frontend.trace_cache import TraceCache, cached_trace
 from ..ir import copy_with_fresh_vars
 from ..kernels.gemm import register_gemms
 from ..kernels.mt19937 import kernel_works
@@ -63,12 +64,16 @@ def _inputs(a: Artifacts) -> Artifacts:
 def _trace(a: Artifacts) -> Artifacts:
     # traced under the caller's autocast state: its casts become ops of the graph, and the
     # variant's guard accepts calls under that state only
-    traced = trace(a.module, a.args, a.kwargs, a.dynamic)
+    if a.options.disk_cache and disk_cache.enabled():
+        traced, loaded = cached_trace(a.module, a.args, a.kwargs, a.dynamic, TraceCache())
+    else:
+        traced, loaded = trace(a.module, a.args, a.kwargs, a.dynamic), False
     if a.dynamic and not traced.symbolic:
         raise ConversionError(
             "trace", "no dimension stayed symbolic: the module's code fixes every size marked dynamic"
         )
-    return dataclasses.replace(a, traced=traced, sizes=symbol_sizes(traced, tensor_leaves((a.args, a.kwargs))))
+    sizes = symbol_sizes(traced, tensor_leaves((a.args, a.kwargs)))
+    return dataclasses.replace(a, traced=traced, sizes=sizes, trace_loaded=loaded)
 
 
 def symbol_sizes(traced: TracedModule, tensors: list[torch.Tensor]) -> dict[str, int]:
@@ -193,13 +198,19 @@ def _fast_math(a: Artifacts) -> Artifacts:
 def _build(a: Artifacts) -> Artifacts:
     assert a.device is not None
     options = a.options
-    exe, loaded = backend_build.compile_or_load(
-        a.halves, target_for(a.device), options.cpu_schedules, options.fuse, options.tuning_db, options.disk_cache
+    exe, loaded, key = backend_build.compile_or_load(
+        a.halves,
+        target_for(a.device),
+        options.cpu_schedules,
+        options.fuse,
+        options.tuning_db,
+        options.disk_cache,
+        key=a.build_key,  # kept with a compile result loaded from the disk cache
     )
     if a.device.type == "cpu" and a.random_sites and a.options.mask_kernel:
         kernel_works()  # builds and checks the mask kernel now, not on the first call
     backend_build.load(exe, a.device)  # loads in this thread now: a failure is the build stage's
-    return dataclasses.replace(a, executable=exe, executable_loaded=loaded)
+    return dataclasses.replace(a, executable=exe, executable_loaded=loaded, build_key=key)
 
 
 def _adjoint(a: Artifacts) -> tvm.IRModule:
@@ -207,14 +218,15 @@ def _adjoint(a: Artifacts) -> tvm.IRModule:
     return tvm.IRModule({names.ADJOINT: a.gradient.adjoint})
 
 
-def _exported(a: Artifacts) -> torch.export.ExportedProgram:
+def _exported(a: Artifacts) -> torch.export.ExportedProgram | Deferred:
+    """The decomposed program; deferred where the trace cache answered (made when read)."""
     assert a.traced is not None
-    return a.traced.exported
+    return a.traced.program
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("inputs", _inputs, lambda a: a.device, reads=(*INPUTS, "device"), writes=("device",)),
-    Stage("trace", _trace, _exported, reads=(*INPUTS, "dynamic"), writes=("traced", "sizes")),
+    Stage("trace", _trace, _exported, reads=(*INPUTS, "dynamic"), writes=("traced", "sizes", "trace_loaded")),
     Stage(
         "convert",
         _convert,
@@ -250,8 +262,8 @@ STAGES: tuple[Stage, ...] = (
         "build",
         _build,
         lambda a: a.executable,
-        reads=("halves", "device", "options", "random_sites"),
-        writes=("executable", "executable_loaded"),
+        reads=("halves", "device", "options", "random_sites", "build_key"),
+        writes=("executable", "executable_loaded", "build_key"),
     ),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)

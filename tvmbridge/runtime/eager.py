@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..frontend.export import AutocastState
+from ..frontend.call_state import AutocastState
 from ..frontend.outputs import flatten_output
 from .locks import TRACING
 

@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 
-from ..frontend.export import AutocastState, ModuleState
+from ..frontend.call_state import AutocastState, ModuleState
 from ..sizes import evaluate_dims
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from analysis.tensors import tensor_leaves
 
 from ..errors import ConversionError
-from ..frontend.export import AutocastState
+from ..frontend.call_state import AutocastState
 from ..frontend.signature import canonical_call
 from .compiled import CompiledModule
 from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, autocast_mismatch, tensor_key
