@@ -228,7 +228,8 @@ def test_dynamic_padding_loop_compiles_twice_and_matches_pytorch():
     assert d.variants[1].symbolic and not d.variants[0].symbolic
     assert [v.calls for v in d.variants] == [1, 5]
     assert "symbolic in (2, s" in d.variants[1].why
-    offloaded = d.variants[1].compiled.stages["offload"].script()
+    # the last stage's module (kept by a compile loaded from the disk cache too) holds the offload
+    offloaded = d.variants[1].compiled.stages["fast_math"].script()
     assert "R.matmul(" not in offloaded and "tvmbridge." in offloaded  # symbolic GEMMs on the library too
 
 
