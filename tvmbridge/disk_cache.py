@@ -55,17 +55,20 @@ def cache_dir() -> Path:
 
 @functools.cache
 def code_digest() -> str:
-    """The bridge's own source (its passes, schedules and kernels shape what is cached), TVM's
+    """The bridge's own source and its analysis package's (passes, schedules, kernels and the
+    capture min-cut shape what is cached), TVM's
     library, tvm-ffi's and torch's versions: a changed file here is a different key."""
     import torch
     import tvm
     import tvm_ffi
 
+    import analysis
+
     h = hashlib.sha256()
-    package = Path(__file__).resolve().parent
-    for path in sorted(package.rglob("*.py")):
-        h.update(str(path.relative_to(package)).encode())
-        h.update(path.read_bytes())
+    for package in (Path(__file__).resolve().parent, Path(analysis.__file__).resolve().parent):
+        for path in sorted(package.rglob("*.py")):  # the analysis package's min-cut decides captures
+            h.update(f"{package.name}/{path.relative_to(package)}".encode())
+            h.update(path.read_bytes())
     libs = sorted(Path(tvm.__file__).parent.glob("lib*.so"))
     h.update(repr([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in libs]).encode())
     h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
@@ -122,6 +125,8 @@ class DiskCache(Generic[T]):
             if payload.stat().st_size != meta["size"] or file_digest(payload) != meta["sha256"]:
                 raise ValueError("the file does not match its record (truncated or changed)")
             value = self.read(payload)
+        except FileNotFoundError:  # another process removed the entry (evicted) after the check
+            return None
         except Exception as exc:  # noqa: BLE001 - any damage: compile again, never fail the user's step
             warnings.warn(
                 f"tvmbridge: the cached {self.what} {payload} is damaged ({str(exc).splitlines()[0][:200]}); "
@@ -191,6 +196,10 @@ class DiskCache(Generic[T]):
             with contextlib.suppress(OSError):
                 if payload.name not in named and time.time() - payload.stat().st_mtime > orphan_age_s:
                     payload.unlink()
+
+    def remove(self, key: str) -> None:
+        """The entry gone (if there is one)."""
+        self._remove(key)
 
     def _remove(self, key: str) -> None:
         with contextlib.suppress(OSError, ValueError, KeyError):

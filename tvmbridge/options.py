@@ -21,6 +21,10 @@ def _doc(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+# options that change how calls are dispatched or reported, not what is compiled
+RUNTIME_ONLY = ("fallback", "warn_on_fallback", "verify", "cache_size_limit", "disk_cache", "verbose", "progress")
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """How a module is compiled and dispatched. Every field has a default; see ``help(field)``
@@ -168,6 +172,14 @@ class CompileOptions:
             raise ValueError(f"option cache_size_limit must be an int >= 1, got {self.cache_size_limit!r}")
         if self.progress is not None and not isinstance(self.progress, bool):
             raise ValueError(f"option progress must be True, False or None, got {self.progress!r}")
+
+    def compile_key(self) -> str | None:
+        """The options the compile's stages read, as text equal across processes; None where a
+        callable (a capture policy, a converter) is among them: its code is not in the text, so
+        no disk cache may answer for it."""
+        if callable(self.capture) or self.converters:
+            return None
+        return repr({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in RUNTIME_ONLY})
 
     def replace(self, **changes: Any) -> CompileOptions:
         """A copy with ``changes`` applied (checked like the constructor's arguments)."""

@@ -69,6 +69,8 @@ def test_a_second_compile_loads_the_result_and_matches_pytorch(cache_dir):
     assert loaded.result_loaded and loaded.executable_loaded, "an equal graph compiled again"
     assert loaded.trace_loaded and isinstance(loaded.traced.program, Deferred), "decomposed again"
     assert loaded.traced.graph_digest == compiled.traced.graph_digest
+    with pytest.raises(RuntimeError, match="keeps no decomposed program"):  # released: holds no module
+        loaded.traced.exported
     assert "split and offload loaded from the disk cache" in loaded.summary()
     assert "gradient" not in loaded.compile_seconds  # the stages did not run
     assert len(loaded.random_sites) == len(compiled.random_sites) == 2
@@ -202,5 +204,50 @@ def test_facts_of_another_program_are_an_error_not_a_compile(cache_dir):
     assert cache.store(record.stem, TraceFacts(**wrong))
     again, loaded = cached_trace(model, (x,), {}, None, cache)
     assert loaded and again.num_user_outputs == traced.num_user_outputs
-    with pytest.raises(RuntimeError, match="describes another program"):
+    with pytest.raises(RuntimeError, match="described another program"):
         again.exported
+    assert not record.exists()  # the entry went with it
+    with pytest.raises(RuntimeError, match="described another program"):  # kept, not retried
+        again.exported
+
+
+class DefaultDtype(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.arange(4.0)  # the default dtype: nowhere in the graph's code
+
+
+def test_the_default_dtype_is_in_the_keys(cache_dir):
+    torch.manual_seed(0)
+    model, x = DefaultDtype(), torch.randn(3, 4)
+    CACHES.clear()
+    assert compile_training(model, (x,)).traced.graph_digest
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        module, compiled = _dispatched(model, x)
+        assert not compiled.trace_loaded and not compiled.result_loaded
+        out = module(x)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, clone_module(model)(x))
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_options_holding_callables_keep_no_compile_result(cache_dir):
+    """A callable's code is in no key: its compile is not stored (nor loaded), and equal
+    options without it are another key."""
+    from tvmbridge.partition.policy import capture_all
+
+    model, x = _model(), torch.randn(6, 8)
+    _, compiled = _dispatched(model, x, capture=capture_all)
+    assert not compiled.result_loaded and not list(cache_dir.glob("*.pkl"))
+    _, compiled = _dispatched(model, x, capture=capture_all)
+    assert not compiled.result_loaded and compiled.trace_loaded  # the trace reads no option
+    _, compiled = _dispatched(model, x, verbose=True, verify=False)  # options the compile does not read
+    assert not compiled.result_loaded
+    _, compiled = _dispatched(model, x)
+    assert compiled.result_loaded

@@ -1,8 +1,9 @@
 """A digest of an exported program: what the compile of its graph depends on.
 
 The code of every graph module in it (an export before decomposition keeps ``no_grad`` and
-autocast regions as submodules), each placeholder's shape, dtype, strides and storage offset,
-the lifted constants' values and the shape symbols' ranges. Node metadata that does not change
+autocast regions as submodules), every node's value as metadata (shape, dtype, strides, storage
+offset: what the code leaves to defaults, as a factory's dtype under ``set_default_dtype``), the
+lifted constants' values and the shape symbols' ranges. Node metadata that does not change
 the computation (stack traces, module paths) is left out, so a model's identical layers digest
 alike.
 """
@@ -21,11 +22,10 @@ def program_digest(ep: ExportedProgram) -> str:
         if isinstance(module, torch.fx.GraphModule):
             h.update(name.encode())
             h.update(module.code.encode())
-    for node in ep.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        layout = (tuple(map(str, val.stride())), str(val.storage_offset())) if isinstance(val, torch.Tensor) else ()
-        shape = tuple(map(str, getattr(val, "shape", ())))
-        h.update(repr((node.name, shape, str(getattr(val, "dtype", "")), layout)).encode())
+    for name, module in ep.graph_module.named_modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:  # what the code leaves to defaults (a factory's dtype)
+                h.update(repr((name, node.name, _meta(node.meta.get("val")))).encode())
     for name, value in sorted(ep.constants.items()):
         h.update(name.encode())
         if isinstance(value, torch.Tensor):
@@ -35,3 +35,16 @@ def program_digest(ep: ExportedProgram) -> str:
             h.update(repr(value).encode())
     h.update(repr(sorted(map(str, ep.range_constraints.items()))).encode())
     return h.hexdigest()
+
+
+def _meta(val: object) -> object:
+    """A node's value as metadata: each tensor's shape, dtype, strides and storage offset."""
+    if isinstance(val, (tuple, list)):
+        return tuple(_meta(v) for v in val)
+    if isinstance(val, torch.Tensor):
+        try:
+            layout: object = (tuple(map(str, val.stride())), str(val.storage_offset()))
+        except (RuntimeError, NotImplementedError):  # a layout without strides (sparse)
+            layout = str(val.layout)
+        return (tuple(map(str, val.shape)), str(val.dtype), str(val.device), layout)
+    return str(val) if val is not None else None

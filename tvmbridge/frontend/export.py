@@ -34,19 +34,44 @@ from .signature import canonical_call
 
 class Deferred:
     """A decomposed program made on first use, once: a trace the trace cache answered needs it
-    only where a later stage or a tool reads the graph itself."""
+    only where a later stage reads the graph itself (a compile whose result is not cached). Once
+    the compile is done it is released (:func:`release_program`): it would hold the module and
+    the sample call, and a module changed since (train/eval) would trace another program."""
 
     def __init__(self, make: Callable[[], ExportedProgram]) -> None:
         self._make: Callable[[], ExportedProgram] | None = make
-        self._value: ExportedProgram | None = None
+        self._value: ExportedProgram | BaseException | None = None
         self._lock = threading.Lock()
 
     def get(self) -> ExportedProgram:
         with self._lock:
             if self._value is None:
-                assert self._make is not None
-                self._value, self._make = self._make(), None  # what made it (the sample, the module) can go
+                make, self._make = self._make, None  # made once: a failure is kept, not retried
+                if make is None:
+                    self._value = RuntimeError(
+                        "tvmbridge: this compile's trace was loaded from the disk cache and keeps no "
+                        "decomposed program; trace the module again (tvmbridge.frontend.export.trace) "
+                        "or compile with disk_cache=False to inspect it"
+                    )
+                else:
+                    try:
+                        self._value = make()
+                    except Exception as exc:  # noqa: BLE001 - kept, raised to every reader
+                        self._value = exc
+            if isinstance(self._value, BaseException):
+                raise self._value
             return self._value
+
+    def release(self) -> None:
+        """Drop what would make the program (nothing if it was made)."""
+        with self._lock:
+            self._make = None
+
+
+def release_program(traced: TracedModule | None) -> None:
+    """A finished compile's deferred program let go of the module and sample it would trace."""
+    if traced is not None and isinstance(traced.program, Deferred):
+        traced.program.release()
 
 
 @dataclass(frozen=True)

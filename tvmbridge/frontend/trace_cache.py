@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest
 from .digest import program_digest
 from .export import Deferred, RawTrace, TracedModule, decompose_call, export_call
@@ -52,6 +54,8 @@ def trace_key(raw: RawTrace) -> str:
                 str(raw.flat.seen.out_spec),
                 tuple(t.requires_grad for t in raw.tensors),  # a written input may not require grad
                 raw.state.names,
+                raw.state.is_parameter,  # a written parameter is refused, a written buffer is not
+                str(torch.get_default_dtype()),
                 str(raw.autocast),
                 sorted((k, sorted(v)) for k, v in (raw.dynamic or {}).items()),
                 FORMAT,
@@ -80,14 +84,16 @@ class TraceCache(DiskCache[TraceFacts]):
         super().__init__(root or cache_dir() / "traces", ".pkl", _write, _read, "trace", limit)
 
 
-def _decomposed(raw: RawTrace, facts: TraceFacts) -> Any:
+def _decomposed(raw: RawTrace, facts: TraceFacts, cache: TraceCache, key: str) -> Any:
     """The decomposed program the facts came from; a program of another digest means the entry
-    does not describe this call: an error, never a compile of the wrong graph."""
+    does not describe this call (something the key misses): the entry goes, and the compile is an
+    error, never a compile of the wrong graph."""
     traced = decompose_call(raw)
     if traced.graph_digest != facts.graph_digest:
+        cache.remove(key)
         raise RuntimeError(
-            "tvmbridge: the trace cache's entry for this call describes another program; "
-            "clear the cache directory (or set TVMBRIDGE_DISK_CACHE=0) and report this"
+            "tvmbridge: the trace cache's entry for this call described another program (removed now; "
+            "the next compile traces afresh); please report this, with the model"
         )
     return traced.exported
 
@@ -100,7 +106,7 @@ def cached_trace(
     key = trace_key(raw)
     facts = cache.load(key)
     if facts is not None:
-        return raw.traced(Deferred(lambda: _decomposed(raw, facts)), **vars(facts)), True
+        return raw.traced(Deferred(lambda: _decomposed(raw, facts, cache, key)), **vars(facts)), True
     traced = decompose_call(raw)
     cache.store(key, TraceFacts.of(traced))
     return traced, False

@@ -20,7 +20,7 @@ from tvm import relax
 from ..backend.gemm_choice import GemmDecision
 from ..caches import CACHES
 from ..disk_cache import enabled as disk_cache_enabled
-from ..frontend.export import TracedModule
+from ..frontend.export import TracedModule, release_program
 from ..frontend.sites import RandomSite
 from ..options import CompileOptions
 from ..partition.policy import capture_all, op_flops
@@ -117,6 +117,7 @@ def compile_result(
     key = graph_fingerprint(after_trace)
     reused = CACHES.compiles.get(key) if reuse else None
     if reused is not None:  # another module's trace (the call's form, outputs), the same executable
+        release_program(after_trace.traced)
         return dataclasses.replace(
             reused,
             traced=after_trace.traced,
@@ -124,7 +125,8 @@ def compile_result(
             trace_loaded=after_trace.trace_loaded,
             compile_seconds={**seconds, "reused": 1.0},
         )
-    disk = ResultCache() if options.disk_cache and disk_cache_enabled() else None
+    stable = options.compile_key() is not None  # a callable's code is in no key: no disk cache for it
+    disk = ResultCache() if options.disk_cache and disk_cache_enabled() and stable else None
     disk_key = result_key(key, after_trace) if disk is not None else ""
     stored = disk.load(disk_key) if disk is not None else None
     if stored is not None:  # the stages between trace and build ran in an earlier process
@@ -135,6 +137,7 @@ def compile_result(
         if disk is not None:
             disk.store(disk_key, done)
     seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
+    release_program(done.traced)
     assert done.traced is not None and done.device is not None and done.gradient is not None and done.split is not None
     result = CompileResult(
         traced=done.traced,
@@ -184,7 +187,7 @@ def graph_fingerprint(a: Artifacts) -> str:
                 sorted(a.traced.no_grad_path),
                 sorted(a.traced.constant_outputs),
                 str(a.traced.out_spec),
-                repr(a.options),
+                a.options.compile_key() or repr(a.options),  # in-process only where it holds callables
                 str(a.device),
                 str(a.traced.autocast),
             )

@@ -25,6 +25,7 @@ import tvm_ffi
 
 from ..backend.build import tuning_state
 from ..backend.gemm_choice import machine
+from ..devices import target_for
 from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest
 from .artifacts import Artifacts
 
@@ -106,6 +107,8 @@ def result_key(fingerprint: str, artifacts: Artifacts) -> str:
     state = tuning_state(options.tuning_db) if options.tuning_db is not None else None
     h.update(repr((state, FORMAT)).encode())
     h.update(json.dumps(machine(), sort_keys=True).encode())
+    assert artifacts.device is not None
+    h.update(str(target_for(artifacts.device).export()).encode())  # a GPU's arch; the stored build key's
     h.update(code_digest().encode())
     return h.hexdigest()
 
