@@ -317,7 +317,8 @@ def test_tvm_own_matmuls_under_autocast_accumulate_in_float32():
     add_tvm_dispatch(m, offload_matmul=False)
     got = step(m, (x,), torch.bfloat16)
     assert is_tvm(got[0][0])
-    assert "R.matmul" in m._tvm_dispatch.compiled.stages["low_precision"]["forward"].script()
+    # the last stage's module (a compile loaded from the disk cache keeps it too)
+    assert "R.matmul" in m._tvm_dispatch.compiled.stages["fast_math"]["forward"].script()
     assert_as_accurate_as_eager(got, step(ref, (x,), torch.bfloat16), step(ref, (x,), None, exact=True),
                                 torch.bfloat16)
 
