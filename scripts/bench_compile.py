@@ -30,7 +30,7 @@ STAGE_GROUPS = {  # the table's columns: pipeline stages, grouped
     "trace": ("inputs", "trace"),
     "convert+passes": ("convert", "random", "layer_norm", "dedup"),
     "gradient+split": ("gradient", "simplify", "capture", "split"),
-    "offload": ("offload",),
+    "offload": ("offload", "convolutions"),
     "lower+LLVM": ("low_precision", "fast_math", "build"),
 }
 

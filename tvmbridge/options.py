@@ -50,7 +50,8 @@ class CompileOptions:
             "dense matmuls in a GEMM library PyTorch ships: 'auto' (each distinct GEMM timed on every "
             "library that can run it, on this machine, the fastest kept; choices cached in "
             "$TVMBRIDGE_CACHE_DIR or ~/.cache/tvmbridge), 'torch', 'onednn', or False (TVM's own "
-            "kernels); default: 'auto' on CPU, off elsewhere"
+            "kernels, for the convolutions too, which otherwise run PyTorch's on a CPU); default: "
+            "'auto' on CPU, off elsewhere"
         ),
     )
     fast_math: bool = field(

@@ -26,6 +26,7 @@ from ..devices import prepare_cpu_runtime, tvm_device
 from ..errors import stage_errors
 from ..ir import RewriteBindings, is_op, static_shape
 from ..kernels.barrier import register_barrier
+from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from . import codegen, executable_cache
 from .legalize_memo import MemoizedLegalization
@@ -306,6 +307,7 @@ def _note_library(message: str) -> None:
 def load(executable: tvm.runtime.Executable, device: torch.device) -> relax.VirtualMachine:
     register_barrier()  # the packed functions the compiled code may call
     register_gemms()
+    register_convs()
     if device.type == "cpu":
         prepare_cpu_runtime()
     return relax.VirtualMachine(executable, tvm_device(device))

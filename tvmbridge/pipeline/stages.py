@@ -1,7 +1,7 @@
 """The training compile's stages, in order, each a function of the artifacts made so far.
 
 inputs -> trace -> convert -> random -> layer_norm -> dedup -> gradient -> simplify -> capture
--> split -> offload -> low_precision -> fast_math -> build. Each returns new artifacts (nothing is
+-> split -> offload -> low_precision -> convolutions -> fast_math -> build. Each returns new artifacts (nothing is
 changed in place) and declares what it reads and writes (checked by ``pipeline.driver``).
 """
 
@@ -19,6 +19,7 @@ from analysis.tensors import tensor_leaves
 
 from .. import disk_cache, names
 from ..backend import build as backend_build
+from ..backend.conv_offload import OffloadConvolutions
 from ..backend.fast_math import FastMathFloat32
 from ..backend.gemm_choice import ChoiceCache, GemmChooser
 from ..backend.offload import ApplyOffloadPlan, gemm_problems, plan_offload
@@ -28,6 +29,7 @@ from ..frontend.export import Deferred, TracedModule, trace
 from ..frontend.importer import to_relax
 from ..frontend.trace_cache import TraceCache, cached_trace
 from ..ir import copy_with_fresh_vars
+from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from ..kernels.mt19937 import kernel_works
 from ..partition.joint import count_primal_bindings, joint_graph
@@ -191,6 +193,17 @@ def _offload(a: Artifacts) -> Artifacts:
     return dataclasses.replace(a, halves=halves, gemm_choices=plan.decisions)
 
 
+def _convolutions(a: Artifacts) -> Artifacts:
+    """On a CPU where the GEMMs go to a library, the convolutions go to PyTorch's; after
+    ``low_precision``, so that a convolution under autocast reads the float32 values that pass
+    gave it, as TVM's own kernel would (a GPU keeps TVM's)."""
+    assert a.device is not None
+    if a.device.type != "cpu" or a.options.gemm_backend("cpu") is None:
+        return a
+    register_convs()
+    return dataclasses.replace(a, halves=OffloadConvolutions()(a.halves))  # type: ignore[operator]  # module_pass
+
+
 def _fast_math(a: Artifacts) -> Artifacts:
     return dataclasses.replace(a, halves=FastMathFloat32(a.halves)) if a.options.fast_math else a
 
@@ -257,6 +270,7 @@ STAGES: tuple[Stage, ...] = (
         writes=("halves", "gemm_choices"),
     ),
     Stage("low_precision", _low_precision, lambda a: a.halves, reads=("halves",), writes=("halves",)),
+    Stage("convolutions", _convolutions, lambda a: a.halves, reads=("halves", "options", "device"), writes=("halves",)),
     Stage("fast_math", _fast_math, lambda a: a.halves, reads=("halves", "options"), writes=("halves",)),
     Stage(
         "build",

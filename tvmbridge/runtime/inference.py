@@ -24,6 +24,7 @@ from tvm import relax
 from .. import names
 from ..backend.build import materialize_non_finite_fills
 from ..errors import ConversionError
+from ..frontend.export import release_program
 from ..frontend.signature import canonical_call
 from ..options import CompileOptions, with_overrides
 from ..pipeline import STAGE_NAMES, STAGES, Artifacts, Stage, run_stages
@@ -83,6 +84,7 @@ INFERENCE_STAGES: tuple[Stage, ...] = (
     ),
     _stage("offload"),
     _stage("low_precision"),
+    _stage("convolutions"),
     _stage("fast_math"),
     _stage("build"),
 )
@@ -146,6 +148,7 @@ def compile_inference(
     try:
         start = Artifacts(module=model, args=args, kwargs=dict(sample_kwargs or {}), options=opts)
         done, _shown, seconds = run_stages(start, INFERENCE_STAGES)
+        release_program(done.traced)
     finally:
         model.train(was_training)
     return InferenceModule(model, done, seconds)

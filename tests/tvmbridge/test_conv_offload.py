@@ -1,0 +1,120 @@
+"""Convolutions on PyTorch's kernels (``backend/conv_offload.py``, ``kernels/conv.py``): every
+convolution of a training step (forward, and those its input and weight gradients are written
+with) runs in the library, with PyTorch's outputs and gradients, for strides, padding, dilation,
+groups, transposed convolutions, a symbolic batch and bfloat16 autocast; ``offload_matmul=False``
+keeps TVM's own kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import tvm_ffi
+from tvm import relax
+
+from tests.helpers import clone_module, is_tvm, max_errors, run_step
+from tvmbridge import add_tvm_dispatch
+from tvmbridge.backend.conv_offload import offloaded_convs
+from tvmbridge.kernels import conv as conv_kernels
+from tvmbridge.runtime.dispatch import dispatcher_of
+
+
+class ConvNet(torch.nn.Module):
+    """A 7x7 stride-2 stem (stride not dividing the padded size), a dilated grouped conv, a
+    transposed conv, a 1x1 conv, BatchNorm, and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 7, stride=2, padding=3)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.dilated = torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
+        self.down = torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False)
+        self.up = torch.nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1)
+        self.point = torch.nn.Conv2d(8, 4, 1)
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.norm(self.stem(x)))
+        x = torch.relu(self.dilated(x)) + x
+        x = torch.relu(self.up(torch.relu(self.down(x))))
+        return self.head(self.point(x).mean((2, 3)))
+
+
+def _conv_ops(mod) -> int:
+    """Relax convolutions left in TVM, over all functions."""
+    return sum(
+        1
+        for gv, func in mod.functions.items()
+        if isinstance(func, relax.Function)
+        for block in func.body.blocks
+        for b in block.bindings
+        if isinstance(b.value, relax.Call) and "conv" in getattr(b.value.op, "name", "")
+    )
+
+
+def _dispatched(model, x, **options):
+    module = add_tvm_dispatch(clone_module(model), (x,), **options)
+    return module, dispatcher_of(module).variants[0].compiled
+
+
+def test_every_convolution_of_a_training_step_runs_in_the_library():
+    torch.manual_seed(0)
+    model, x = ConvNet(), torch.randn(3, 3, 33, 33)
+    module, compiled = _dispatched(model, x)
+    halves = compiled.stages["fast_math"]
+    assert _conv_ops(halves) == 0, halves["backward"].script()
+    assert offloaded_convs(halves["forward"]) == 5
+    assert offloaded_convs(halves["backward"]) >= 9  # input and weight gradients (not the stem's input)
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 2e-5, errs
+
+
+def test_tvm_kernels_where_offload_is_off():
+    torch.manual_seed(0)
+    model, x = ConvNet(), torch.randn(2, 3, 17, 17)
+    module, compiled = _dispatched(model, x, offload_matmul=False)
+    halves = compiled.stages["fast_math"]
+    assert offloaded_convs(halves["forward"]) == 0 and _conv_ops(halves) > 0
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 2e-5, errs
+
+
+def test_a_symbolic_batch_runs_on_the_library():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(6, 2, 3))
+    module = add_tvm_dispatch(clone_module(model), (torch.randn(2, 3, 12, 12),), dynamic={"input": {0: "batch"}})
+    compiled = dispatcher_of(module).variants[0].compiled
+    assert compiled.traced.symbolic and offloaded_convs(compiled.stages["fast_math"]["forward"]) == 2
+    for n in (2, 5):
+        x = torch.randn(n, 3, 12, 12)
+        got = run_step(module, (x,))
+        assert is_tvm(got[0][0])
+        errs = max_errors(got, run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 2e-5, errs
+
+
+def test_bfloat16_autocast_matches_eager_autocast():
+    torch.manual_seed(0)
+    model, x = ConvNet(), torch.randn(2, 3, 17, 17)
+    module = add_tvm_dispatch(clone_module(model), (x,))
+    ref = clone_module(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = module(x)
+        want = ref(x)
+    assert is_tvm(got) and got.dtype == want.dtype == torch.bfloat16
+    assert offloaded_convs(dispatcher_of(module).variants[-1].compiled.stages["fast_math"]["forward"]) == 5
+    torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("layouts", [(0, 0, 0), (1, 1, 1)])
+def test_the_packed_convolution_reads_every_layout_and_asymmetric_padding(layouts):
+    """What the pass never emits today but the function accepts: padding (top, left, bottom,
+    right) unequal, and the swapped layouts a weight gradient uses."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 9, 8, generator=g), torch.randn(4, 3, 3, 2, generator=g)
+    data_cn, kernel_io, out_cn = layouts
+    xs = x.permute(1, 0, 2, 3).contiguous() if data_cn else x
+    ws = w.permute(1, 0, 2, 3).contiguous() if kernel_io else w
+    attrs = tvm_ffi.Shape((2, 1, 1, 0, 2, 1, 1, 2, 1, *layouts, 0))
+    got = torch.from_dlpack(conv_kernels.conv2d(tvm_ffi.from_dlpack(xs), tvm_ffi.from_dlpack(ws), attrs))
+    want = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (0, 1, 1, 2)), w, None, (2, 1), 0, (1, 2))
+    torch.testing.assert_close(got, want.permute(1, 0, 2, 3) if out_cn else want)

@@ -1,0 +1,91 @@
+"""Convolutions from the library PyTorch ships (oneDNN on x86 CPUs), as TVM packed functions on
+zero-copy DLPack views.
+
+TVM's own convolution kernels on a CPU, untuned, are loops the bridge's generic schedules only
+parallelize: a CNN's training step ran 4-30x slower than eager. A convolution (forward, and the
+two that make its gradients: the transposed one for the input, and one over the input for the
+weight) is called here instead, as ``kernels/gemm.py`` calls GEMMs. The attributes travel as a
+shape argument, so two functions serve every convolution.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import tvm_ffi
+
+from .. import names
+
+CONV2D = f"{names.PACKED_PREFIX}conv2d"
+CONV2D_TRANSPOSE = f"{names.PACKED_PREFIX}conv2d_transpose"
+DTYPES = ("float32", "bfloat16", "float16")  # the result's dtype travels as its index here
+
+# the attribute vector both functions take (conv2d: padding top, left, bottom, right; the
+# transposed one: padding symmetric, then its output padding), then which tensors are stored in
+# the other order of their first two dims (CNHW data and result, IOHW kernel: how Relax writes a
+# weight gradient; one group only), then the result's dtype (an index in DTYPES)
+ATTRS = (
+    "stride_h",
+    "stride_w",
+    "pad_a",
+    "pad_b",
+    "pad_c",
+    "pad_d",
+    "dilation_h",
+    "dilation_w",
+    "groups",
+    "data_cn",
+    "kernel_io",
+    "out_cn",
+    "out_dtype",
+)
+_TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _to_tvm(y: torch.Tensor) -> Any:  # TVM's kernels read compact row-major tensors
+    return tvm_ffi.from_dlpack(y if y.is_contiguous() else y.contiguous())
+
+
+def _opmath(t: torch.Tensor) -> torch.Tensor:
+    """An operand in float32: every convolution computes in float32 and rounds its result once, as
+    the bridge's ``Float32Opmath`` has every other low-precision op do (under autocast that pass
+    hands the convolution float32 operands already)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _swapped(t: torch.Tensor, swap: int) -> torch.Tensor:
+    return t.permute(1, 0, 2, 3) if swap else t  # a view: PyTorch reads either layout
+
+
+def conv2d(x: Any, w: Any, attrs: Any) -> Any:
+    """``relax.nn.conv2d`` on PyTorch's convolution (the layouts by ``ATTRS``' flags, as views);
+    asymmetric padding is a pad first. Autocast off: the graph fixed the dtype."""
+    sh, sw, top, left, bottom, right, dh, dw, groups, data_cn, kernel_io, out_cn, out = (int(a) for a in attrs)
+    tx, tw = _swapped(torch.from_dlpack(x), data_cn), _swapped(torch.from_dlpack(w), kernel_io)
+    tx, tw = _opmath(tx), _opmath(tw)
+    with torch._C._DisableAutocast():
+        if (top, left) != (bottom, right):
+            tx = torch.nn.functional.pad(tx, (left, right, top, bottom))
+            top = left = 0
+        y = torch.nn.functional.conv2d(tx, tw, None, (sh, sw), (top, left), (dh, dw), groups)
+    return _to_tvm(_swapped(y, out_cn).to(_TORCH_DTYPES[out]))
+
+
+def conv2d_transpose(x: Any, w: Any, attrs: Any) -> Any:
+    """``relax.nn.conv2d_transpose`` (NCHW, IOHW, symmetric padding) on PyTorch's."""
+    sh, sw, ph, pw, oph, opw, dh, dw, groups, _, _, _, out = (int(a) for a in attrs)
+    tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
+    with torch._C._DisableAutocast():
+        y = torch.nn.functional.conv_transpose2d(
+            _opmath(tx), _opmath(tw), None, (sh, sw), (ph, pw), (oph, opw), groups, (dh, dw)
+        )
+    return _to_tvm(y.to(_TORCH_DTYPES[out]))
+
+
+@functools.cache
+def register_convs() -> None:
+    """Register both packed functions with TVM's FFI (once per process)."""
+    tvm_ffi.register_global_func(CONV2D, conv2d, override=True)
+    tvm_ffi.register_global_func(CONV2D_TRANSPOSE, conv2d_transpose, override=True)
