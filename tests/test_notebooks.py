@@ -25,7 +25,7 @@ EXPECTED: dict[str, tuple[list[str], list[str]]] = {
         ["BaseModelOutputWithPoolingAndCrossAttentions", "last_hidden_state", "max abs error vs PyTorch",
          "def forward_infer(", "GEMM calls", "CPU: ", "TVM / eager: "], []),
     "02_training.ipynb": (
-        ["'split', 'offload', 'low_precision', 'fast_math', 'build'", "grad_fn: TVMFunctionBackward", "capture policy min-cut",
+        ["'split', 'offload', 'low_precision', 'convolutions', 'fast_math', 'build'", "grad_fn: TVMFunctionBackward", "capture policy min-cut",
          "verdict: numerical noise", "verdict: DEVIATION", "first deviating op:", "aten.gelu",
          "TVM: loss grad_fn TVMFunctionBackward", "max |loss difference| over 20 steps", "20 compiled, 0 PyTorch"],
         ["image/png"] + (["image/svg+xml"] if shutil.which("dot") else [])),

@@ -107,8 +107,8 @@ def test_bfloat16_autocast_matches_eager_autocast():
 
 @pytest.mark.parametrize("layouts", [(0, 0, 0), (1, 1, 1)])
 def test_the_packed_convolution_reads_every_layout_and_asymmetric_padding(layouts):
-    """What the pass never emits today but the function accepts: padding (top, left, bottom,
-    right) unequal, and the swapped layouts a weight gradient uses."""
+    """Padding (top, left, bottom, right) unequal, which PyTorch's convolution takes only as a
+    pad first, and the swapped layouts a weight gradient uses."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 3, 9, 8, generator=g), torch.randn(4, 3, 3, 2, generator=g)
     data_cn, kernel_io, out_cn = layouts
@@ -118,3 +118,13 @@ def test_the_packed_convolution_reads_every_layout_and_asymmetric_padding(layout
     got = torch.from_dlpack(conv_kernels.conv2d(tvm_ffi.from_dlpack(xs), tvm_ffi.from_dlpack(ws), attrs))
     want = torch.nn.functional.conv2d(torch.nn.functional.pad(x, (0, 1, 1, 2)), w, None, (2, 1), 0, (1, 2))
     torch.testing.assert_close(got, want.permute(1, 0, 2, 3) if out_cn else want)
+
+
+def test_float64_runs_the_same_calls():
+    """The double-precision checks exercise the library calls float32 training runs."""
+    torch.manual_seed(0)
+    model, x = ConvNet().double(), torch.randn(2, 3, 17, 17, dtype=torch.float64)
+    module, compiled = _dispatched(model, x)
+    assert offloaded_convs(compiled.stages["fast_math"]["forward"]) == 5
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 1e-10, errs

@@ -20,7 +20,8 @@ from .. import names
 
 CONV2D = f"{names.PACKED_PREFIX}conv2d"
 CONV2D_TRANSPOSE = f"{names.PACKED_PREFIX}conv2d_transpose"
-DTYPES = ("float32", "bfloat16", "float16")  # the result's dtype travels as its index here
+# float64 too: the double-precision checks then run the same calls as float32 training does
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # the result's dtype travels as its index here
 
 # the attribute vector both functions take (conv2d: padding top, left, bottom, right; the
 # transposed one: padding symmetric, then its output padding), then which tensors are stored in
@@ -41,7 +42,7 @@ ATTRS = (
     "out_cn",
     "out_dtype",
 )
-_TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _to_tvm(y: torch.Tensor) -> Any:  # TVM's kernels read compact row-major tensors
@@ -70,7 +71,7 @@ def conv2d(x: Any, w: Any, attrs: Any) -> Any:
             tx = torch.nn.functional.pad(tx, (left, right, top, bottom))
             top = left = 0
         y = torch.nn.functional.conv2d(tx, tw, None, (sh, sw), (top, left), (dh, dw), groups)
-    return _to_tvm(_swapped(y, out_cn).to(_TORCH_DTYPES[out]))
+    return _to_tvm(_swapped(y, out_cn).to(_TORCH_DTYPES[out], memory_format=torch.contiguous_format))
 
 
 def conv2d_transpose(x: Any, w: Any, attrs: Any) -> Any:

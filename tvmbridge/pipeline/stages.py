@@ -194,9 +194,11 @@ def _offload(a: Artifacts) -> Artifacts:
 
 
 def _convolutions(a: Artifacts) -> Artifacts:
-    """On a CPU where the GEMMs go to a library, the convolutions go to PyTorch's; after
-    ``low_precision``, so that a convolution under autocast reads the float32 values that pass
-    gave it, as TVM's own kernel would (a GPU keeps TVM's)."""
+    """On a CPU where the GEMMs go to a library, the convolutions go to PyTorch's (a GPU keeps
+    TVM's). After ``low_precision``: under autocast a convolution then reads the float32 values
+    that pass leaves it and rounds its result once, which gave ResNet's gradients what TVM's own
+    kernels gave; reading the bfloat16-rounded operands, as eager does, put one weight gradient
+    3.7x further from float32 than eager's (README, "Convolutions on PyTorch's kernels")."""
     assert a.device is not None
     if a.device.type != "cpu" or a.options.gemm_backend("cpu") is None:
         return a
