@@ -17,6 +17,7 @@ import torch
 import tvm_ffi
 
 from .. import names
+from .gemm import to_tvm_compact
 
 CONV2D = f"{names.PACKED_PREFIX}conv2d"
 CONV2D_TRANSPOSE = f"{names.PACKED_PREFIX}conv2d_transpose"
@@ -45,10 +46,6 @@ ATTRS = (
 _TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _to_tvm(y: torch.Tensor) -> Any:  # TVM's kernels read compact row-major tensors
-    return tvm_ffi.from_dlpack(y if y.is_contiguous() else y.contiguous())
-
-
 def _opmath(t: torch.Tensor) -> torch.Tensor:
     """An operand in float32: every convolution computes in float32 and rounds its result once, as
     the bridge's ``Float32Opmath`` has every other low-precision op do (under autocast that pass
@@ -71,7 +68,7 @@ def conv2d(x: Any, w: Any, attrs: Any) -> Any:
             tx = torch.nn.functional.pad(tx, (left, right, top, bottom))
             top = left = 0
         y = torch.nn.functional.conv2d(tx, tw, None, (sh, sw), (top, left), (dh, dw), groups)
-    return _to_tvm(_swapped(y, out_cn).to(_TORCH_DTYPES[out], memory_format=torch.contiguous_format))
+    return to_tvm_compact(_swapped(y, out_cn).to(_TORCH_DTYPES[out], memory_format=torch.contiguous_format))
 
 
 def conv2d_transpose(x: Any, w: Any, attrs: Any) -> Any:
@@ -82,7 +79,7 @@ def conv2d_transpose(x: Any, w: Any, attrs: Any) -> Any:
         y = torch.nn.functional.conv_transpose2d(
             _opmath(tx), _opmath(tw), None, (sh, sw), (ph, pw), (oph, opw), groups, (dh, dw)
         )
-    return _to_tvm(y.to(_TORCH_DTYPES[out]))
+    return to_tvm_compact(y.to(_TORCH_DTYPES[out]))
 
 
 @functools.cache

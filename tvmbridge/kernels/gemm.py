@@ -110,6 +110,11 @@ def library_call(library: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Te
     return torch_gemm
 
 
+def to_tvm_compact(y: torch.Tensor) -> Any:
+    """A library's result handed back to TVM, whose kernels read compact row-major tensors."""
+    return tvm_ffi.from_dlpack(y if y.is_contiguous() else y.contiguous())
+
+
 def packed_function(spec: GemmSpec) -> Callable[..., Any]:
     """The function TVM calls for ``spec``: DLPack tensors in, a DLPack tensor out."""
     gemm = library_call(spec.library)
@@ -119,18 +124,15 @@ def packed_function(spec: GemmSpec) -> Callable[..., Any]:
         ta, tb = to_torch(a), to_torch(b)
         return (ta.mT if spec.trans_a else ta), (tb.mT if spec.trans_b else tb)
 
-    def from_torch(y: torch.Tensor) -> Any:  # TVM's kernels read compact row-major tensors
-        return tvm_ffi.from_dlpack(y if y.is_contiguous() else y.contiguous())
-
     if spec.bias:
 
         def addmm(a: Any, b: Any, c: Any) -> Any:
-            return from_torch(gemm(*operands(a, b), to_torch(c)))
+            return to_tvm_compact(gemm(*operands(a, b), to_torch(c)))
 
         return addmm
 
     def matmul(a: Any, b: Any) -> Any:
-        return from_torch(gemm(*operands(a, b), None))
+        return to_tvm_compact(gemm(*operands(a, b), None))
 
     return matmul
 
