@@ -128,3 +128,73 @@ def test_float64_runs_the_same_calls():
     assert offloaded_convs(compiled.stages["fast_math"]["forward"]) == 5
     errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
     assert max(errs.values()) < 1e-10, errs
+
+
+def _relax_weight_grad_operands(x: torch.Tensor, g: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CNHW data and IOHW kernel Relax's conv2d gradient writes a weight gradient with: the
+    input with batch and group swapped (per-group channels as the batch), the output gradient."""
+    n, c, h, w = x.shape
+    data = x.reshape(n, groups, c // groups, h, w).permute(1, 0, 2, 3, 4).reshape(groups * n, c // groups, h, w)
+    return data.contiguous(), g.contiguous()
+
+
+@pytest.mark.parametrize(
+    "groups,kernel,stride,padding,dilation,size",
+    [
+        (1, 3, 1, (1, 1, 1, 1), 1, (9, 8)),
+        (1, 7, 2, (3, 3, 3, 3), 1, (33, 33)),  # the stride-2 stem: the stride does not divide the padded extent
+        (4, 3, 1, (1, 1, 1, 1), 1, (10, 7)),  # depthwise
+        (4, 5, 2, (2, 2, 2, 2), 1, (11, 12)),  # depthwise, strided
+        (2, 3, 2, (0, 1, 1, 2), 1, (9, 10)),  # grouped, asymmetric padding
+        (2, 3, 1, (2, 2, 2, 2), 2, (9, 9)),  # dilated
+        (4, 3, 1, (1, 2, 1, 2), (2, 1), (8, 9)),  # dilation below the stride's place, one axis
+    ],
+)
+def test_the_weight_gradient_is_aten_s(groups, kernel, stride, padding, dilation, size):
+    """The packed weight gradient against ATen's ``convolution_backward`` of the forward
+    convolution, over Relax's operands, for groups, strides, dilation and asymmetric padding."""
+    gen = torch.Generator().manual_seed(0)
+    dil = dilation if isinstance(dilation, tuple) else (dilation, dilation)
+    x, w = torch.randn(3, 4, *size, generator=gen), torch.randn(8, 4 // groups, kernel, kernel, generator=gen)
+    top, left, bottom, right = padding
+    padded = torch.nn.functional.pad(x, (left, right, top, bottom))
+    y = torch.nn.functional.conv2d(padded, w, None, stride, 0, dil, groups)
+    g = torch.randn(y.shape, generator=gen)
+    want = torch.ops.aten.convolution_backward(
+        g, padded, w, None, (stride, stride), (0, 0), dil, False, (0, 0), groups, (False, True, False)
+    )[1]
+    data, kern = _relax_weight_grad_operands(x, g, groups)
+    # the relax convolution's attributes: the forward's stride and dilation trade places
+    attrs = tvm_ffi.Shape((*dil, *padding, stride, stride, groups, 1, 1, 1, 0))
+    got = conv_kernels.conv2d_weight_grad(tvm_ffi.from_dlpack(data), tvm_ffi.from_dlpack(kern), attrs)
+    got = torch.from_dlpack(got)
+    torch.testing.assert_close(got[:, :, :kernel, :kernel], want, rtol=1e-5, atol=1e-4)
+
+
+class Separable(torch.nn.Module):
+    """Depthwise-separable blocks as MobileNet/EfficientNet/ConvNeXt write them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.dw = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.dw5 = torch.nn.Conv2d(8, 8, 5, stride=2, padding=2, groups=8, bias=False)
+        self.dw7 = torch.nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.grouped = torch.nn.Conv2d(8, 16, 3, padding=1, groups=4)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x))
+        x = torch.relu(self.dw(x)) + x
+        x = self.dw7(torch.relu(self.dw5(x)))
+        return self.head(self.grouped(x).mean((2, 3)))
+
+
+def test_depthwise_and_grouped_weight_gradients_run_in_the_library():
+    torch.manual_seed(0)
+    model, x = Separable(), torch.randn(2, 3, 21, 21)
+    module, compiled = _dispatched(model, x)
+    halves = compiled.stages["fast_math"]
+    assert _conv_ops(halves) == 0, halves["backward"].script()
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 2e-5, errs

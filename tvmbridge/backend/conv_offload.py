@@ -1,9 +1,10 @@
 """Offload 2-D convolutions to PyTorch's (oneDNN on x86 CPUs), through ``R.call_pure_packed``.
 
-Every ``relax.nn.conv2d`` (NCHW, OIHW; with one group also the CNHW/IOHW Relax writes a weight
-gradient in) and ``relax.nn.conv2d_transpose`` (NCHW, IOHW, symmetric padding) in float32,
-bfloat16 or float16 becomes a call of ``kernels/conv.py``'s packed functions, the
-forward's convolution and the two its gradient is written with alike. A convolution another
+Every ``relax.nn.conv2d`` (NCHW, OIHW) and ``relax.nn.conv2d_transpose`` (NCHW, IOHW, symmetric
+padding) in float32, bfloat16, float16 or float64 becomes a call of ``kernels/conv.py``'s packed
+functions, the forward's convolution and the two its gradient is written with alike. The
+CNHW/IOHW convolution Relax writes a weight gradient as (any groups) becomes ATen's weight
+gradient, the kernel eager runs for it. A convolution another
 layout, dtype or attribute leaves to TVM stays TVM's. The pass decides nothing by timing: the
 library's kernels beat TVM's untuned CPU convolutions on every shape the zoo has.
 """
@@ -14,7 +15,9 @@ import tvm
 from tvm import relax
 
 from ..ir import RewriteBindings, Rule, is_op
-from ..kernels.conv import CONV2D, CONV2D_TRANSPOSE, DTYPES
+from ..kernels.conv import CONV2D, CONV2D_TRANSPOSE, CONV2D_WEIGHT_GRAD, DTYPES, weight_grad_extent
+
+_PACKED = (CONV2D, CONV2D_TRANSPOSE, CONV2D_WEIGHT_GRAD)
 
 
 def _ints(values: object) -> list[int]:
@@ -25,7 +28,7 @@ def _layouts(value: relax.Call, kernel_layout: str) -> tuple[int, int, int] | No
     """Which of data, kernel and result are stored with their first two dims swapped (NCHW or
     CNHW data and result; the given kernel layout or its I/O swap), where the operands share one
     float dtype and the result has one (under autocast ``low_precision`` leaves float32 operands
-    and a bfloat16 result); else None. A swapped layout only with one group."""
+    and a bfloat16 result); else None."""
     attrs = value.attrs
     ty = getattr(value, "ty", None)
     dtypes = {str(a.ty.dtype) for a in value.args if isinstance(getattr(a, "ty", None), relax.TensorType)}
@@ -38,8 +41,31 @@ def _layouts(value: relax.Call, kernel_layout: str) -> tuple[int, int, int] | No
     data, out, kernel = str(attrs.data_layout), str(attrs.out_layout), str(attrs.kernel_layout)
     if data not in flags or out not in flags or kernel not in (kernel_layout, swapped_kernel):
         return None
-    found = (flags[data], int(kernel == swapped_kernel), flags[out])
-    return found if found == (0, 0, 0) or int(attrs.groups) == 1 else None
+    return flags[data], int(kernel == swapped_kernel), flags[out]
+
+
+def _spatial(expr: relax.Expr) -> tuple[int, int] | None:
+    """Height and width of an NCHW-like tensor when both are known integers (the batch may be
+    symbolic)."""
+    shape = getattr(getattr(expr, "ty", None), "shape", None)
+    try:
+        return (int(shape[2]), int(shape[3])) if shape is not None and len(shape) == 4 else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_weight_grad(value: relax.Call) -> bool:
+    """Whether a CNHW/IOHW/CNHW convolution is the weight gradient of a forward one (static
+    spatial sizes for which ``kernels.conv.weight_grad_extent`` finds that forward's kernel)."""
+    data, kernel = (_spatial(a) for a in value.args)
+    if data is None or kernel is None:
+        return False
+    attrs = value.attrs
+    (sh, sw), (dh, dw), pad = _ints(attrs.strides), _ints(attrs.dilation), _ints(attrs.padding)
+    return (
+        weight_grad_extent(data[0], pad[0] + pad[2], sh, dh, kernel[0]) is not None
+        and weight_grad_extent(data[1], pad[1] + pad[3], sw, dw, kernel[1]) is not None
+    )
 
 
 def conv_attrs(value: relax.Call) -> tuple[str, list[int]] | None:
@@ -51,7 +77,10 @@ def conv_attrs(value: relax.Call) -> tuple[str, list[int]] | None:
         if layouts is None:
             return None
         geometry = [*_ints(attrs.strides), *_ints(attrs.padding), *_ints(attrs.dilation), int(attrs.groups)]
-        return CONV2D, [*geometry, *layouts, DTYPES.index(str(value.ty.dtype))]
+        vector = [*geometry, *layouts, DTYPES.index(str(value.ty.dtype))]
+        if layouts == (1, 1, 1) and _is_weight_grad(value):
+            return CONV2D_WEIGHT_GRAD, vector
+        return (CONV2D, vector) if layouts == (0, 0, 0) or int(attrs.groups) == 1 else None
     if is_op(value, "relax.nn.conv2d_transpose"):
         if _layouts(value, "IOHW") != (0, 0, 0):
             return None
@@ -94,5 +123,5 @@ def offloaded_convs(func: relax.Function) -> int:
         1
         for block in func.body.blocks
         for b in block.bindings
-        if is_op(b.value, "relax.call_pure_packed") and str(b.value.args[0].global_symbol) in (CONV2D, CONV2D_TRANSPOSE)
+        if is_op(b.value, "relax.call_pure_packed") and str(b.value.args[0].global_symbol) in _PACKED
     )

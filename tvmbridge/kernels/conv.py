@@ -5,7 +5,8 @@ TVM's own convolution kernels on a CPU, untuned, are loops the bridge's generic 
 parallelize: a CNN's training step ran 4-30x slower than eager. A convolution (forward, and the
 two that make its gradients: the transposed one for the input, and one over the input for the
 weight) is called here instead, as ``kernels/gemm.py`` calls GEMMs. The attributes travel as a
-shape argument, so two functions serve every convolution.
+shape argument, so three functions serve every convolution: the forward one, the transposed one,
+and the weight gradient as ATen computes it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from .gemm import to_tvm_compact
 
 CONV2D = f"{names.PACKED_PREFIX}conv2d"
 CONV2D_TRANSPOSE = f"{names.PACKED_PREFIX}conv2d_transpose"
+CONV2D_WEIGHT_GRAD = f"{names.PACKED_PREFIX}conv2d_weight_grad"
 # float64 too: the double-precision checks then run the same calls as float32 training does
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the result's dtype travels as its index here
 
 # the attribute vector both functions take (conv2d: padding top, left, bottom, right; the
 # transposed one: padding symmetric, then its output padding), then which tensors are stored in
 # the other order of their first two dims (CNHW data and result, IOHW kernel: how Relax writes a
-# weight gradient; one group only), then the result's dtype (an index in DTYPES)
+# weight gradient, which ``conv2d_weight_grad`` takes with any groups, ``conv2d`` with one), then
+# the result's dtype (an index in DTYPES)
 ATTRS = (
     "stride_h",
     "stride_w",
@@ -82,8 +85,49 @@ def conv2d_transpose(x: Any, w: Any, attrs: Any) -> Any:
     return to_tvm_compact(y.to(_TORCH_DTYPES[out]))
 
 
+def weight_grad_extent(size: int, pads: int, stride: int, dilation: int, grad_size: int) -> int | None:
+    """The kernel extent of the forward convolution whose weight gradient is a CNHW/IOHW
+    convolution (``stride`` and ``dilation`` of that convolution, which are the forward's
+    dilation and stride) over ``size`` input and ``grad_size`` output-gradient positions: the
+    extent that convolution computes, provided a forward convolution of it gives ``grad_size``
+    outputs again (always true of one a gradient wrote), else None."""
+    extent = (size + pads - dilation * (grad_size - 1) - 1) // stride + 1
+    forward_out = (size + pads - stride * (extent - 1) - 1) // dilation + 1
+    return extent if extent >= 1 and forward_out == grad_size else None
+
+
+def conv2d_weight_grad(data: Any, g: Any, attrs: Any) -> Any:
+    """A CNHW-data, IOHW-kernel, CNHW-result ``relax.nn.conv2d`` (how Relax writes the weight
+    gradient of a convolution) as that weight gradient: ATen's ``convolution_backward`` for the
+    weight alone, the kernel eager runs (a forward convolution of the same sums, with the whole
+    output gradient as its kernel, is many times slower, most of all a depthwise one). The
+    forward input is the data read back from Relax's per-group order (batch and group swapped);
+    the result extent is the convolution's, of which the gradient keeps the forward kernel's."""
+    sh, sw, top, left, bottom, right, dh, dw, groups, _, _, _, out = (int(a) for a in attrs)
+    d, tg = torch.from_dlpack(data), torch.from_dlpack(g)
+    n, per_group, (height, width) = tg.shape[0], d.shape[1], d.shape[2:]
+    x = d.reshape(groups, n, per_group, height, width).transpose(0, 1).reshape(n, groups * per_group, height, width)
+    x, tg = _opmath(x), _opmath(tg)
+    extent = (
+        weight_grad_extent(height, top + bottom, sh, dh, tg.shape[2]),
+        weight_grad_extent(width, left + right, sw, dw, tg.shape[3]),
+    )
+    if None in extent:
+        raise ValueError(f"conv2d_weight_grad: {tuple(d.shape)}, {tuple(tg.shape)}: no weight gradient's operands")
+    with torch._C._DisableAutocast():
+        if (top, left) != (bottom, right):
+            x = torch.nn.functional.pad(x, (left, right, top, bottom))
+            top = left = 0
+        weight = torch.empty((), dtype=x.dtype).expand(tg.shape[1], per_group, *extent)
+        y = torch.ops.aten.convolution_backward(
+            tg, x, weight, None, (dh, dw), (top, left), (sh, sw), False, (0, 0), groups, (False, True, False)
+        )[1]
+    return to_tvm_compact(y.to(_TORCH_DTYPES[out], memory_format=torch.contiguous_format))
+
+
 @functools.cache
 def register_convs() -> None:
-    """Register both packed functions with TVM's FFI (once per process)."""
+    """Register the packed functions with TVM's FFI (once per process)."""
     tvm_ffi.register_global_func(CONV2D, conv2d, override=True)
     tvm_ffi.register_global_func(CONV2D_TRANSPOSE, conv2d_transpose, override=True)
+    tvm_ffi.register_global_func(CONV2D_WEIGHT_GRAD, conv2d_weight_grad, override=True)
