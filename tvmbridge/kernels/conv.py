@@ -108,17 +108,15 @@ def conv2d_weight_grad(data: Any, g: Any, attrs: Any) -> Any:
     n, per_group, (height, width) = tg.shape[0], d.shape[1], d.shape[2:]
     x = d.reshape(groups, n, per_group, height, width).transpose(0, 1).reshape(n, groups * per_group, height, width)
     x, tg = _opmath(x), _opmath(tg)
-    extent = (
-        weight_grad_extent(height, top + bottom, sh, dh, tg.shape[2]),
-        weight_grad_extent(width, left + right, sw, dw, tg.shape[3]),
-    )
-    if None in extent:
+    kh = weight_grad_extent(height, top + bottom, sh, dh, tg.shape[2])
+    kw = weight_grad_extent(width, left + right, sw, dw, tg.shape[3])
+    if kh is None or kw is None:
         raise ValueError(f"conv2d_weight_grad: {tuple(d.shape)}, {tuple(tg.shape)}: no weight gradient's operands")
     with torch._C._DisableAutocast():
         if (top, left) != (bottom, right):
             x = torch.nn.functional.pad(x, (left, right, top, bottom))
             top = left = 0
-        weight = torch.empty((), dtype=x.dtype).expand(tg.shape[1], per_group, *extent)
+        weight = torch.empty((), dtype=x.dtype).expand(tg.shape[1], per_group, kh, kw)
         y = torch.ops.aten.convolution_backward(
             tg, x, weight, None, (dh, dw), (top, left), (sh, sw), False, (0, 0), groups, (False, True, False)
         )[1]
