@@ -56,6 +56,16 @@ def _opmath(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
+def _result(y: torch.Tensor, out: int) -> Any:
+    """The result in the graph's dtype (``DTYPES[out]``), compact, for TVM: one copy where the dtype
+    or the layout differs, none where neither does (``Tensor.to`` with a memory format copies
+    even then, ~10 us a call)."""
+    dtype = _TORCH_DTYPES[out]
+    if y.dtype != dtype:
+        y = y.to(dtype, memory_format=torch.contiguous_format)
+    return to_tvm_compact(y)
+
+
 def _swapped(t: torch.Tensor, swap: int) -> torch.Tensor:
     return t.permute(1, 0, 2, 3) if swap else t  # a view: PyTorch reads either layout
 
@@ -71,7 +81,7 @@ def conv2d(x: Any, w: Any, attrs: Any) -> Any:
             tx = torch.nn.functional.pad(tx, (left, right, top, bottom))
             top = left = 0
         y = torch.nn.functional.conv2d(tx, tw, None, (sh, sw), (top, left), (dh, dw), groups)
-    return to_tvm_compact(_swapped(y, out_cn).to(_TORCH_DTYPES[out], memory_format=torch.contiguous_format))
+    return _result(_swapped(y, out_cn), out)
 
 
 def conv2d_transpose(x: Any, w: Any, attrs: Any) -> Any:
@@ -82,7 +92,7 @@ def conv2d_transpose(x: Any, w: Any, attrs: Any) -> Any:
         y = torch.nn.functional.conv_transpose2d(
             _opmath(tx), _opmath(tw), None, (sh, sw), (ph, pw), (oph, opw), groups, (dh, dw)
         )
-    return to_tvm_compact(y.to(_TORCH_DTYPES[out]))
+    return _result(y, out)
 
 
 def weight_grad_extent(size: int, pads: int, stride: int, dilation: int, grad_size: int) -> int | None:
@@ -120,7 +130,7 @@ def conv2d_weight_grad(data: Any, g: Any, attrs: Any) -> Any:
         y = torch.ops.aten.convolution_backward(
             tg, x, weight, None, (dh, dw), (top, left), (sh, sw), False, (0, 0), groups, (False, True, False)
         )[1]
-    return to_tvm_compact(y.to(_TORCH_DTYPES[out], memory_format=torch.contiguous_format))
+    return _result(y, out)
 
 
 @functools.cache
