@@ -1,8 +1,11 @@
-"""The CUDA build path: both halves compile for target ``cuda`` with nvcc (nothing runs here)."""
+"""The CUDA build path: both halves compile for target ``cuda``, and nvcc compiles the CUDA source
+TVM writes (nothing runs here). TVM without a GPU only writes the source; on a GPU machine NVRTC
+compiles it at load, where a code generator's slip would first show: nvcc finds it here."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -25,7 +28,18 @@ def _modules(mod):
     return seen
 
 
-def test_forward_and_backward_compile_for_cuda():
+def _nvcc_errors(exe: tvm.runtime.Executable, tmp_path) -> list[str]:
+    """nvcc's errors on the executable's CUDA source (PTX for sm_80); none where it compiles."""
+    (cuda,) = [m for m in _modules(exe.mod) if m.kind == "cuda"]
+    src = tmp_path / "kernels.cu"
+    src.write_text(cuda.inspect_source())
+    run = subprocess.run(["nvcc", "-arch=sm_80", "-ptx", "-o", str(tmp_path / "kernels.ptx"), str(src)],
+                         capture_output=True, text=True)
+    return [line for line in (run.stdout + run.stderr).splitlines() if "error" in line] or (
+        [] if run.returncode == 0 else [f"nvcc exit {run.returncode}"])
+
+
+def test_forward_and_backward_compile_for_cuda(tmp_path):
     compiled = compile_training(MLP(), (torch.randn(4, 32),))
     target = devices.target_for(torch.device("cuda"))
     assert target.kind.name == "cuda"
@@ -36,9 +50,29 @@ def test_forward_and_backward_compile_for_cuda():
     assert cuda, "no CUDA device module in the executable"
     src = cuda[0].inspect_source()
     assert "__global__" in src or ".entry" in src
+    assert _nvcc_errors(exe, tmp_path) == []
 
 
-def test_convolutions_and_max_pool_backward_compile_for_cuda():
+def test_attention_backward_compiles_for_cuda(tmp_path):
+    """``scaled_dot_product_attention`` saves a boolean row mask (its safe softmax) that the
+    backward's matmul selects on; dlight's Matmul rule vectorizes that select, and TVM wrote it as
+    a ``float2`` from a ``ushort2`` that NVRTC rejects (the first call on an H200 failed)."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    compiled = compile_training(Attention(), (torch.randn(2, 8, 16),))
+    exe = build.compile_module(compiled.stages["split"], devices.target_for(torch.device("cuda")))
+    assert _nvcc_errors(exe, tmp_path) == []
+
+
+def test_convolutions_and_max_pool_backward_compile_for_cuda(tmp_path):
     """A ResNet stem (strided 7x7 convolution, batch norm, padded 3x3 max pool): dlight's Matmul
     rule asserts on its convolutions' backward and GeneralReduction gives the max pool's backward
     (an argmax) a cross-thread reduction TIR cannot lower; guarded, both leave those kernels to
@@ -52,7 +86,7 @@ def test_convolutions_and_max_pool_backward_compile_for_cuda():
     )  # fmt: skip
     compiled = compile_training(stem, (torch.randn(2, 3, 32, 32),))
     exe = build.compile_module(compiled.stages["split"], devices.target_for(torch.device("cuda")))
-    assert [m for m in _modules(exe.mod) if m.kind == "cuda"]
+    assert _nvcc_errors(exe, tmp_path) == []
 
 
 def test_a_rule_that_raises_or_does_not_lower_leaves_the_kernel_to_the_next():

@@ -8,13 +8,19 @@ max-pool's backward (an argmax: a reduction to a pair) a cross-thread reduction 
 then cannot build. Guarded, a rule that raises, or whose schedule does not lower, counts as "does
 not apply" and the next one (at the end ``gpu.Fallback``) schedules the kernel; each refusal is
 kept on :attr:`Guarded.refusals` with its reason.
+
+One fix after every rule: TVM's CUDA code generator writes a vectorized ``Select`` on a boolean
+(``gpu.Matmul``'s epilogue vectorizes a ``where`` on a saved mask) as a ``float2`` initialized
+from a ``ushort2``, which NVRTC rejects, so such loops are unrolled instead (:func:`unvectorize_selects`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import tvm
+from tvm import s_tir
 from tvm.s_tir import dlight
 
 
@@ -29,12 +35,38 @@ class Guarded(dlight.ScheduleRule):
         try:
             space = self.rule.apply(func, target, tunable)
             for sch in space if isinstance(space, list) else [] if space is None else [space]:
+                unvectorize_selects(sch)
                 _check_lowers(sch.mod, target)
             return space
         except Exception as exc:  # noqa: BLE001 - a rule's bug on one kernel: the next rule schedules it
             name = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs else "?"
             self.refusals.append((name, f"{type(self.rule).__name__}: {type(exc).__name__}: {exc}"))
             return None
+
+
+def unvectorize_selects(sch: s_tir.Schedule) -> None:
+    """Unroll every vectorized loop around a block that selects (``where``) or reads a boolean:
+    the CUDA code TVM writes for a vector of booleans does not compile. Unrolled, each lane is a
+    scalar select; the vector loads and stores around it are the only loss."""
+    func = sch.mod["main"]
+    vectorized = []
+    for block in sch.get_child_blocks(sch.get_sblock(func.body.block.name_hint)):
+        loops = [loop for loop in sch.get_loops(block) if sch.get(loop).kind == tvm.tirx.ForKind.VECTORIZED]
+        if loops:
+            vectorized.append((block, loops))
+    if not vectorized:
+        return
+    # TVM 0.27's Python has no TIR visitor: the boolean buffers (parameters and allocations) and
+    # the selects are read off the printed kernel
+    keys = ["T.Select(", "T.if_then_else("] + [f"{name}[" for name in _BOOL_BUFFER.findall(func.script())]
+    for block, loops in vectorized:
+        text = sch.get(block).script()
+        if any(key in text for key in keys):
+            for loop in loops:
+                sch.unroll(loop)
+
+
+_BOOL_BUFFER = re.compile(r'(\w+)(?:: T\.Buffer| = T\.sblock_alloc_buffer)\(\([^"]*\), "bool"')
 
 
 def _check_lowers(mod: tvm.IRModule, target: tvm.target.Target) -> None:
