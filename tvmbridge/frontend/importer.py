@@ -53,6 +53,13 @@ class BridgeImporter(ExportedProgramImporter):
         self.range_flag_slot: int | None = None  # where take and x[idx] fold their flags
         self.symbols: dict[str, tvm.tirx.Var] = {}  # torch's shape symbols as the frontend named them
 
+    @staticmethod
+    def _convert_pytorch_tensor_to_tvm(tensor_value: torch.Tensor) -> tvm.runtime.Tensor:
+        """A constant of the graph (a lifted tensor constant, a buffer bound in) held on the CPU,
+        as TVM's passes expect: a CUDA-resident ``relax.Constant`` cannot be hashed (every
+        structural comparison fails on it) and the VM moves constants to the device itself."""
+        return ExportedProgramImporter._convert_pytorch_tensor_to_tvm(tensor_value.detach().cpu())
+
     def create_input_vars(self, exported_program: ExportedProgram) -> tuple:
         made = super().create_input_vars(exported_program)
         for var in [*made[0].values(), *made[1].values()]:
