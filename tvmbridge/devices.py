@@ -2,16 +2,19 @@
 
 ``llvm`` (with the host's CPU features and core count) on CPU, ``cuda`` for CUDA tensors, ``rocm``
 for ROCm (HIP) tensors. :func:`prepare_cpu_runtime` sets TVM's thread-pool policy before the first
-TVM kernel runs in this process (the pool reads it once, when it starts).
+TVM kernel runs in this process (the pool reads it once, when it starts). :func:`on_torch_stream`
+puts TVM's GPU kernels on PyTorch's current stream.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import torch
 import tvm
+import tvm_ffi
 
 from .errors import ConversionError
 
@@ -62,6 +65,16 @@ def tvm_device(device: torch.device) -> tvm.runtime.Device:
         return tvm.cpu(0)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return tvm.rocm(index) if torch.version.hip else tvm.cuda(index)
+
+
+def on_torch_stream(device: torch.device) -> contextlib.AbstractContextManager:
+    """TVM's kernels (inside: a VM call) on PyTorch's current stream of ``device``, as a PyTorch op
+    would run. TVM launches on the stream its FFI environment names, the legacy default stream
+    unless set; PyTorch's streams (``torch.cuda.stream(s)``, autograd's backward on the forward's
+    stream) do not wait for it, so a result read there could be read before TVM wrote it."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return tvm_ffi.use_raw_stream(tvm_device(device), torch.cuda.current_stream(device).cuda_stream)
 
 
 @functools.cache

@@ -23,6 +23,7 @@ from tvm import relax
 
 from .. import names
 from ..backend.build import materialize_non_finite_fills
+from ..devices import on_torch_stream, tvm_device
 from ..errors import ConversionError
 from ..frontend.export import release_program
 from ..frontend.signature import canonical_call
@@ -103,7 +104,7 @@ class InferenceModule:
         self.compile_seconds = seconds
         self.stages = artifacts.halves
         self.guard = input_guard_for(self.signature, artifacts.args, artifacts.kwargs)  # the sample's exact shapes
-        self._vm = relax.VirtualMachine(artifacts.executable, _tvm_device(self.device))
+        self._vm = relax.VirtualMachine(artifacts.executable, tvm_device(self.device))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = canonical_call(self.signature, args, kwargs)
@@ -115,18 +116,12 @@ class InferenceModule:
                 "and autocast only: compile again for this call"
             )
         tensors = [to_tvm(x) for x in leaves if isinstance(x, torch.Tensor)]
-        with torch.no_grad():
+        with torch.no_grad(), on_torch_stream(self.device):
             result = self._vm[names.FORWARD_INFER](*tensors)
         outs = [to_torch(r) for r in (result if isinstance(result, (list, tuple, tvm.ir.Array)) else [result])]
         n_user = self.traced.num_user_outputs
         check_index_flags(outs[n_user : n_user + self.num_index_checks])
         return self.traced.output_of(outs)
-
-
-def _tvm_device(device: torch.device) -> Any:
-    from ..devices import tvm_device
-
-    return tvm_device(device)
 
 
 def compile_inference(
