@@ -11,6 +11,7 @@ Variants per shape:
   tvm-no-fast-math  libm erf/exp/tanh instead of the float32 fast kernels
   tvm-no-cpu-schedules  TVM's own kernels left as serial loops
   tvm-no-fusion  one TVM kernel per Relax op (no FuseOps/FuseTIR)
+  tvm-fp-contract  TVM's CPU kernels with FMA contraction (fp_contract=True; the default rounds as eager)
   tvm-no-offload  TVM's own (untuned) matmul kernels; only for --no-offload-shapes (very slow)
   tvm-tuned     the default with --tuning-db (a MetaSchedule database), when given
   eager         PyTorch eager
@@ -139,7 +140,7 @@ def bench_shape(batch: int, seq: int, args) -> dict:
         "tvm": default, "tvm-torch-gemm": default.replace(offload_matmul="torch"),
         "tvm-torch-masks": default.replace(mask_kernel=False), "tvm-all": default.replace(capture="all"),
         "tvm-no-fast-math": default.replace(fast_math=False), "tvm-no-cpu-schedules": default.replace(cpu_schedules=False),
-        "tvm-no-fusion": default.replace(fuse=False),
+        "tvm-no-fusion": default.replace(fuse=False), "tvm-fp-contract": default.replace(fp_contract=True),
     }
     if args.tuning_db:
         variants["tvm-tuned"] = default.replace(tuning_db=args.tuning_db)

@@ -36,11 +36,19 @@ def torch_dtype(tvm_dtype: str) -> torch.dtype:
     return TORCH_DTYPES[str(tvm_dtype)]
 
 
-def target_for(device: torch.device) -> tvm.target.Target:
-    """The TVM target for a torch device."""
+def target_for(device: torch.device, fp_contract: bool = False) -> tvm.target.Target:
+    """The TVM target for a torch device. On a CPU without ``fp_contract``, without the FMA
+    feature: TVM's LLVM code generator lets LLVM fuse any multiply feeding an add into one FMA
+    (``AllowFPOpFusion`` is fixed to ``Fast``, no target option turns it off), so a fused kernel
+    rounds ``a * b + c`` once where eager's two ops round twice; without the feature there is
+    no instruction to fuse into. (On AVX-512 CPUs that also leaves TVM's own kernels at AVX2's
+    width: AVX-512 implies FMA.)"""
     if device.type == "cpu":
         cores = int(os.environ.get("TVMBRIDGE_NUM_CORES", os.cpu_count() or 1))
-        return tvm.target.Target({"kind": "llvm", "mcpu": host_cpu(), "num-cores": cores})
+        spec: dict = {"kind": "llvm", "mcpu": host_cpu(), "num-cores": cores}
+        if not fp_contract:
+            spec["mattr"] = ["-fma"]
+        return tvm.target.Target(spec)
     if device.type == "cuda":
         if torch.version.hip:
             return tvm.target.Target({"kind": "rocm"})

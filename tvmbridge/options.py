@@ -54,6 +54,15 @@ class CompileOptions:
             "'auto' on CPU, off elsewhere"
         ),
     )
+    fp_contract: bool = field(
+        default=False,
+        metadata=_doc(
+            "let LLVM fuse a multiply and an add into one FMA in TVM's CPU kernels (one rounding where "
+            "eager's separate ops round twice): faster compute-bound kernels, results no longer those of "
+            "eager's op-by-op rounding, which some networks amplify past noise (timm repvgg's gradients); "
+            "off: the CPU target without its FMA feature"
+        ),
+    )
     fast_math: bool = field(
         default=True,
         metadata=_doc("float32 only: vectorizable erf/exp/tanh (a few ulps from libm); float64 is never touched"),
@@ -149,6 +158,7 @@ class CompileOptions:
                 f"{list(GEMM_BACKENDS)}, True (= 'auto'), False (TVM's own kernels) or None (device default)"
             )
         for name in (
+            "fp_contract",
             "fast_math",
             "cpu_schedules",
             "fuse",

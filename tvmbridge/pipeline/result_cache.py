@@ -108,7 +108,8 @@ def result_key(fingerprint: str, artifacts: Artifacts) -> str:
     h.update(repr((state, FORMAT)).encode())
     h.update(json.dumps(machine(), sort_keys=True).encode())
     assert artifacts.device is not None
-    h.update(str(target_for(artifacts.device).export()).encode())  # a GPU's arch; the stored build key's
+    target = target_for(artifacts.device, options.fp_contract)  # a GPU's arch, the CPU's FMA: the build key's
+    h.update(str(target.export()).encode())
     h.update(code_digest().encode())
     return h.hexdigest()
 

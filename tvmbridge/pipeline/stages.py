@@ -215,7 +215,7 @@ def _build(a: Artifacts) -> Artifacts:
     options = a.options
     exe, loaded, key = backend_build.compile_or_load(
         a.halves,
-        target_for(a.device),
+        target_for(a.device, options.fp_contract),
         options.cpu_schedules,
         options.fuse,
         options.tuning_db,

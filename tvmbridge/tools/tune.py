@@ -65,7 +65,7 @@ def module_tasks(
         relax_mod, device = compiled.stages["fast_math"], compiled.device
     if device.type != "cpu":
         raise NotImplementedError("tuning runs on CPU here; GPU tuning needs a device to measure on")
-    target = target_for(device)
+    target = target_for(device, opts.fp_contract)
     return extract_tasks(lower(relax_mod, target, schedule=False), target), target
 
 
