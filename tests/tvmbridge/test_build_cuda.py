@@ -4,6 +4,8 @@ compiles it at load, where a code generator's slip would first show: nvcc finds 
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 import subprocess
 
@@ -117,3 +119,53 @@ def test_a_rule_that_raises_or_does_not_lower_leaves_the_kernel_to_the_next():
     assert first.refusals and all("a rule's bug" in why for _, why in first.refusals)
     assert any("cross-thread reduction" in why for _, why in second.refusals)  # refused by the lowering check
     build.compile_module(compiled.stages["split"], target)  # and the whole graph builds
+
+
+_KERNEL = r"""
+extern "C" __global__ void k(float* __restrict__ a, float* __restrict__ b, float* __restrict__ o) {
+  int i = threadIdx.x;
+  o[i] = a[i] * b[i] + a[i] / b[i] + sqrtf(b[i]);
+}
+"""
+
+
+def test_cuda_builds_run_with_exact_math_and_leave_the_environment_as_it_was(monkeypatch):
+    from tvmbridge.backend import codegen
+
+    monkeypatch.setenv("TVM_CUDA_NVRTC_EXTRA_OPTS", "-lineinfo")  # a user's own flags are kept
+    monkeypatch.delenv("TVM_CUDA_NVCC_NO_FAST_MATH", raising=False)
+    seen = {}
+
+    def fake_compile(mod, target, relax_pipeline):
+        seen.update({k: os.environ.get(k) for k in ("TVM_CUDA_NVRTC_EXTRA_OPTS", "TVM_CUDA_NVCC_NO_FAST_MATH")})
+        return "executable"
+
+    monkeypatch.setattr(codegen.tvm, "compile", fake_compile)
+    assert codegen.build_executable(tvm.IRModule(), devices.target_for(torch.device("cuda")), None) == "executable"
+    assert seen == {"TVM_CUDA_NVRTC_EXTRA_OPTS": "-lineinfo " + codegen.EXACT_NVRTC_FLAGS,
+                    "TVM_CUDA_NVCC_NO_FAST_MATH": "1"}
+    assert os.environ["TVM_CUDA_NVRTC_EXTRA_OPTS"] == "-lineinfo"
+    assert "TVM_CUDA_NVCC_NO_FAST_MATH" not in os.environ
+
+
+def test_nvrtc_compiles_ieee_division_and_square_root_without_contraction(monkeypatch):
+    """What TVM's NVRTC callback makes of a kernel under :func:`exact_cuda_math`: PTX with IEEE
+    division and square root, separate multiply and add, no flush-to-zero (where NVRTC and the CUDA
+    headers are here; CI has neither)."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from tvm.support import nvcc
+
+    from tvmbridge.backend.codegen import exact_cuda_math
+
+    roots = sorted(glob.glob("/usr/local/cuda*/include/cuda_runtime.h"))
+    if "CUDA_PATH" not in os.environ:
+        if not roots:
+            pytest.skip("no CUDA headers")
+        monkeypatch.setenv("CUDA_PATH", os.path.dirname(os.path.dirname(roots[-1])))
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        fast = nvcc.compile_cuda(_KERNEL, target_format="ptx", arch="sm_90", compiler="nvrtc").decode()
+        with exact_cuda_math():
+            exact = nvcc.compile_cuda(_KERNEL, target_format="ptx", arch="sm_90", compiler="nvrtc").decode()
+    assert "div.approx" in fast and "sqrt.approx" in fast and ".ftz." in fast  # TVM's default, for contrast
+    assert "div.rn.f32" in exact and "sqrt.rn.f32" in exact
+    assert ".approx" not in exact and ".ftz" not in exact and "fma.rn" not in exact

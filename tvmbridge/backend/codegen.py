@@ -8,14 +8,19 @@ code in a thread of its own (tvm-ffi releases the GIL inside both), and the grou
 one library. The VM's bytecode and the kernels' code are those ``tvm.compile`` makes; only how
 many LLVM modules hold the kernels differs. GPU targets keep ``tvm.compile`` and
 ``export_library`` as they are (a device module per group would need its own packing).
+
+CUDA kernels are compiled with IEEE division and square root, no flush-to-zero and no FMA
+contraction (:func:`exact_cuda_math`): TVM compiles CUDA with ``--use_fast_math``, which rounds
+differently from eager's CUDA kernels in every one of those, as LLVM's contraction did on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -28,6 +33,32 @@ R = TypeVar("R")
 
 _WRITE_LOCK = threading.Lock()  # TVM's export of one executable from two threads at once crashes
 GROUPS_PER_THREAD = 3  # more groups than threads: a group of slow kernels does not leave a core idle
+
+
+# what --use_fast_math implies, undone: NVRTC takes the later flag; the nvcc path has its own switch
+EXACT_NVRTC_FLAGS = "--ftz=false --prec-div=true --prec-sqrt=true --fmad=false"
+_NVRTC_OPTS, _NVCC_NO_FAST_MATH = "TVM_CUDA_NVRTC_EXTRA_OPTS", "TVM_CUDA_NVCC_NO_FAST_MATH"
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def exact_cuda_math() -> Iterator[None]:
+    """TVM's CUDA compile callback (``tvm.support.nvcc``) without fast math, for the block: its
+    environment switches set, and restored after (they are the process's, not the bridge's). One
+    thing stays approximate under NVRTC: ``expf``/``logf`` as the fast intrinsics, which no flag
+    after TVM's ``--use_fast_math`` undoes (float32 ``exp`` is ``fast_math``'s polynomial anyway)."""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in (_NVRTC_OPTS, _NVCC_NO_FAST_MATH)}
+        os.environ[_NVRTC_OPTS] = f"{saved[_NVRTC_OPTS] or ''} {EXACT_NVRTC_FLAGS}".strip()
+        os.environ[_NVCC_NO_FAST_MATH] = "1"
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def compile_threads() -> int:
@@ -76,6 +107,9 @@ def build_executable(
     (which see passes in order) the kernels are built in this thread."""
     threads = compile_threads() if threads is None else threads
     context = tvm.transform.PassContext.current()
+    if target.kind.name == "cuda":
+        with exact_cuda_math():
+            return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     if target.kind.name != "llvm" or threads <= 1 or list(context.instruments):
         return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     with target:
