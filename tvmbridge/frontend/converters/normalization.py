@@ -1,9 +1,10 @@
 """BatchNorm as ATen's CPU kernel computes it; ``native_group_norm`` with its statistics.
 
 Train mode: the channel statistics summed in double and rounded where ATen rounds, the output as
-ATen's ``x * alpha + beta``, the new running statistics with the update's products kept out of a
-fused multiply-add (``kernels.barrier``); float32 outputs and running statistics equal PyTorch's
-bit for bit for inputs with a spatial dimension, float64 ones to rounding. The gradient is ATen's
+ATen's ``x * alpha + beta`` rounded once (its fused multiply-add), the new running statistics with
+the update's products kept out of a fused multiply-add (``kernels.barrier``); float32 outputs and
+running statistics equal PyTorch's bit for bit for inputs with a spatial dimension, float64 ones
+to rounding. The gradient is ATen's
 backward, not that of the forward as written (:func:`_centered_gradient`).
 Eval mode: the running statistics.
 """
@@ -37,6 +38,16 @@ def _c(value: float, dtype: str) -> relax.Expr:
     return relax.const(np.array(value, dtype=dtype), dtype)
 
 
+def _fused_multiply_add(bb: relax.BlockBuilder, x: relax.Expr, a: relax.Expr, b: relax.Expr) -> relax.Expr:
+    """``x * a + b`` of float32 values rounded once, as a hardware FMA rounds (ATen's
+    ``Vectorized::fmadd``): the product is exact in double, so the double sum rounded to float32
+    is the FMA's result (up to a double rounding, once in about 2^29 values). Written out, since
+    the CPU target has no FMA for LLVM to contract into (``devices.target_for``)."""
+    x64, a64, b64 = (bb.emit(relax.op.astype(v, "float64")) for v in (x, a, b))
+    total = bb.emit(relax.op.add(bb.emit(relax.op.multiply(x64, a64)), b64))
+    return bb.emit(relax.op.astype(total, "float32"))
+
+
 def _apply_affine(
     importer: BridgeImporter,
     x: relax.Expr,
@@ -55,8 +66,11 @@ def _apply_affine(
     shift = bb.emit(relax.op.multiply(mean, alpha))
     beta = bb.emit(relax.op.negative(shift)) if bias is None else bb.emit(relax.op.subtract(env[bias], shift))
     ndim = len(x.ty.shape)
-    out = bb.emit(relax.op.multiply(x, _channel(importer, bb.emit(relax.op.astype(alpha, dtype)), ndim)))
-    out = bb.emit(relax.op.add(out, _channel(importer, bb.emit(relax.op.astype(beta, dtype)), ndim)))
+    alpha, beta = (_channel(importer, bb.emit(relax.op.astype(v, dtype)), ndim) for v in (alpha, beta))
+    if dtype == "float32":  # ATen's fmadd: one rounding, kept with the CPU target's FMA off
+        out = _fused_multiply_add(bb, x, alpha, beta)
+    else:
+        out = bb.emit(relax.op.add(bb.emit(relax.op.multiply(x, alpha)), beta))
     return _centered_gradient(importer, out, x, mean, alpha, bias) if centered else out
 
 
