@@ -90,7 +90,8 @@ def check_kernels(compiled: CompiledModule, seed: int = 0) -> list[KernelDiff]:
     """Each scheduled static-shape kernel of ``compiled`` against its unscheduled form (on the
     CPU); the scheduled one runs on the compile's device (a CPU or a CUDA GPU)."""
     device = compiled.device if compiled.device is not None else torch.device("cpu")
-    target, cpu = target_for(device), target_for(torch.device("cpu"))
+    contract = compiled.options.fp_contract  # the target the compile built for
+    target, cpu = target_for(device, contract), target_for(torch.device("cpu"), contract)
     mod = lower(compiled.stages["fast_math"], target, schedule=False, fuse=compiled.options.fuse)
     rng = np.random.default_rng(seed)
     serial, scheduled, args = {}, {}, {}

@@ -86,7 +86,7 @@ def first_deviation(
     user = [x for x in leaves if isinstance(x, torch.Tensor)] + [t.detach() for t in traced.state.tensors(m)]
     device = torch.device("cpu")
     mod = DecomposeForTraining()(converted.mod)  # TVM's layer_norm kernel is float32/16 only
-    vm = load(compile_module(mod, target_for(device)), device)
+    vm = load(compile_module(mod, target_for(device, options.fp_contract)), device)
     result = vm[names.MAIN](*[to_tvm(t) for t in user])
     probed = [to_torch(r) for r in list(result)[-len(converted.probes) :]] if converted.probes else []
     recorder = _Recorder(traced.exported.graph_module)

@@ -4,8 +4,8 @@ Train mode: the channel statistics summed in double and rounded where ATen round
 ATen's ``x * alpha + beta`` rounded once (its fused multiply-add), the new running statistics with
 the update's products kept out of a fused multiply-add (``kernels.barrier``); float32 outputs and
 running statistics equal PyTorch's bit for bit for inputs with a spatial dimension, float64 ones
-to rounding. The gradient is ATen's
-backward, not that of the forward as written (:func:`_centered_gradient`).
+to rounding. The gradient is ATen's backward, not that of the forward as written
+(:func:`_centered_gradient`).
 Eval mode: the running statistics.
 """
 
@@ -66,11 +66,11 @@ def _apply_affine(
     shift = bb.emit(relax.op.multiply(mean, alpha))
     beta = bb.emit(relax.op.negative(shift)) if bias is None else bb.emit(relax.op.subtract(env[bias], shift))
     ndim = len(x.ty.shape)
-    alpha, beta = (_channel(importer, bb.emit(relax.op.astype(v, dtype)), ndim) for v in (alpha, beta))
+    scale, shift = (_channel(importer, bb.emit(relax.op.astype(v, dtype)), ndim) for v in (alpha, beta))
     if dtype == "float32":  # ATen's fmadd: one rounding, kept with the CPU target's FMA off
-        out = _fused_multiply_add(bb, x, alpha, beta)
+        out = _fused_multiply_add(bb, x, scale, shift)
     else:
-        out = bb.emit(relax.op.add(bb.emit(relax.op.multiply(x, alpha)), beta))
+        out = bb.emit(relax.op.add(bb.emit(relax.op.multiply(x, scale)), shift))
     return _centered_gradient(importer, out, x, mean, alpha, bias) if centered else out
 
 
