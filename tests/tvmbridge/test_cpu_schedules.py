@@ -84,6 +84,32 @@ def test_ragged_row_exp_sum_and_broadcast_log(n):
     np.testing.assert_allclose(_run(mod, x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_per_row_operands_are_computed_inside_the_parallel_row_loop():
+    """An elementwise kernel reading per-row values (LayerNorm's backward: a row's scale, its
+    mean's gradient) computes them under the parallel row loop, once per row, not in serial loops
+    over all rows before it (which LLVM unrolls in full: most of such a kernel's build time)."""
+    rows, n = 64, 256
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((rows, n), "float32"))
+    s = relax.Var("s", relax.TensorType((rows, 1), "float32"))
+    with bb.function("main", [x, s]):
+        with bb.dataflow():
+            scale = relax.op.divide(relax.const(0.5, "float32"), s)
+            shift = relax.op.multiply(s, relax.const(3.0, "float32"))
+            out = bb.emit_output(relax.op.subtract(relax.op.multiply(x, scale), shift))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    kernels = [f for f in _kernels(mod).split("@T.prim_func") if "T_divide" in f]
+    assert len(kernels) == 1
+    body = kernels[0]
+    assert "T.parallel" in body and "sblock(\"T_" not in body[: body.index("T.parallel")], body
+    xv, sv = _x((rows, n)), _x((rows, 1), seed=1) + 3
+    vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(sv)).numpy()
+    want = xv * (np.float32(0.5) / sv) - sv * np.float32(3.0)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_column_sum_is_not_a_row_reduction():
     """A bias gradient's sum over rows reads columns strided: no row rfactor; the column rule
     (threads own column blocks) takes it."""

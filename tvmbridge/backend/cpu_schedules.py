@@ -84,10 +84,12 @@ class Elementwise(CPUScheduleRule):
         if not infos or not all(i.is_injective() for i in infos):
             return None
         total = _numel(sch, sch.get_loops(infos[-1].block_rv))
+        broadcasts = []
         for info in infos[:-1]:
             size = _numel(sch, sch.get_loops(info.block_rv))
             if total is not None and size is not None and size * _BROADCAST_RATIO <= total:
-                continue  # a broadcast operand (a row's log-sum-exp): computed once, not per element
+                broadcasts.append(info.block_rv)  # a row's log-sum-exp: computed once, not per element
+                continue
             try:
                 sch.compute_inline(info.block_rv)
             except s_tir.ScheduleError:
@@ -117,6 +119,7 @@ class Elementwise(CPUScheduleRule):
             if inner_extent % lanes == 0:
                 _, vec = sch.split(loops[-1], factors=[None, lanes])
                 sch.vectorize(vec)
+            _compute_at_rows(sch, broadcasts, outer)
         else:
             fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
             if n % lanes == 0 and n >= 2 * lanes:
@@ -127,6 +130,19 @@ class Elementwise(CPUScheduleRule):
         if n >= _MIN_PARALLEL:
             sch.parallel(outer)
         return sch
+
+
+def _compute_at_rows(sch: s_tir.Schedule, broadcasts: list, rows) -> None:
+    """Each broadcast operand computed inside the row loop, for the row it serves (a row's
+    scale of a LayerNorm gradient): in parallel with the rows and while they are in cache,
+    instead of a serial loop over all rows before them, which LLVM also unrolls in full (most of
+    such a kernel's code generation time). Consumers first, so each producer finds its consumer
+    under the loop; one that cannot move stays where it was (still correct)."""
+    for block in reversed(broadcasts):
+        try:
+            sch.compute_at(block, rows, preserve_unit_loops=False)
+        except s_tir.ScheduleError:
+            continue
 
 
 def _selects(sch: s_tir.Schedule, block) -> bool:
