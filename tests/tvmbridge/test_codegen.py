@@ -76,20 +76,56 @@ def test_kernels_built_in_threads_run_as_one_module_does(layer_halves, tmp_path)
     assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(loaded, layer_halves), strict=True))
 
 
+def _ir_size(exe: tvm.runtime.Executable) -> int:
+    return sum(len(m.inspect_source("ll")) for m in exe.mod._collect_dso_modules())
+
+
+def _checks(exe: tvm.runtime.Executable) -> int:
+    """How many argument-check failures the kernels can raise (TVM's messages name the argument)."""
+    return sum(m.inspect_source("ll").count("TVMFFIErrorSetRaisedFromCStrParts") for m in exe.mod._collect_dso_modules())
+
+
 def test_the_callers_pass_context_holds_in_every_build_thread(layer_halves):
     """A caller's ``PassContext`` reaches the threads that build the kernels (it is thread-local
-    in TVM): with ``tirx.disable_assert`` the kernels lose their argument checks in every group."""
+    in TVM): with TVM's own vectorization off the code differs in every group."""
     lowered = backend_build.lower(layer_halves, TARGET)
     pipeline = backend_build.after_lowering(TARGET)
-
-    def object_sizes(exe: tvm.runtime.Executable) -> int:
-        return sum(len(m.inspect_source("ll")) for m in exe.mod._collect_dso_modules())
-
     default = codegen.build_executable(lowered, TARGET, pipeline, threads=2)
-    with tvm.transform.PassContext(config={"tirx.disable_assert": True}):
-        unchecked = codegen.build_executable(lowered, TARGET, pipeline, threads=2)
-    assert len(unchecked.mod._collect_dso_modules()) > 1
-    assert object_sizes(unchecked) < object_sizes(default)
+    with tvm.transform.PassContext(config={"tirx.disable_vectorize": True}):
+        serial = codegen.build_executable(lowered, TARGET, pipeline, threads=2)
+    assert len(serial.mod._collect_dso_modules()) > 1
+    assert _ir_size(serial) != _ir_size(default)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernels_leave_out_argument_checks_unless_asked(layer_halves, monkeypatch, threads):
+    """By default TVM's per-kernel argument checks are left out (most of a small kernel's code);
+    ``TVMBRIDGE_KERNEL_ASSERTS=1`` keeps them. Either way the VM checks the function's inputs."""
+    lowered = backend_build.lower(layer_halves, TARGET)
+    pipeline = backend_build.after_lowering(TARGET)
+    monkeypatch.delenv("TVMBRIDGE_KERNEL_ASSERTS", raising=False)
+    unchecked = codegen.build_executable(lowered, TARGET, pipeline, threads=threads)
+    monkeypatch.setenv("TVMBRIDGE_KERNEL_ASSERTS", "1")
+    checked = codegen.build_executable(lowered, TARGET, pipeline, threads=threads)
+    assert _checks(checked) > 2 * _checks(unchecked)
+    assert _ir_size(unchecked) < _ir_size(checked) / 2
+    expected = _vm_outputs(checked, layer_halves)
+    assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(unchecked, layer_halves), strict=True))
+    vm = relax.VirtualMachine(unchecked, tvm.cpu())
+    func = layer_halves["forward_infer"]
+    args = [tvm.runtime.tensor(np.zeros([int(d) for d in p.ty.shape.values], str(p.ty.dtype))) for p in func.params]
+    wrong = np.zeros([int(d) + 1 for d in func.params[0].ty.shape.values], str(func.params[0].ty.dtype))
+    with pytest.raises(Exception, match="match_cast|shape"):
+        vm["forward_infer"](tvm.runtime.tensor(wrong), *args[1:])
+
+
+def test_the_kernel_checks_setting_is_part_of_the_executable_key(layer_halves, monkeypatch):
+    from tvmbridge.backend.executable_cache import cache_key
+
+    monkeypatch.delenv("TVMBRIDGE_KERNEL_ASSERTS", raising=False)
+    default = cache_key(layer_halves, TARGET, True, True, None)
+    monkeypatch.setenv("TVMBRIDGE_KERNEL_ASSERTS", "1")
+    assert cache_key(layer_halves, TARGET, True, True, None) != default
 
 
 def test_compile_threads_setting(monkeypatch):

@@ -9,6 +9,12 @@ one library. The VM's bytecode and the kernels' code are those ``tvm.compile`` m
 many LLVM modules hold the kernels differs. GPU targets keep ``tvm.compile`` and
 ``export_library`` as they are (a device module per group would need its own packing).
 
+TVM's per-kernel argument checks are left out (:func:`kernel_asserts`): every kernel would check
+every argument's dtype, rank, shape, strides and device on every call, and that checking code is
+most of what LLVM compiles for a small kernel. The VM still checks each compiled function's own
+inputs, the bridge passes only compact tensors, and every other tensor a kernel sees is one the VM
+allocated for it with the shape the compile proved.
+
 CUDA kernels are compiled with IEEE division and square root, no flush-to-zero and no FMA
 contraction (:func:`exact_cuda_math`): TVM compiles CUDA with ``--use_fast_math``, which rounds
 differently from eager's CUDA kernels in every one of those, as LLVM's contraction did on the CPU.
@@ -61,6 +67,27 @@ def exact_cuda_math() -> Iterator[None]:
                     os.environ[name] = value
 
 
+def kernel_asserts() -> bool:
+    """Whether kernels keep TVM's argument checks: ``TVMBRIDGE_KERNEL_ASSERTS=1`` (a compiler bug
+    hunt: a kernel given a tensor it was not compiled for then raises instead of reading past it).
+    Part of the executable cache's key."""
+    return os.environ.get("TVMBRIDGE_KERNEL_ASSERTS", "").strip() not in ("", "0")
+
+
+def _build_context(context: tvm.transform.PassContext) -> tvm.transform.PassContext:
+    """The caller's pass context (options, disabled passes, instruments), with TVM's kernel
+    argument checks left out unless :func:`kernel_asserts`."""
+    if kernel_asserts():
+        return context
+    return tvm.transform.PassContext(
+        opt_level=context.opt_level,
+        required_pass=list(context.required_pass),
+        disabled_pass=list(context.disabled_pass),
+        instruments=list(context.instruments),
+        config={**dict(context.config), "tirx.disable_assert": True},
+    )
+
+
 def compile_threads() -> int:
     """Threads for code generation: ``TVMBRIDGE_COMPILE_THREADS``, else the cores this process
     may run on."""
@@ -106,12 +133,13 @@ def build_executable(
     ``PassContext`` (options, disabled passes) holds in every thread; under pass instruments
     (which see passes in order) the kernels are built in this thread."""
     threads = compile_threads() if threads is None else threads
-    context = tvm.transform.PassContext.current()
+    context = _build_context(tvm.transform.PassContext.current())
     if target.kind.name == "cuda":
-        with exact_cuda_math():
+        with context, exact_cuda_math():
             return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     if target.kind.name != "llvm" or threads <= 1 or list(context.instruments):
-        return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
+        with context:
+            return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     with target:
         mod = relax_pipeline(lowered)
     attrs = dict(mod.attrs) if mod.attrs else {}

@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest, enabled, max_bytes, warn_once
-from .codegen import write_library
+from .codegen import kernel_asserts, write_library
 from .gemm_choice import machine
 
 __all__ = ["ExecutableCache", "cache_key", "cached_compile", "code_digest", "enabled", "max_bytes", "warn_once"]
@@ -33,7 +33,7 @@ def cache_key(mod: tvm.IRModule, target: tvm.target.Target, schedule: bool, fuse
     h = hashlib.sha256()
     h.update(tvm.ir.save_json(mod).encode())
     h.update(json.dumps(str(target.export()), sort_keys=True).encode())
-    h.update(repr((schedule, fuse, tuning_state, FORMAT)).encode())
+    h.update(repr((schedule, fuse, tuning_state, kernel_asserts(), FORMAT)).encode())
     h.update(json.dumps(machine(), sort_keys=True).encode())
     h.update(code_digest().encode())
     return h.hexdigest()
