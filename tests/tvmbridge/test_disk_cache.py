@@ -225,3 +225,40 @@ def test_a_new_process_loads_what_another_compiled(cache_dir):
     assert lines[0]["LOADED"] == "False" and lines[1]["LOADED"] == "True", lines
     assert lines[0]["RESULT"] == "False" and lines[1]["RESULT"] == "True", lines  # gradient, split not redone
     assert lines[0]["SUM"] == lines[1]["SUM"]  # the same numbers from the loaded executable
+
+
+def test_the_dropout_mask_kernel_is_built_once_per_machine(cache_dir, monkeypatch):
+    """The bridge's own mask kernel (``kernels.mt19937``), which every process needs before its
+    first step, is loaded from the cache by the next one; the loaded kernel draws PyTorch's masks;
+    a damaged library is built again."""
+    import tvm
+
+    from tvmbridge.kernels import mt19937
+
+    kernels = cache_dir.parent / "kernels"
+    mt19937._kernel.cache_clear()
+    mt19937.kernel_works.cache_clear()
+    try:
+        assert mt19937.kernel_works()
+        assert len(list(kernels.glob("*.so"))) == 1
+        mt19937._kernel.cache_clear()
+        mt19937.kernel_works.cache_clear()
+
+        def no_compile(*args, **kwargs):
+            raise AssertionError("the kernel was compiled again")
+
+        with monkeypatch.context() as m:
+            m.setattr(tvm, "compile", no_compile)
+            assert mt19937.kernel_works()  # loaded, and it still reproduces bernoulli_
+        (library,) = kernels.glob("*.so")
+        head = library.read_bytes()[:1000]
+        library.unlink()  # a new file: this process still maps the old one
+        library.write_bytes(head)
+        mt19937._kernel.cache_clear()
+        mt19937.kernel_works.cache_clear()
+        with pytest.warns(UserWarning, match="kernel library .* is damaged"):
+            assert mt19937.kernel_works()
+        assert len(list(kernels.glob("*.so"))) == 1
+    finally:
+        mt19937._kernel.cache_clear()
+        mt19937.kernel_works.cache_clear()

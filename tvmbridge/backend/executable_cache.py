@@ -24,7 +24,16 @@ from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest, enabled, max
 from .codegen import kernel_asserts, write_library
 from .gemm_choice import machine
 
-__all__ = ["ExecutableCache", "cache_key", "cached_compile", "code_digest", "enabled", "max_bytes", "warn_once"]
+__all__ = [
+    "ExecutableCache",
+    "cache_key",
+    "cached_compile",
+    "cached_kernel_library",
+    "code_digest",
+    "enabled",
+    "max_bytes",
+    "warn_once",
+]
 
 
 def cache_key(mod: tvm.IRModule, target: tvm.target.Target, schedule: bool, fuse: bool, tuning_state: object) -> str:
@@ -67,3 +76,32 @@ def cached_compile(
     if cache.store(key, exe):
         return cache.load(key) or exe, False
     return exe, False
+
+
+def _write_kernel_library(lib: tvm.runtime.Module, path: str) -> None:
+    lib.export_library(path)
+
+
+def _read_kernel_library(path: Path) -> tvm.runtime.Module:
+    return tvm.runtime.load_module(str(path))
+
+
+def cached_kernel_library(name: str, make: Callable[[], tvm.IRModule], target: tvm.target.Target) -> tvm.runtime.Module:
+    """A module of the bridge's own TIR kernels (``make()``; ``name`` tells them apart), compiled
+    with ``tvm.compile`` or loaded from ``<cache dir>/kernels``: what each new process would
+    otherwise parse and build again before its first step (the dropout-mask kernel). The kernels
+    are the bridge's source, so the key is their name, the bridge's code digest, the target and
+    the machine; ``make`` runs only to compile. With the disk cache off, compiled."""
+    if not enabled():
+        return tvm.compile(make(), target=target).mod
+    h = hashlib.sha256(name.encode())
+    h.update(json.dumps(str(target.export()), sort_keys=True).encode())
+    h.update(json.dumps(machine(), sort_keys=True).encode())
+    h.update(f"{code_digest()}{FORMAT}".encode())
+    key = h.hexdigest()
+    cache = DiskCache(cache_dir() / "kernels", ".so", _write_kernel_library, _read_kernel_library, "kernel library")
+    lib = cache.load(key)
+    if lib is not None:
+        return lib
+    lib = tvm.compile(make(), target=target).mod
+    return (cache.load(key) if cache.store(key, lib) else None) or lib

@@ -123,10 +123,13 @@ def _build():
 
 @functools.cache
 def _kernel():
-    """The compiled kernel (built once per process, on first use)."""
+    """The compiled kernel (once per process, on first use; from the disk cache where an earlier
+    process built it)."""
+    from ..backend.executable_cache import cached_kernel_library
+
     prepare_cpu_runtime()
-    mod = tvm.IRModule({"mt_bernoulli": _build()})
-    return tvm.compile(mod, target=target_for(torch.device("cpu")))["mt_bernoulli"]
+    make = lambda: tvm.IRModule({"mt_bernoulli": _build()})  # noqa: E731
+    return cached_kernel_library("mt_bernoulli", make, target_for(torch.device("cpu")))["mt_bernoulli"]
 
 
 def bernoulli_(out: torch.Tensor, p: float) -> torch.Tensor:
