@@ -28,6 +28,7 @@ def test_wrong_converter_is_a_deviation_and_named():
     assert report.max_rel64 > 1e-6  # the approximation's error, the same in float64 as in float32
     assert "intermediate.dense.bias.grad" in report.worst
     assert report.first_deviation is not None and "aten.gelu" in report.first_deviation
+    assert "modeling_bert.py:" in report.first_deviation  # the source line (the localizer's trace keeps stacks)
     assert "DEVIATION" in str(report)
 
 

@@ -157,3 +157,22 @@ def test_bounded_cache_keeps_the_most_recently_used():
     assert cache.get_or_make("d", lambda: 4) == 4 and cache.get("a") is None
     with pytest.raises(ValueError):
         BoundedCache(0)
+
+
+def test_a_compile_trace_records_no_source_stacks_and_leaves_torch_s_switch_as_it_was():
+    """Recording each node's Python stack is a fifth of an export; only the float64 localizer
+    reads it. torch's process-wide switch is restored after the trace (a user's own setting kept)."""
+    import torch.fx.config as fx_config
+
+    from tvmbridge.frontend.export import trace
+
+    for setting in (False, True):
+        fx_config.do_not_emit_stack_traces = setting
+        try:
+            traced = trace(MLP(d=8, h=16), (torch.randn(2, 8),))
+            assert fx_config.do_not_emit_stack_traces is setting
+        finally:
+            fx_config.do_not_emit_stack_traces = False
+        assert not any(n.meta.get("stack_trace") for n in traced.exported.graph.nodes)
+    kept = trace(MLP(d=8, h=16), (torch.randn(2, 8),), stack_traces=True)
+    assert any("forward" in (n.meta.get("stack_trace") or "") for n in kept.exported.graph.nodes)

@@ -11,9 +11,10 @@ learned is kept in :class:`TracedModule` for the guard and the runtime.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,10 +182,36 @@ def _dynamic_shapes(num_inputs: int, dynamic: dict[int, frozenset[int]]) -> tupl
     return (tuple({d: auto for d in sorted(dynamic[i])} if i in dynamic else None for i in range(num_inputs)),)
 
 
+_FX_CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _stack_traces(keep: bool) -> Iterator[None]:
+    """torch.fx records the Python stack that made each node (``meta["stack_trace"]``), a fifth of
+    an export's time; only the float64 localizer reads it (to name the source line of a
+    deviating op). Without ``keep`` it is off for the block (torch's process-wide switch, restored)."""
+    if keep:
+        yield
+        return
+    import torch.fx.config as fx_config
+
+    with _FX_CONFIG_LOCK:
+        saved = fx_config.do_not_emit_stack_traces
+        fx_config.do_not_emit_stack_traces = True
+        try:
+            yield
+        finally:
+            fx_config.do_not_emit_stack_traces = saved
+
+
 def _export(
-    module: torch.nn.Module, flat: FlatCall, inputs: tuple, dynamic: dict[int, frozenset[int]] | None = None
+    module: torch.nn.Module,
+    flat: FlatCall,
+    inputs: tuple,
+    dynamic: dict[int, frozenset[int]] | None = None,
+    stack_traces: bool = False,
 ) -> ExportedProgram:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _stack_traces(stack_traces):
         # torch.export deep-copies tree specs and trips torch's own LeafSpec deprecation
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
@@ -236,9 +263,9 @@ def _detach_no_grad_regions(ep: ExportedProgram) -> None:
         module.recompile()
 
 
-def _decompose(module: torch.nn.Module, ep: ExportedProgram) -> ExportedProgram:
+def _decompose(module: torch.nn.Module, ep: ExportedProgram, stack_traces: bool = False) -> ExportedProgram:
     _detach_no_grad_regions(ep)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _stack_traces(stack_traces):
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             return ep.run_decompositions(decomposition_table())
@@ -263,6 +290,7 @@ class RawTrace:
     autocast: AutocastState | None
     dynamic: dict[int, frozenset[int]] | None
     exported: ExportedProgram
+    stack_traces: bool = False  # each node's source stack recorded (the localizer's)
 
     def traced(self, program: ExportedProgram | Deferred, **facts: Any) -> TracedModule:
         """The trace of this call, with what was learned from the decomposed program."""
@@ -280,9 +308,14 @@ class RawTrace:
 
 
 def export_call(
-    module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic: dict[int, frozenset[int]] | None = None
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    dynamic: dict[int, frozenset[int]] | None = None,
+    stack_traces: bool = False,
 ) -> RawTrace:
-    """The first half of :func:`trace`: ``torch.export`` of the call in canonical form."""
+    """The first half of :func:`trace`: ``torch.export`` of the call in canonical form
+    (``stack_traces``: with each node's source stack, see :func:`_stack_traces`)."""
     call_args, call_kwargs = canonical_call(module.forward, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
@@ -290,18 +323,18 @@ def export_call(
     inputs = tensors + tuple(t.detach() for t in state.tensors(module))
     flat = FlatCall(module, in_spec, leaves, state)
     autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")
-    ep = _export(module, flat, inputs, dynamic)
-    return RawTrace(module, leaves, in_spec, tensors, inputs, state, flat, autocast, dynamic, ep)
+    ep = _export(module, flat, inputs, dynamic, stack_traces)
+    return RawTrace(module, leaves, in_spec, tensors, inputs, state, flat, autocast, dynamic, ep, stack_traces)
 
 
 def decompose_call(raw: RawTrace) -> TracedModule:
     """The second half of :func:`trace`: the export decomposed to core ATen, and what it shows."""
     module, tensors, state = raw.module, raw.tensors, raw.state
-    ep = _decompose(module, raw.exported)
+    ep = _decompose(module, raw.exported, raw.stack_traces)
     updated, updated_inputs = _updated_tensors(ep, tensors, state)
     if updated or updated_inputs:  # again, updating clones: their new values become ordinary outputs
         flat = FlatCall(module, raw.in_spec, raw.leaves, state, updated, updated_inputs)
-        ep = _decompose(module, _export(module, flat, raw.inputs, raw.dynamic))
+        ep = _decompose(module, _export(module, flat, raw.inputs, raw.dynamic, raw.stack_traces), raw.stack_traces)
     if make_dtype_mixing_explicit(ep.graph):  # autocast's mixed-type kernels: one dtype per op
         ep.graph_module.recompile()
     num_user_outputs = _check_outputs(ep) - len(updated) - len(updated_inputs)
@@ -328,11 +361,16 @@ def decompose_call(raw: RawTrace) -> TracedModule:
 
 
 def trace(
-    module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic: dict[int, frozenset[int]] | None = None
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    dynamic: dict[int, frozenset[int]] | None = None,
+    stack_traces: bool = False,
 ) -> TracedModule:
     """Export ``module`` for one call and decompose to core ATen (the form that is converted).
-    ``dynamic`` marks dims of the call's tensors (by position among them) to trace symbolically."""
-    return decompose_call(export_call(module, args, kwargs, dynamic))
+    ``dynamic`` marks dims of the call's tensors (by position among them) to trace symbolically;
+    ``stack_traces`` keeps each node's source stack."""
+    return decompose_call(export_call(module, args, kwargs, dynamic, stack_traces))
 
 
 # ops that return their input's value (what a traced ``.clone()``, ``.to()`` or ``.detach()`` leaves)

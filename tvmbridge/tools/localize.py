@@ -80,7 +80,7 @@ def first_deviation(
     m = plain_copy(module).double().eval()
     cast = lambda x: x.detach().double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
     args, kwargs = tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-    traced = trace(m, args, kwargs)
+    traced = trace(m, args, kwargs, stack_traces=True)  # names the deviating op's source line
     converted = to_relax(traced, options.converters, probe=True)
     leaves = pytree.tree_leaves(canonical_call(m.forward, args, kwargs))
     user = [x for x in leaves if isinstance(x, torch.Tensor)] + [t.detach() for t in traced.state.tensors(m)]
