@@ -211,3 +211,16 @@ def test_a_size_the_legalization_defines_is_never_reused():
     legalized = _legalized(bb.get(), memo)
     assert memo.hits == 0
     assert tvm_ffi.structural_equal(legalized, _legalized(bb.get(), None))
+
+
+def test_a_callers_pass_timing_sees_the_whole_build(layer_halves):
+    """Under the caller's instruments the build runs in the caller's own context (as
+    ``tvm.compile`` would): a timing instrument sees its passes and keeps its profile."""
+    lowered = backend_build.lower(layer_halves, TARGET)
+    pipeline = backend_build.after_lowering(TARGET)
+    timing = tvm.ir.instrument.PassTimingInstrument()
+    with tvm.transform.PassContext(instruments=[timing]):
+        exe = codegen.build_executable(lowered, TARGET, pipeline, threads=2)
+        profile = timing.render()
+    assert "VMShapeLower" in profile and "LowerTVMBuiltin" in profile, profile[:500]
+    assert _checks(exe) > 0  # that context's own code: TVM's checks kept

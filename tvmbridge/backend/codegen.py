@@ -69,21 +69,25 @@ def exact_cuda_math() -> Iterator[None]:
 
 def kernel_asserts() -> bool:
     """Whether kernels keep TVM's argument checks: ``TVMBRIDGE_KERNEL_ASSERTS=1`` (a compiler bug
-    hunt: a kernel given a tensor it was not compiled for then raises instead of reading past it).
-    Part of the executable cache's key."""
-    return os.environ.get("TVMBRIDGE_KERNEL_ASSERTS", "").strip() not in ("", "0")
+    hunt: a kernel given a tensor it was not compiled for then raises instead of reading past it),
+    or under the caller's pass instruments (the build then runs in the caller's own context, as
+    ``tvm.compile`` would: a second context holding the same instruments would enter and exit
+    them again, and a timing instrument clears its profile on exit; the caller's own context is
+    not entered again either). Part of the executable key."""
+    if os.environ.get("TVMBRIDGE_KERNEL_ASSERTS", "").strip() not in ("", "0"):
+        return True
+    return bool(list(tvm.transform.PassContext.current().instruments))
 
 
 def _build_context(context: tvm.transform.PassContext) -> tvm.transform.PassContext:
-    """The caller's pass context (options, disabled passes, instruments), with TVM's kernel
-    argument checks left out unless :func:`kernel_asserts`."""
+    """The caller's pass context (options, disabled passes), with TVM's kernel argument checks
+    left out unless :func:`kernel_asserts`."""
     if kernel_asserts():
         return context
     return tvm.transform.PassContext(
         opt_level=context.opt_level,
         required_pass=list(context.required_pass),
         disabled_pass=list(context.disabled_pass),
-        instruments=list(context.instruments),
         config={**dict(context.config), "tirx.disable_assert": True},
     )
 
@@ -133,12 +137,14 @@ def build_executable(
     ``PassContext`` (options, disabled passes) holds in every thread; under pass instruments
     (which see passes in order) the kernels are built in this thread."""
     threads = compile_threads() if threads is None else threads
-    context = _build_context(tvm.transform.PassContext.current())
+    caller = tvm.transform.PassContext.current()
+    context = _build_context(caller)
+    here = contextlib.nullcontext() if context.same_as(caller) else context  # entered once, not again
     if target.kind.name == "cuda":
-        with context, exact_cuda_math():
+        with here, exact_cuda_math():
             return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     if target.kind.name != "llvm" or threads <= 1 or list(context.instruments):
-        with context:
+        with here:
             return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     with target:
         mod = relax_pipeline(lowered)
@@ -151,7 +157,8 @@ def build_executable(
         tir.get_attr("system_lib_prefix") is not None or vm_build._auto_attach_system_lib_prefix(tir, target) is not tir
     )
     if tir is None or ext_libs or system_lib:  # what relax.build links in a way this path does not
-        return vm_build._vmlink(builder, target, tir, ext_libs=ext_libs, params=params)
+        with here:
+            return vm_build._vmlink(builder, target, tir, ext_libs=ext_libs, params=params)
 
     def build(group: tvm.IRModule) -> tvm.runtime.Module:
         with context:
