@@ -110,6 +110,27 @@ def test_per_row_operands_are_computed_inside_the_parallel_row_loop():
     np.testing.assert_array_equal(got, want)
 
 
+def test_a_column_operand_is_computed_once_before_the_row_loop():
+    """An operand every row reads whole (a bias cast to float32 under autocast) is not moved
+    into the row loop: that would compute it again for every row."""
+    rows, n = 64, 256
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((rows, n), "float32"))
+    b = relax.Var("b", relax.TensorType((n,), "float64"))
+    with bb.function("main", [x, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(x, relax.op.astype(b, "float32")))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    (body,) = [f for f in _kernels(mod).split("@T.prim_func") if "T_add" in f]
+    cast = body.index('sblock("compute"') if 'sblock("compute"' in body else body.index('sblock("T_cast')
+    assert cast < body.index("T.parallel"), body
+    xv, bv = _x((rows, n)), _x((n,), seed=1).astype("float64")
+    vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(bv)).numpy()
+    np.testing.assert_array_equal(got, xv + bv.astype("float32"))
+
+
 def test_column_sum_is_not_a_row_reduction():
     """A bias gradient's sum over rows reads columns strided: no row rfactor; the column rule
     (threads own column blocks) takes it."""

@@ -84,7 +84,7 @@ class Elementwise(CPUScheduleRule):
         if not infos or not all(i.is_injective() for i in infos):
             return None
         total = _numel(sch, sch.get_loops(infos[-1].block_rv))
-        broadcasts = []
+        broadcasts: list[s_tir.schedule.SBlockRV] = []
         for info in infos[:-1]:
             size = _numel(sch, sch.get_loops(info.block_rv))
             if total is not None and size is not None and size * _BROADCAST_RATIO <= total:
@@ -119,7 +119,7 @@ class Elementwise(CPUScheduleRule):
             if inner_extent % lanes == 0:
                 _, vec = sch.split(loops[-1], factors=[None, lanes])
                 sch.vectorize(vec)
-            _compute_at_rows(sch, broadcasts, outer)
+            _compute_at_rows(sch, block, broadcasts, outer)
         else:
             fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
             if n % lanes == 0 and n >= 2 * lanes:
@@ -132,17 +132,46 @@ class Elementwise(CPUScheduleRule):
         return sch
 
 
-def _compute_at_rows(sch: s_tir.Schedule, broadcasts: list, rows) -> None:
-    """Each broadcast operand computed inside the row loop, for the row it serves (a row's
-    scale of a LayerNorm gradient): in parallel with the rows and while they are in cache,
-    instead of a serial loop over all rows before them, which LLVM also unrolls in full (most of
-    such a kernel's code generation time). Consumers first, so each producer finds its consumer
-    under the loop; one that cannot move stays where it was (still correct)."""
-    for block in reversed(broadcasts):
+def _compute_at_rows(
+    sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, broadcasts: list[s_tir.schedule.SBlockRV], rows
+) -> None:
+    """Each per-row operand of ``block`` computed inside its row loop ``rows`` (its leading axes,
+    fused), for the row it serves (a LayerNorm gradient's row scale): in parallel with the rows and
+    while they are in cache, instead of a serial loop over all rows before them, which LLVM also
+    unrolls in full (most of such a kernel's code generation time). Only operands each row reads
+    a part of its own (indexed by every leading axis) move; a column operand (a cast bias, read
+    whole by every row) stays before the loop, computed once. A producer of a moved operand of
+    the same shape moves with it. Consumers first, so each producer finds its consumer under the
+    loop; one that cannot move stays where it was (still correct)."""
+    moved: list[tirx.Buffer] = []
+    lead = [iv.var for iv in sch.get(block).iter_vars[:-1]]
+    for producer in reversed(broadcasts):
+        written = sch.get(producer).writes[0].source
+        main = sch.get(block)
+        if any(r.source.same_as(written) for r in main.reads):
+            if not _read_per_row(main, written, lead):
+                continue
+        elif not any(_same_shape(written, m) for m in moved):
+            continue
         try:
-            sch.compute_at(block, rows, preserve_unit_loops=False)
+            sch.compute_at(producer, rows, preserve_unit_loops=False)
         except s_tir.ScheduleError:
             continue
+        moved.append(written)
+
+
+def _read_per_row(stmt: s_tir.SBlock, buffer: tirx.Buffer, lead: list[tirx.Var]) -> bool:
+    """Whether ``stmt`` reads ``buffer`` only at indices that use every one of its leading axes
+    (each row its own part)."""
+    regions = [read.region for read in stmt.reads if read.source.same_as(buffer)]
+    return bool(lead and regions) and all(
+        all(any(u.same_as(v) for r in region for u in tirx.analysis.undefined_vars(r.min)) for v in lead)
+        for region in regions
+    )
+
+
+def _same_shape(a: tirx.Buffer, b: tirx.Buffer) -> bool:
+    return len(a.shape) == len(b.shape) and all(tvm.ir.structural_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
 def _selects(sch: s_tir.Schedule, block) -> bool:
