@@ -166,13 +166,15 @@ def test_a_compile_trace_records_no_source_stacks_and_leaves_torch_s_switch_as_i
 
     from tvmbridge.frontend.export import trace
 
-    for setting in (False, True):
-        fx_config.do_not_emit_stack_traces = setting
-        try:
+    saved = fx_config.do_not_emit_stack_traces
+    try:
+        for setting in (False, True):
+            fx_config.do_not_emit_stack_traces = setting
             traced = trace(MLP(d=8, h=16), (torch.randn(2, 8),))
             assert fx_config.do_not_emit_stack_traces is setting
-        finally:
-            fx_config.do_not_emit_stack_traces = False
-        assert not any(n.meta.get("stack_trace") for n in traced.exported.graph.nodes)
-    kept = trace(MLP(d=8, h=16), (torch.randn(2, 8),), stack_traces=True)
-    assert any("forward" in (n.meta.get("stack_trace") or "") for n in kept.exported.graph.nodes)
+            assert not any(n.meta.get("stack_trace") for n in traced.exported.graph.nodes)
+            kept = trace(MLP(d=8, h=16), (torch.randn(2, 8),), stack_traces=True)  # whatever the switch says
+            assert fx_config.do_not_emit_stack_traces is setting
+            assert any("forward" in (n.meta.get("stack_trace") or "") for n in kept.exported.graph.nodes)
+    finally:
+        fx_config.do_not_emit_stack_traces = saved

@@ -130,6 +130,24 @@ def test_what_the_skipped_stages_read_is_in_the_key(cache_dir):
     assert compiled.result_loaded
 
 
+def test_kernel_checks_asked_for_are_never_answered_by_an_unchecked_library(cache_dir, monkeypatch):
+    """``TVMBRIDGE_KERNEL_ASSERTS=1`` after a normal run: the stored compile result's build key
+    names the unchecked library, so the setting must be in the result's key too."""
+    from tvmbridge.backend.codegen import kernel_asserts
+
+    model, x = _model(), torch.randn(6, 8)
+    _, plain = _dispatched(model, x)
+    monkeypatch.setenv("TVMBRIDGE_KERNEL_ASSERTS", "1")
+    assert kernel_asserts()
+    _, checked = _dispatched(model, x)
+    assert not checked.result_loaded and not checked.executable_loaded
+    _, again = _dispatched(model, x)
+    assert again.result_loaded and again.executable_loaded
+    monkeypatch.delenv("TVMBRIDGE_KERNEL_ASSERTS")
+    _, unchecked = _dispatched(model, x)
+    assert unchecked.result_loaded and unchecked.executable_loaded
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_a_damaged_result_is_compiled_again(cache_dir, damage):
     model, x = _model(), torch.randn(6, 8)

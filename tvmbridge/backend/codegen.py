@@ -12,8 +12,11 @@ many LLVM modules hold the kernels differs. GPU targets keep ``tvm.compile`` and
 TVM's per-kernel argument checks are left out (:func:`kernel_asserts`): every kernel would check
 every argument's dtype, rank, shape, strides and device on every call, and that checking code is
 most of what LLVM compiles for a small kernel. The VM still checks each compiled function's own
-inputs, the bridge passes only compact tensors, and every other tensor a kernel sees is one the VM
-allocated for it with the shape the compile proved.
+inputs (rank, dtype, shape), the bridge passes only compact tensors at offset 0 (DLPack from
+torch), and every other tensor a kernel sees is one the VM allocated with the shape the compile
+proved, or the result of a library call (an offloaded GEMM or convolution, computed by PyTorch on
+those tensors). A wrong shape from the compiler itself would no longer raise in the kernel:
+``TVMBRIDGE_KERNEL_ASSERTS=1`` is the switch for hunting such a bug.
 
 CUDA kernels are compiled with IEEE division and square root, no flush-to-zero and no FMA
 contraction (:func:`exact_cuda_math`): TVM compiles CUDA with ``--use_fast_math``, which rounds
@@ -80,15 +83,16 @@ def kernel_asserts() -> bool:
 
 
 def _build_context(context: tvm.transform.PassContext) -> tvm.transform.PassContext:
-    """The caller's pass context (options, disabled passes), with TVM's kernel argument checks
-    left out unless :func:`kernel_asserts`."""
+    """A pass context with the caller's opt level, required and disabled passes and config, and
+    TVM's kernel argument checks left out unless :func:`kernel_asserts` (or the caller's config
+    says otherwise)."""
     if kernel_asserts():
         return context
     return tvm.transform.PassContext(
         opt_level=context.opt_level,
         required_pass=list(context.required_pass),
         disabled_pass=list(context.disabled_pass),
-        config={**dict(context.config), "tirx.disable_assert": True},
+        config={"tirx.disable_assert": True, **dict(context.config)},  # a caller's own setting wins
     )
 
 

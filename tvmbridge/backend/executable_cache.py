@@ -79,10 +79,12 @@ def cached_compile(
 
 
 def _write_kernel_library(lib: tvm.runtime.Module, path: str) -> None:
+    """A kernel library as a shared object (the C compiler links TVM's object code)."""
     lib.export_library(path)
 
 
 def _read_kernel_library(path: Path) -> tvm.runtime.Module:
+    """A stored kernel library, loaded (raising on a file that is not one)."""
     return tvm.runtime.load_module(str(path))
 
 

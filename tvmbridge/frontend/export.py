@@ -189,15 +189,14 @@ _FX_CONFIG_LOCK = threading.Lock()
 def _stack_traces(keep: bool) -> Iterator[None]:
     """torch.fx records the Python stack that made each node (``meta["stack_trace"]``), a fifth of
     an export's time; only the float64 localizer reads it (to name the source line of a
-    deviating op). Without ``keep`` it is off for the block (torch's process-wide switch, restored)."""
-    if keep:
-        yield
-        return
+    deviating op). The switch is torch's, process-wide: set to ``keep`` for the block and restored
+    after, under a lock, so the bridge's own traces never see another's setting (a user's tracing
+    in another thread during the block does)."""
     import torch.fx.config as fx_config
 
     with _FX_CONFIG_LOCK:
         saved = fx_config.do_not_emit_stack_traces
-        fx_config.do_not_emit_stack_traces = True
+        fx_config.do_not_emit_stack_traces = not keep
         try:
             yield
         finally:

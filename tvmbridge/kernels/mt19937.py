@@ -127,8 +127,10 @@ def _kernel():
     process built it)."""
     from ..backend.executable_cache import cached_kernel_library
 
+    def make() -> tvm.IRModule:
+        return tvm.IRModule({"mt_bernoulli": _build()})
+
     prepare_cpu_runtime()
-    make = lambda: tvm.IRModule({"mt_bernoulli": _build()})  # noqa: E731
     return cached_kernel_library("mt_bernoulli", make, target_for(torch.device("cpu")))["mt_bernoulli"]
 
 

@@ -24,6 +24,7 @@ import tvm
 import tvm_ffi
 
 from ..backend.build import tuning_state
+from ..backend.codegen import kernel_asserts
 from ..backend.gemm_choice import machine
 from ..devices import target_for
 from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest
@@ -105,7 +106,7 @@ def result_key(fingerprint: str, artifacts: Artifacts) -> str:
     options = artifacts.options
     h = hashlib.sha256(fingerprint.encode())
     state = tuning_state(options.tuning_db) if options.tuning_db is not None else None
-    h.update(repr((state, FORMAT)).encode())
+    h.update(repr((state, kernel_asserts(), FORMAT)).encode())  # the stored build key reads them too
     h.update(json.dumps(machine(), sort_keys=True).encode())
     assert artifacts.device is not None
     target = target_for(artifacts.device, options.fp_contract)  # a GPU's arch, the CPU's FMA: the build key's
