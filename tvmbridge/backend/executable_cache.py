@@ -28,7 +28,6 @@ __all__ = [
     "ExecutableCache",
     "cache_key",
     "cached_compile",
-    "cached_kernel_library",
     "code_digest",
     "enabled",
     "max_bytes",
@@ -76,34 +75,3 @@ def cached_compile(
     if cache.store(key, exe):
         return cache.load(key) or exe, False
     return exe, False
-
-
-def _write_kernel_library(lib: tvm.runtime.Module, path: str) -> None:
-    """A kernel library as a shared object (the C compiler links TVM's object code)."""
-    lib.export_library(path)
-
-
-def _read_kernel_library(path: Path) -> tvm.runtime.Module:
-    """A stored kernel library, loaded (raising on a file that is not one)."""
-    return tvm.runtime.load_module(str(path))
-
-
-def cached_kernel_library(name: str, make: Callable[[], tvm.IRModule], target: tvm.target.Target) -> tvm.runtime.Module:
-    """A module of the bridge's own TIR kernels (``make()``; ``name`` tells them apart), compiled
-    with ``tvm.compile`` or loaded from ``<cache dir>/kernels``: what each new process would
-    otherwise parse and build again before its first step (the dropout-mask kernel). The kernels
-    are the bridge's source, so the key is their name, the bridge's code digest, the target and
-    the machine; ``make`` runs only to compile. With the disk cache off, compiled."""
-    if not enabled():
-        return tvm.compile(make(), target=target).mod
-    h = hashlib.sha256(name.encode())
-    h.update(json.dumps(str(target.export()), sort_keys=True).encode())
-    h.update(json.dumps(machine(), sort_keys=True).encode())
-    h.update(f"{code_digest()}{FORMAT}".encode())
-    key = h.hexdigest()
-    cache = DiskCache(cache_dir() / "kernels", ".so", _write_kernel_library, _read_kernel_library, "kernel library")
-    lib = cache.load(key)
-    if lib is not None:
-        return lib
-    lib = tvm.compile(make(), target=target).mod
-    return (cache.load(key) if cache.store(key, lib) else None) or lib

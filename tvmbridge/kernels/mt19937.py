@@ -28,6 +28,7 @@ import tvm_ffi
 from tvm.script import tirx as T
 
 from ..devices import prepare_cpu_runtime, target_for
+from .library import cached_kernel_library
 
 N, M = 624, 397  # MT19937 state words, shift
 _STATE_BYTES = 5056  # sizeof(CPUGeneratorImplStateLegacy)
@@ -125,7 +126,6 @@ def _build():
 def _kernel():
     """The compiled kernel (once per process, on first use; from the disk cache where an earlier
     process built it)."""
-    from ..backend.executable_cache import cached_kernel_library
 
     def make() -> tvm.IRModule:
         return tvm.IRModule({"mt_bernoulli": _build()})

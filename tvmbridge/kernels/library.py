@@ -1,0 +1,43 @@
+"""The bridge's own TIR kernels (the dropout-mask kernel) compiled once per machine: loaded from
+``<cache dir>/kernels`` by every process after the first, which would otherwise parse and build
+them again before its first step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import tvm
+
+from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest, enabled
+
+
+def _write(lib: tvm.runtime.Module, path: str) -> None:
+    """A kernel library as a shared object (the C compiler links TVM's object code)."""
+    lib.export_library(path)
+
+
+def _read(path: Path) -> tvm.runtime.Module:
+    """A stored kernel library, loaded (raising on a file that is not one)."""
+    return tvm.runtime.load_module(str(path))
+
+
+def cached_kernel_library(name: str, make: Callable[[], tvm.IRModule], target: tvm.target.Target) -> tvm.runtime.Module:
+    """``tvm.compile(make(), target)``'s library, or the one an earlier process stored. The
+    kernels are the bridge's source, so the key is their ``name``, the code digest (the bridge's
+    source, TVM's libraries, torch's and tvm-ffi's versions) and the target (its CPU and
+    features); ``make`` runs only to compile. With the disk cache off, compiled."""
+    if not enabled():
+        return tvm.compile(make(), target=target).mod
+    h = hashlib.sha256(name.encode())
+    h.update(json.dumps(str(target.export()), sort_keys=True).encode())
+    h.update(f"{code_digest()}{FORMAT}".encode())
+    key = h.hexdigest()
+    cache = DiskCache(cache_dir() / "kernels", ".so", _write, _read, "kernel library")
+    lib = cache.load(key)
+    if lib is not None:
+        return lib
+    lib = tvm.compile(make(), target=target).mod
+    return (cache.load(key) if cache.store(key, lib) else None) or lib
