@@ -6,9 +6,9 @@ and its gradient, bias adds, dropout multiplies) nor for column reductions (``co
 bias gradient). Two rules fill that gap, in dlight's own form:
 
 * :class:`Elementwise`: inline every block into the last (except broadcast operands, far smaller
-  than the output: those are computed once, not once per element they are read for, inside the
-  parallel row loop for the row they serve), fuse its loops, parallelize the outer part over the
-  cores and vectorize the inner part to the target's vector width;
+  than the output: those are computed once, not once per element they are read for; a per-row
+  one inside the parallel row loop, a column one before it), fuse its loops, parallelize the
+  outer part over the cores and vectorize the inner part to the target's vector width;
 * :class:`SpatialParallel`: a fallback for any single reduction block: put the spatial loops
   outermost and parallelize them (the reduction runs serially inside each thread).
 
