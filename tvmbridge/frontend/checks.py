@@ -15,7 +15,7 @@ from .converters import CONVERTERS
 from .converters.layout import empty_cat_part
 from .converters.random import is_random
 from .converters.registry import args_of, kwargs_of
-from .export import COPY_OPS
+from .program_facts import COPY_OPS
 from .provenance import origins
 
 

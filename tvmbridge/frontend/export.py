@@ -30,6 +30,15 @@ from .decompositions import decomposition_table
 from .digest import program_digest
 from .mixed_dtypes import make_dtype_mixing_explicit
 from .outputs import OutputLayout, flatten_output, unflatten_output
+from .program_facts import (
+    check_outputs,
+    constant_outputs,
+    input_dims,
+    inputs_without_grad_path,
+    ranges,
+    updated_tensors,
+    user_input_specs,
+)
 from .signature import canonical_call
 
 
@@ -330,14 +339,14 @@ def decompose_call(raw: RawTrace) -> TracedModule:
     """The second half of :func:`trace`: the export decomposed to core ATen, and what it shows."""
     module, tensors, state = raw.module, raw.tensors, raw.state
     ep = _decompose(module, raw.exported, raw.stack_traces)
-    updated, updated_inputs = _updated_tensors(ep, tensors, state)
+    updated, updated_inputs = updated_tensors(ep, tensors, state)
     if updated or updated_inputs:  # again, updating clones: their new values become ordinary outputs
         flat = FlatCall(module, raw.in_spec, raw.leaves, state, updated, updated_inputs)
         ep = _decompose(module, _export(module, flat, raw.inputs, raw.dynamic, raw.stack_traces), raw.stack_traces)
     if make_dtype_mixing_explicit(ep.graph):  # autocast's mixed-type kernels: one dtype per op
         ep.graph_module.recompile()
-    num_user_outputs = _check_outputs(ep) - len(updated) - len(updated_inputs)
-    user_inputs = _user_input_specs(ep)
+    num_user_outputs = check_outputs(ep) - len(updated) - len(updated_inputs)
+    user_inputs = user_input_specs(ep)
     others = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
     if len(user_inputs) != len(raw.inputs) or any(s.kind != InputKind.CONSTANT_TENSOR for s in others):
         raise ConversionError(
@@ -351,10 +360,10 @@ def decompose_call(raw: RawTrace) -> TracedModule:
         num_user_outputs=num_user_outputs,
         updated_buffers=updated,
         updated_inputs=updated_inputs,
-        input_dims=_input_dims(ep, len(tensors)),
-        ranges=_ranges(ep),
-        no_grad_path=_inputs_without_grad_path(ep, num_user_outputs),
-        constant_outputs=_constant_outputs(ep, num_user_outputs),
+        input_dims=input_dims(ep, len(tensors)),
+        ranges=ranges(ep),
+        no_grad_path=inputs_without_grad_path(ep, num_user_outputs),
+        constant_outputs=constant_outputs(ep, num_user_outputs),
         graph_digest=program_digest(ep),
     )
 
@@ -370,125 +379,3 @@ def trace(
     ``dynamic`` marks dims of the call's tensors (by position among them) to trace symbolically;
     ``stack_traces`` keeps each node's source stack."""
     return decompose_call(export_call(module, args, kwargs, dynamic, stack_traces))
-
-
-# ops that return their input's value (what a traced ``.clone()``, ``.to()`` or ``.detach()`` leaves)
-COPY_OPS = ("clone.default", "_to_copy.default", "alias.default", "lift_fresh_copy.default", "detach.default")
-
-
-def _constant_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
-    """User outputs whose value is a lifted constant, directly or through copies."""
-    constants = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
-    found = set()
-    for i, node in enumerate(list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]):
-        while isinstance(node, torch.fx.Node) and getattr(node.target, "__name__", "") in COPY_OPS:
-            node = node.args[0]
-        if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in constants:
-            found.add(i)
-    return frozenset(found)
-
-
-def _passes_no_gradient(node: torch.fx.Node) -> bool:
-    """Ops whose backward PyTorch leaves undefined for their inputs: ``detach``, and
-    ``linalg_vector_norm`` with ``ord=0`` (a count of nonzeros), so an input reached only
-    through them keeps ``.grad`` None."""
-    name = getattr(node.target, "__name__", "")
-    if name == "detach.default":
-        return True
-    if name == "linalg_vector_norm.default":
-        ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
-        return isinstance(ord_, (int, float)) and ord_ == 0
-    return False
-
-
-def _inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
-    """The export's inputs (by position) from which no floating-point user output can be reached
-    through floating-point values: PyTorch leaves their ``.grad`` None (an unused ``mask_token``, a
-    weight that only feeds a comparison), so the compiled backward must not hand back zeros."""
-    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
-
-    def is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout) carries a tuple
-        val = node.meta.get("val")
-        return any(
-            isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
-            for v in (val if isinstance(val, (tuple, list)) else (val,))
-        )
-
-    reached: set[torch.fx.Node] = set()
-    stack = [o for o in outputs if isinstance(o, torch.fx.Node) and is_float(o)]
-    while stack:
-        node = stack.pop()
-        if node in reached:
-            continue
-        reached.add(node)
-        if _passes_no_gradient(node):
-            continue
-        stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
-    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
-    return frozenset(i for i, spec in enumerate(_user_input_specs(ep)) if placeholders[spec.arg.name] not in reached)
-
-
-def _ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
-    """Each shape symbol's range as export derived it (``None``: no upper bound)."""
-    import math
-
-    out = {}
-    for symbol, vr in ep.range_constraints.items():
-        upper = float(vr.upper)
-        out[str(symbol)] = (int(vr.lower), None if math.isinf(upper) else int(upper))
-    return out
-
-
-def _input_dims(ep: ExportedProgram, num_user: int) -> tuple[tuple[int | str, ...], ...]:
-    """Per user tensor input, its dims as traced: an int, or the symbol's expression as text
-    (``s0``; relations show as shared symbols or expressions such as ``2*s0``)."""
-    dims = []
-    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
-    for spec in _user_input_specs(ep)[:num_user]:
-        node = placeholders[spec.arg.name]
-        dims.append(tuple(int(d) if isinstance(d, int) else str(d.node.expr) for d in node.meta["val"].shape))
-    return tuple(dims)
-
-
-def _user_input_specs(ep: ExportedProgram) -> list:
-    """The export's inputs that the call passes (its tensors, then the module's state), in order;
-    constants the forward creates (``torch.tensor(...)``) are lifted as well and bound by the
-    converter."""
-    return [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-
-
-def _updated_tensors(
-    ep: ExportedProgram, tensors: tuple[torch.Tensor, ...], state: ModuleState
-) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """What the call writes in place: buffers (running statistics) by state name, and the call's
-    own tensors by position (a graph from torch.compile takes the buffers as inputs). Parameters
-    and tensors that require grad may not be written (a forward that writes what it is
-    differentiated by cannot be differentiated)."""
-    num_user = len(tensors)
-    specs = _user_input_specs(ep)
-    mutated = set(ep.graph_signature.user_inputs_to_mutate.values())
-    written = [i for i, s in enumerate(specs) if s.arg.name in mutated]
-    names = tuple(state.names[i - num_user] for i in written if i >= num_user)
-    inputs = tuple(i for i in written if i < num_user)
-    params = [n for n in names if state.is_parameter[state.names.index(n)]]
-    if params:
-        raise ConversionError("trace", f"the module writes its own parameters in forward ({', '.join(params)})")
-    if any(tensors[i].requires_grad for i in inputs):
-        raise ConversionError(
-            "trace",
-            "the module writes in place into an input that requires grad; only inputs "
-            "without a gradient (buffers, counters) can be written",
-        )
-    return names, inputs
-
-
-def _check_outputs(ep: ExportedProgram) -> int:
-    """The number of outputs, all of which must be tensors."""
-    out_nodes = list(ep.graph.find_nodes(op="output"))[0].args[0]
-    for o in out_nodes:
-        if not isinstance(o, torch.fx.Node) or not isinstance(o.meta.get("val"), torch.Tensor):
-            raise ConversionError(
-                "trace",
-                f"output {o!r} is not a tensor; only (nested tuples of) tensors can be returned by a compiled module",
-            )
-    return len(out_nodes)

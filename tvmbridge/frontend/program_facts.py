@@ -1,0 +1,134 @@
+"""What a decomposed export shows: its inputs and outputs as the call passes them, the buffers
+and inputs it writes in place, symbol ranges, outputs that are constants, inputs without a
+gradient path. Read once per trace and kept in :class:`~.export.TracedModule`."""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from ..errors import ConversionError
+from .call_state import ModuleState
+
+# ops that return their input's value (what a traced ``.clone()``, ``.to()`` or ``.detach()`` leaves)
+COPY_OPS = ("clone.default", "_to_copy.default", "alias.default", "lift_fresh_copy.default", "detach.default")
+
+
+def constant_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
+    """User outputs whose value is a lifted constant, directly or through copies."""
+    constants = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
+    found = set()
+    for i, node in enumerate(list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]):
+        while isinstance(node, torch.fx.Node) and getattr(node.target, "__name__", "") in COPY_OPS:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in constants:
+            found.add(i)
+    return frozenset(found)
+
+
+def passes_no_gradient(node: torch.fx.Node) -> bool:
+    """Ops whose backward PyTorch leaves undefined for their inputs: ``detach``, and
+    ``linalg_vector_norm`` with ``ord=0`` (a count of nonzeros), so an input reached only
+    through them keeps ``.grad`` None."""
+    name = getattr(node.target, "__name__", "")
+    if name == "detach.default":
+        return True
+    if name == "linalg_vector_norm.default":
+        ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+        return isinstance(ord_, (int, float)) and ord_ == 0
+    return False
+
+
+def inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
+    """The export's inputs (by position) from which no floating-point user output can be reached
+    through floating-point values: PyTorch leaves their ``.grad`` None (an unused ``mask_token``, a
+    weight that only feeds a comparison), so the compiled backward must not hand back zeros."""
+    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
+
+    def is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout) carries a tuple
+        val = node.meta.get("val")
+        return any(
+            isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
+            for v in (val if isinstance(val, (tuple, list)) else (val,))
+        )
+
+    reached: set[torch.fx.Node] = set()
+    stack = [o for o in outputs if isinstance(o, torch.fx.Node) and is_float(o)]
+    while stack:
+        node = stack.pop()
+        if node in reached:
+            continue
+        reached.add(node)
+        if passes_no_gradient(node):
+            continue
+        stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
+    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    return frozenset(i for i, spec in enumerate(user_input_specs(ep)) if placeholders[spec.arg.name] not in reached)
+
+
+def ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
+    """Each shape symbol's range as export derived it (``None``: no upper bound)."""
+    import math
+
+    out = {}
+    for symbol, vr in ep.range_constraints.items():
+        upper = float(vr.upper)
+        out[str(symbol)] = (int(vr.lower), None if math.isinf(upper) else int(upper))
+    return out
+
+
+def input_dims(ep: ExportedProgram, num_user: int) -> tuple[tuple[int | str, ...], ...]:
+    """Per user tensor input, its dims as traced: an int, or the symbol's expression as text
+    (``s0``; relations show as shared symbols or expressions such as ``2*s0``)."""
+    dims = []
+    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    for spec in user_input_specs(ep)[:num_user]:
+        node = placeholders[spec.arg.name]
+        dims.append(tuple(int(d) if isinstance(d, int) else str(d.node.expr) for d in node.meta["val"].shape))
+    return tuple(dims)
+
+
+def user_input_specs(ep: ExportedProgram) -> list:
+    """The export's inputs that the call passes (its tensors, then the module's state), in order;
+    constants the forward creates (``torch.tensor(...)``) are lifted as well and bound by the
+    converter."""
+    return [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def updated_tensors(
+    ep: ExportedProgram, tensors: tuple[torch.Tensor, ...], state: ModuleState
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """What the call writes in place: buffers (running statistics) by state name, and the call's
+    own tensors by position (a graph from torch.compile takes the buffers as inputs). Parameters
+    and tensors that require grad may not be written (a forward that writes what it is
+    differentiated by cannot be differentiated)."""
+    num_user = len(tensors)
+    specs = user_input_specs(ep)
+    mutated = set(ep.graph_signature.user_inputs_to_mutate.values())
+    written = [i for i, s in enumerate(specs) if s.arg.name in mutated]
+    names = tuple(state.names[i - num_user] for i in written if i >= num_user)
+    inputs = tuple(i for i in written if i < num_user)
+    params = [n for n in names if state.is_parameter[state.names.index(n)]]
+    if params:
+        raise ConversionError("trace", f"the module writes its own parameters in forward ({', '.join(params)})")
+    if any(tensors[i].requires_grad for i in inputs):
+        raise ConversionError(
+            "trace",
+            "the module writes in place into an input that requires grad; only inputs "
+            "without a gradient (buffers, counters) can be written",
+        )
+    return names, inputs
+
+
+def check_outputs(ep: ExportedProgram) -> int:
+    """The number of outputs, all of which must be tensors."""
+    out_nodes = list(ep.graph.find_nodes(op="output"))[0].args[0]
+    for o in out_nodes:
+        if not isinstance(o, torch.fx.Node) or not isinstance(o.meta.get("val"), torch.Tensor):
+            raise ConversionError(
+                "trace",
+                f"output {o!r} is not a tensor; only (nested tuples of) tensors can be returned by a compiled module",
+            )
+    return len(out_nodes)
+
