@@ -178,3 +178,51 @@ def test_a_compile_trace_records_no_source_stacks_and_leaves_torch_s_switch_as_i
             assert any("forward" in (n.meta.get("stack_trace") or "") for n in kept.exported.graph.nodes)
     finally:
         fx_config.do_not_emit_stack_traces = saved
+
+
+class _Writes(torch.nn.Module):
+    """Writes in place what a forward may write: BatchNorm's running statistics, a counter
+    twice, a buffer it also returns, and one of its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.steps += 1
+        self.steps += 1
+        self.ema.mul_(0.9).add_(x.mean(0).detach() * 0.1)
+        seen.add_(x.sum().detach())
+        return self.bn(x).relu(), self.ema
+
+
+def test_a_call_that_writes_buffers_and_inputs_is_exported_once_and_returns_their_new_values(monkeypatch):
+    """The new values of what the call writes become outputs of the one decomposed export (a
+    second export and decomposition was half of a BatchNorm model's trace), after the module's
+    own outputs: buffers in state order, then the written inputs, each as PyTorch leaves it."""
+    import copy
+
+    from tvmbridge.frontend import export as export_module
+
+    exports = []
+    real = export_module._export
+    monkeypatch.setattr(export_module, "_export", lambda *a, **k: exports.append(1) or real(*a, **k))
+    module = _Writes().train()
+    x, seen = torch.randn(6, 4), torch.full((), 2.0)
+    traced = export_module.trace(module, (x, seen))
+    assert len(exports) == 1
+    assert traced.updated_buffers == ("steps", "ema", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked")
+    assert traced.updated_inputs == (1,) and traced.num_user_outputs == 2
+
+    reference, seen_reference = copy.deepcopy(module), seen.clone()
+    out = reference(x, seen_reference)
+    state = [t.detach().clone() for t in traced.state.tensors(module)]
+    got = traced.exported.module()(x, seen.clone(), *state)
+    buffers = dict(reference.named_buffers())
+    expected = [*out, *(buffers[n] for n in traced.updated_buffers), seen_reference]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and torch.allclose(g, e, rtol=1e-6, atol=1e-6)
+    assert torch.equal(module.steps, torch.zeros((), dtype=torch.int64))  # tracing wrote nothing

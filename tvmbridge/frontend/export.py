@@ -35,6 +35,7 @@ from .program_facts import (
     constant_outputs,
     input_dims,
     inputs_without_grad_path,
+    mutations_as_outputs,
     ranges,
     updated_tensors,
     user_input_specs,
@@ -340,9 +341,15 @@ def decompose_call(raw: RawTrace) -> TracedModule:
     module, tensors, state = raw.module, raw.tensors, raw.state
     ep = _decompose(module, raw.exported, raw.stack_traces)
     updated, updated_inputs = updated_tensors(ep, tensors, state)
-    if updated or updated_inputs:  # again, updating clones: their new values become ordinary outputs
-        flat = FlatCall(module, raw.in_spec, raw.leaves, state, updated, updated_inputs)
-        ep = _decompose(module, _export(module, flat, raw.inputs, raw.dynamic, raw.stack_traces), raw.stack_traces)
+    if updated or updated_inputs:  # their new values become ordinary outputs
+        written = [len(tensors) + state.names.index(n) for n in updated] + list(updated_inputs)
+        rewritten = mutations_as_outputs(ep, written)
+        if rewritten is None:  # again, updating clones
+            flat = FlatCall(module, raw.in_spec, raw.leaves, state, updated, updated_inputs)
+            rewritten = _decompose(
+                module, _export(module, flat, raw.inputs, raw.dynamic, raw.stack_traces), raw.stack_traces
+            )
+        ep = rewritten
     if make_dtype_mixing_explicit(ep.graph):  # autocast's mixed-type kernels: one dtype per op
         ep.graph_module.recompile()
     num_user_outputs = check_outputs(ep) - len(updated) - len(updated_inputs)

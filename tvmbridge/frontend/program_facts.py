@@ -4,7 +4,10 @@ gradient path. Read once per trace and kept in :class:`~.export.TracedModule`.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -132,3 +135,48 @@ def check_outputs(ep: ExportedProgram) -> int:
             )
     return len(out_nodes)
 
+
+def mutations_as_outputs(ep: ExportedProgram, written: list[int]) -> ExportedProgram | None:
+    """``ep`` with the new values of the inputs it writes (``written``, by position among the
+    user inputs) returned as ordinary outputs after its own, in that order, and no input
+    mutations left: what tracing a call that updates clones instead would give, without
+    exporting and decomposing it a second time (half a BatchNorm model's trace). ``None`` where
+    the program returns anything else (effect tokens, say): the caller traces again."""
+    from torch.export.exported_program import ExportGraphSignature
+    from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
+
+    output = next(iter(ep.graph.find_nodes(op="output")))
+    specs = ep.graph_signature.output_specs
+    values = list(output.args[0])
+    own = [(v, s) for v, s in zip(values, specs) if s.kind == OutputKind.USER_OUTPUT]
+    mutated = {s.target: v for v, s in zip(values, specs) if s.kind == OutputKind.USER_INPUT_MUTATION}
+    names = [s.arg.name for s in user_input_specs(ep)]
+    if len(own) + len(mutated) != len(specs) or set(mutated) != {names[i] for i in written}:
+        return None
+    new_values = [mutated[names[i]] for i in written]
+    if not all(isinstance(v, torch.fx.Node) for v in new_values):
+        return None
+    output.args = ((*(v for v, _ in own), *new_values),)
+    signature = ExportGraphSignature(
+        input_specs=list(ep.graph_signature.input_specs),
+        output_specs=[s for _, s in own]
+        + [OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=v.name), target=None) for v in new_values],
+    )
+    out_spec = pytree.tree_flatten(tuple(range(len(output.args[0]))))[1]
+    calls = [
+        dataclasses.replace(e, signature=dataclasses.replace(e.signature, out_spec=out_spec))
+        if e.fqn == "" and e.signature is not None
+        else e
+        for e in ep.module_call_graph
+    ]
+    return ExportedProgram(
+        root=ep.graph_module,
+        graph=ep.graph,
+        graph_signature=signature,
+        state_dict=ep.state_dict,
+        range_constraints=ep.range_constraints,
+        module_call_graph=calls,
+        example_inputs=ep.example_inputs,
+        constants=ep.constants,
+        verifiers=ep.verifiers,
+    )
