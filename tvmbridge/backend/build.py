@@ -30,6 +30,7 @@ from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from . import codegen, executable_cache
 from .legalize_memo import MemoizedLegalization
+from .shared_kernels import ShareKernelsAcrossShapes
 
 
 def _legalize_full(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -128,6 +129,8 @@ def lower(
     if fuse:
         seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
     seq.append(relax.transform.DeadCodeElimination())
+    if fuse and target.kind.name == "llvm":
+        seq.append(ShareKernelsAcrossShapes())
     with target:
         mod = tvm.ir.transform.Sequential(seq)(mod)
     if tuning_db is not None and schedule:

@@ -1,0 +1,204 @@
+"""One kernel for each family of kernels that differ only in their shapes.
+
+A network repeats its blocks at several widths and resolutions (EfficientNet's 16 blocks, a
+ResNet's stages): after fusion each block's BatchNorm, activation and gradient kernels are the
+same code with other sizes, and TVM builds each copy separately (most of a CNN's compile time).
+:class:`ShareKernelsAcrossShapes` finds kernels whose TIR is the same but for integer constants,
+writes one kernel where the constants that vary are expressions of the parameters' sizes (bound
+from the tensors it is called with), and points every call at it.
+
+The shared kernel is each member by construction: a constant that varies is replaced only by an
+expression that gives, for every member's sizes, that member's value (a size, a product of sizes
+or a multiple of one); a family with a constant that no such expression gives keeps its kernels.
+Kernels whose sizes the CPU schedules would treat differently when unknown stay as they are (see
+``max_elements``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+#: the largest tensor (elements) of a kernel that is shared: a kernel past it runs long enough
+#: that its sizes known at compile time (vector tails, per-row operands) are worth its build
+MAX_SHARED_ELEMENTS = 1 << 17
+
+
+def _dtype(imm: tirx.IntImm) -> str:
+    return imm.ty.dtype
+
+
+def _constants(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, list[int]]:
+    """``func`` with every integer constant zero (its family's key), and the constants in the
+    order the structural walk meets them."""
+    values: list[int] = []
+
+    def zero(imm: tirx.IntImm) -> tirx.IntImm:
+        values.append(int(imm.value))
+        return tirx.IntImm(_dtype(imm), 0)
+
+    return tvm_ffi.structural_map(func, [(tirx.IntImm, zero)]), values
+
+
+def families(mod: tvm.IRModule) -> list[list[tvm.ir.GlobalVar]]:
+    """The module's kernels grouped by their code with integer constants ignored."""
+    keyed: dict[int, list[tuple[tirx.PrimFunc, list[tvm.ir.GlobalVar]]]] = {}
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        key, _ = _constants(func)
+        bucket = keyed.setdefault(tvm_ffi.structural_hash(key), [])
+        for other, members in bucket:
+            if tvm_ffi.structural_equal(other, key):
+                members.append(gv)
+                break
+        else:
+            bucket.append((key, [gv]))
+    return [members for bucket in keyed.values() for _, members in bucket]
+
+
+def _largest(func: tirx.PrimFunc) -> int | None:
+    """The elements of the kernel's largest tensor; None unless every parameter is a tensor of
+    static shape (a symbolic kernel serves its sizes already; a scalar parameter binds no size)."""
+    largest = 0
+    for param in func.params:
+        shape = getattr(param, "shape", None)
+        if shape is None or not all(isinstance(d, tirx.IntImm) for d in shape):
+            return None
+        largest = max(largest, math.prod(int(d) for d in shape))
+    return largest
+
+
+def _scheduled(func: tirx.PrimFunc) -> bool:
+    return bool(func.attrs) and "tirx.is_scheduled" in func.attrs
+
+
+def _size_vars(funcs: Sequence[tirx.PrimFunc]) -> dict[tuple[int, ...], tirx.Var]:
+    """A variable per parameter size that varies across ``funcs`` (one per distinct tuple of
+    values: a size two tensors share is one variable, so the kernel binds it once)."""
+    sizes: dict[tuple[int, ...], tirx.Var] = {}
+    for i, param in enumerate(funcs[0].params):
+        for d in range(len(param.shape)):
+            values = tuple(int(f.params[i].shape[d]) for f in funcs)
+            if len(set(values)) > 1 and values not in sizes:
+                sizes[values] = tirx.Var(f"n{len(sizes)}", "int64")
+    return sizes
+
+
+def _expression(values: tuple[int, ...], sizes: dict[tuple[int, ...], tirx.Var]) -> tirx.PrimExpr | None:
+    """An expression of the size variables that is ``values[i]`` at member ``i``'s sizes."""
+    if values in sizes:
+        return sizes[values]
+    items = list(sizes.items())
+    for count in (2, 3):
+        for combo in itertools.combinations_with_replacement(items, count):
+            if all(math.prod(t[i] for t, _ in combo) == v for i, v in enumerate(values)):
+                return math.prod((var for _, var in combo[1:]), start=combo[0][1])
+    for known, var in items:
+        if known[0] and values[0] % known[0] == 0:
+            factor = values[0] // known[0]
+            if all(k * factor == v for k, v in zip(known, values)):
+                return var * factor
+    return None
+
+
+def shared_kernel(funcs: Sequence[tirx.PrimFunc]) -> tirx.PrimFunc | None:
+    """The one kernel that is each of ``funcs`` (same code but for integer constants) at its
+    sizes; None where a varying constant is not an expression of the sizes."""
+    tables = [_constants(f)[1] for f in funcs]
+    if len({len(t) for t in tables}) != 1:
+        return None
+    sizes = _size_vars(funcs)
+    if not sizes:
+        return None
+    replacements: list[tirx.PrimExpr | None] = []
+    for values in zip(*tables):
+        if len(set(values)) == 1:
+            replacements.append(None)
+            continue
+        expr = _expression(values, sizes)
+        if expr is None:
+            return None
+        replacements.append(expr)
+    walk = iter(replacements)
+    seen = 0
+
+    def substitute(imm: tirx.IntImm) -> tirx.PrimExpr:
+        nonlocal seen
+        seen += 1
+        expr = next(walk, None)
+        if expr is None:
+            return imm
+        return expr if _dtype(imm) == "int64" else tirx.Cast(_dtype(imm), expr)
+
+    mapped = tvm_ffi.structural_map(funcs[0], [(tirx.IntImm, substitute)])
+    if seen != len(replacements):  # the walk did not meet the constants as before
+        return None
+    if _divides_by_size(mapped, list(sizes.values())):
+        return None
+    # made anew: the mapped function keeps the signature type of the one it was mapped from
+    return tirx.PrimFunc(mapped.params, mapped.body, mapped.ret_type, mapped.attrs)
+
+
+def _divides_by_size(func: tirx.PrimFunc, sizes: list[tirx.Var]) -> bool:
+    """Whether a division or remainder in ``func`` involves a size variable (a reshape's or a
+    transpose's index arithmetic): TVM's simplifier can take minutes over such indices, and each
+    becomes a real integer division per element where a constant divisor was a shift."""
+    found = False
+
+    def check(node: tirx.PrimExpr) -> tirx.PrimExpr:
+        nonlocal found
+        if not found:
+            free = tirx.analysis.undefined_vars(node)
+            found = any(v.same_as(s) for v in free for s in sizes)
+        return node
+
+    tvm_ffi.structural_map(func, [((tirx.FloorDiv, tirx.FloorMod, tirx.Div, tirx.Mod), check)])
+    return found
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.ShareKernelsAcrossShapes")
+class ShareKernelsAcrossShapes:
+    """Each family of two or more kernels that differ only in their sizes (each at most
+    ``max_elements`` per tensor) replaced by one kernel over symbolic sizes; the calls of the
+    others call it. Kernels already scheduled are left alone."""
+
+    def __init__(self, max_elements: int | None = None) -> None:
+        self.max_elements = MAX_SHARED_ELEMENTS if max_elements is None else max_elements
+
+    def _candidate(self, func: tirx.PrimFunc) -> bool:
+        largest = _largest(func)
+        return largest is not None and largest <= self.max_elements and not _scheduled(func)
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        renamed: dict[str, tvm.ir.GlobalVar] = {}  # a kernel's name -> the one that replaces it
+        shared: dict[str, tirx.PrimFunc] = {}
+        for family in families(mod):
+            members = [gv for gv in family if self._candidate(mod[gv])]
+            funcs = [mod[gv] for gv in members]
+            if len(members) < 2 or not all(tvm_ffi.structural_equal(f.attrs, funcs[0].attrs) for f in funcs):
+                continue
+            kernel = shared_kernel(funcs)
+            if kernel is None:
+                continue
+            shared[members[0].name_hint] = kernel
+            for gv in members[1:]:
+                renamed[gv.name_hint] = members[0]
+        if not renamed:
+            return mod
+        kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint not in renamed and gv.name_hint not in shared}
+        builder = relax.BlockBuilder(tvm.IRModule(kept, attrs=mod.attrs, global_infos=mod.global_infos))
+        for name, kernel in shared.items():  # a new GlobalVar: the calls check its signature
+            gv = builder.add_func(kernel, name)
+            renamed[name] = gv
+            renamed.update({old: gv for old, new in list(renamed.items()) if new.name_hint == name})
+        for gv, func in kept.items():
+            if isinstance(func, relax.Function):
+                remap = tvm_ffi.structural_map(func, [(tvm.ir.GlobalVar, lambda g: renamed.get(g.name_hint, g))])
+                builder.update_func(gv, remap)
+        return builder.finalize()
