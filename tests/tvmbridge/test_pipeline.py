@@ -226,3 +226,22 @@ def test_a_call_that_writes_buffers_and_inputs_is_exported_once_and_returns_thei
     for g, e in zip(got, expected):
         assert g.dtype == e.dtype and torch.allclose(g, e, rtol=1e-6, atol=1e-6)
     assert torch.equal(module.steps, torch.zeros((), dtype=torch.int64))  # tracing wrote nothing
+
+
+def test_a_decomposition_builds_no_guard_function_and_keeps_the_example_inputs(monkeypatch):
+    """torch's decomposition unlifts the program with a guard function over every input's sizes
+    (quadratic in the inputs) when it carries example inputs; its retrace is on fake tensors of
+    those very sizes, so they are set aside for it, and restored on both programs after."""
+    import torch.export._unlift as unlift
+
+    from tvmbridge.frontend import export as export_module
+
+    built = []
+    real = unlift._convert_guards_code_to_fn
+    monkeypatch.setattr(unlift, "_convert_guards_code_to_fn", lambda *a, **k: built.append(1) or real(*a, **k))
+    raw = export_module.export_call(MLP(d=8, h=16), (torch.randn(2, 8),))
+    assert raw.exported.example_inputs is not None
+    traced = export_module.decompose_call(raw)
+    assert not built
+    assert raw.exported.example_inputs is not None and traced.exported.example_inputs is not None
+    assert len(traced.exported.example_inputs[0]) == len(raw.inputs)

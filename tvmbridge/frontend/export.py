@@ -273,15 +273,26 @@ def _detach_no_grad_regions(ep: ExportedProgram) -> None:
 
 
 def _decompose(module: torch.nn.Module, ep: ExportedProgram, stack_traces: bool = False) -> ExportedProgram:
+    """``ep`` decomposed to core ATen. Its example inputs are set aside meanwhile: with them,
+    torch's decomposition first unlifts the program with a guard function over every input's
+    sizes, matching each guard's text against every input's path (quadratic in the inputs: a
+    second of a CNN's trace), for a retrace on fake tensors of exactly those sizes, where no
+    guard can fail."""
     _detach_no_grad_regions(ep)
+    examples = ep.example_inputs
+    ep.example_inputs = None
     with warnings.catch_warnings(), _stack_traces(stack_traces):
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
-            return ep.run_decompositions(decomposition_table())
+            decomposed = ep.run_decompositions(decomposition_table())
         except Exception as exc:  # noqa: BLE001
             raise ConversionError(
                 "trace", f"decomposing {type(module).__name__} to core ATen failed: {describe(exc)}"
             ) from exc
+        finally:
+            ep.example_inputs = examples
+    decomposed.example_inputs = examples
+    return decomposed
 
 
 @dataclass(frozen=True)
