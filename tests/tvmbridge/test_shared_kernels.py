@@ -51,7 +51,7 @@ def _silu_plus_one(_, x):
 
 
 def test_kernels_that_differ_only_in_sizes_become_one_that_computes_what_each_did(monkeypatch):
-    shapes = [(2, 8, 4, 4), (2, 16, 2, 2), (2, 24, 3, 5), (3, 5)]
+    shapes = [(2, 8, 4, 8), (2, 16, 2, 8), (2, 24, 3, 8), (3, 5)]
     mod = _module(shapes, _silu_plus_one)
     shared = _kernels(mod)
     assert len(shared) == 2  # the three 4-d kernels are one; the 2-d one is other code
@@ -64,12 +64,22 @@ def test_kernels_that_differ_only_in_sizes_become_one_that_computes_what_each_di
 
 
 def test_a_shared_reduction_reduces_over_each_call_s_own_extent():
-    shapes = [(4, 8), (6, 16), (3, 32)]
+    shapes = [(4, 8, 16), (6, 16, 16), (3, 32, 16)]
     mod = _module(shapes, lambda _, x: relax.op.sum(relax.op.multiply(x, x), axis=[1], keepdims=True))
     assert len(_kernels(mod)) == 1
     xs = [_x(s, i) for i, s in enumerate(shapes)]
     for got, x in zip(_run(mod, xs), xs):
         np.testing.assert_allclose(got, (x * x).sum(1, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_whose_vectorized_axis_differs_keep_their_own():
+    """The innermost extent of a kernel's largest tensor is what the CPU schedules vectorize; a
+    kernel sharing it across extents would run that axis as scalar loops, so each keeps its own."""
+    shapes = [(2, 8, 4, 4), (2, 8, 4, 8), (2, 16, 4, 8)]
+    mod = _module(shapes, _silu_plus_one)
+    kernels = _kernels(mod)
+    assert len(kernels) == 2  # the two ending in 8 share one
+    assert sorted(int(f.params[0].shape[-1]) for f in kernels) == [4, 8]
 
 
 def test_a_constant_that_is_no_size_keeps_its_kernels():
@@ -84,11 +94,13 @@ def test_a_constant_that_is_no_size_keeps_its_kernels():
 
 def test_index_arithmetic_over_sizes_keeps_its_kernels():
     """A transpose read through a reshape divides its index by a size: shared, the division would
-    be by a variable (slow to simplify, slow to run), so each size keeps its kernel."""
-    shapes = [(2, 3, 6), (2, 3, 10)]
+    be by a variable (slow to simplify, slow to run), so each size keeps its kernel. (Transposing
+    ``(2, 3, n)`` instead, the simplifier writes the index over the constant 3, and that is shared.)"""
+    shapes = [(2, 6, 4), (2, 10, 4)]
 
     def body(_, x):
-        flat = relax.op.reshape(_BUILDER[0].emit(relax.op.permute_dims(x, [0, 2, 1])), (2, -1))
+        scaled = _BUILDER[0].emit(relax.op.multiply(x, relax.const(2.0, "float32")))
+        flat = relax.op.reshape(scaled, (x.ty.shape[1], 8))  # (2, c, 4) as (c, 8): index // (4 c)
         return relax.op.add(_BUILDER[0].emit(flat), relax.const(1.0, "float32"))
 
     mod = _module(shapes, body)
@@ -96,7 +108,42 @@ def test_index_arithmetic_over_sizes_keeps_its_kernels():
     assert all(all(isinstance(d, tirx.IntImm) for p in f.params for d in p.shape) for f in kernels)
     xs = [_x(s, i) for i, s in enumerate(shapes)]
     for got, x in zip(_run(mod, xs), xs):
-        np.testing.assert_allclose(got, x.transpose(0, 2, 1).reshape(2, -1) + 1, rtol=1e-6)
+        np.testing.assert_allclose(got, (2 * x).reshape(-1, 8) + 1, rtol=1e-6)
+
+    def batch_body(_, x):
+        flat = relax.op.reshape(_BUILDER[0].emit(relax.op.permute_dims(x, [0, 2, 1])), (x.ty.shape[0], -1))
+        return relax.op.add(_BUILDER[0].emit(flat), relax.const(1.0, "float32"))
+
+    over_constant = [(2, 3, 6), (4, 3, 6)]  # index arithmetic over the constants 3 and 6 only
+    mod = _module(over_constant, batch_body)
+    assert len(_kernels(mod)) == 1
+    xs = [_x(s, i) for i, s in enumerate(over_constant)]
+    for got, x in zip(_run(mod, xs), xs):
+        np.testing.assert_allclose(got, x.transpose(0, 2, 1).reshape(len(x), -1) + 1, rtol=1e-6)
+
+
+def test_per_channel_statistics_viewed_for_broadcast_share_one_kernel():
+    """BatchNorm's ``(C,)`` scale viewed as ``(1, C, 1, 1)`` and multiplied in, at three widths:
+    the legalized view reads ``index % C``, the identity at each static width, so the three are
+    one kernel (with the remainder kept, the shared kernel would divide by a size variable)."""
+    bb = relax.BlockBuilder()
+    shapes = [(2, 8, 4, 4), (2, 16, 2, 4), (2, 24, 3, 4)]
+    xs = [relax.Var(f"x{i}", relax.TensorType(s, "float32")) for i, s in enumerate(shapes)]
+    scales = [relax.Var(f"s{i}", relax.TensorType((s[1],), "float32")) for i, s in enumerate(shapes)]
+    with bb.function("main", xs + scales):
+        with bb.dataflow():
+            outs = []
+            for x, s, shape in zip(xs, scales, shapes):
+                view = bb.emit(relax.op.reshape(s, (1, shape[1], 1, 1)))
+                outs.append(bb.emit(relax.op.add(relax.op.multiply(x, view), relax.const(1.0, "float32"))))
+            out = bb.emit_output(relax.Tuple(outs))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert len(_kernels(mod)) == 1
+    arrays = [_x(s, i) for i, s in enumerate(shapes)]
+    stats = [_x((s[1],), 10 + i) for i, s in enumerate(shapes)]
+    for got, x, s in zip(_run(mod, arrays + stats), arrays, stats):
+        np.testing.assert_allclose(got, x * s.reshape(1, -1, 1, 1) + 1, rtol=1e-6)
 
 
 def test_large_and_symbolic_kernels_are_left_as_they_are(monkeypatch):

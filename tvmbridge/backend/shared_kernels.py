@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import tvm
 import tvm_ffi
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
 
 #: the largest tensor (elements) of a kernel that is shared: a kernel past it runs long enough
 #: that its sizes known at compile time (vector tails, per-row operands) are worth its build
@@ -45,21 +45,62 @@ def _constants(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, list[int]]:
     return tvm_ffi.structural_map(func, [(tirx.IntImm, zero)]), values
 
 
-def families(mod: tvm.IRModule) -> list[list[tvm.ir.GlobalVar]]:
-    """The module's kernels grouped by their code with integer constants ignored."""
-    keyed: dict[int, list[tuple[tirx.PrimFunc, list[tvm.ir.GlobalVar]]]] = {}
-    for gv, func in mod.functions_items():
-        if not isinstance(func, tirx.PrimFunc):
-            continue
-        key, _ = _constants(func)
-        bucket = keyed.setdefault(tvm_ffi.structural_hash(key), [])
-        for other, members in bucket:
+def families(funcs: dict[tvm.ir.GlobalVar, tirx.PrimFunc]) -> list[tuple[list[tvm.ir.GlobalVar], list[list[int]]]]:
+    """The kernels grouped by their code with integer constants ignored and by the innermost
+    extent of their largest tensor: each group's members and their constants (in the order the
+    structural walk meets them). That axis is the one the CPU schedules vectorize, which they can
+    only where its extent is known: members that differ there stay apart (a CNN's blocks at one
+    resolution share a kernel, each resolution keeps its own)."""
+    keyed: dict[tuple, list[tuple[tirx.PrimFunc, list[tvm.ir.GlobalVar], list[list[int]]]]] = {}
+    for gv, func in funcs.items():
+        key, values = _constants(func)
+        bucket = keyed.setdefault((tvm_ffi.structural_hash(key), _vector_axis(func)), [])
+        for other, members, tables in bucket:
             if tvm_ffi.structural_equal(other, key):
                 members.append(gv)
+                tables.append(values)
                 break
         else:
-            bucket.append((key, [gv]))
-    return [members for bucket in keyed.values() for _, members in bucket]
+            bucket.append((key, [gv], [values]))
+    return [(members, tables) for bucket in keyed.values() for _, members, tables in bucket]
+
+
+def index_simplified(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with every index division and remainder simplified over the loops' and blocks'
+    static ranges: a legalized reshape reads its input at ``flat index % size``, the identity
+    where the index stays below the size (BatchNorm's ``(C,)`` statistics viewed as
+    ``(1, C, 1, 1)``). Left in, that remainder would be by a size variable in a shared kernel,
+    which keeps the family apart. Only those expressions change (TVM's statement simplifier would
+    also bind unit loops to constants, which the CPU schedules' block analysis refuses)."""
+    analyzer = tvm.sym.Analyzer()
+
+    def bind_block(block: s_tir.SBlock) -> s_tir.SBlock:
+        for iv in block.iter_vars:
+            analyzer.bind(iv.var, iv.dom)
+        return block
+
+    def bind_loop(loop: tirx.For) -> tirx.For:
+        analyzer.bind(loop.loop_var, tvm.ir.Range.from_min_extent(loop.min, loop.extent))
+        return loop
+
+    tvm_ffi.structural_map(func, [(s_tir.SBlock, bind_block), (tirx.For, bind_loop)])
+    return tvm_ffi.structural_map(func, [((tirx.FloorDiv, tirx.FloorMod), analyzer.simplify)])
+
+
+def _vector_axis(func: tirx.PrimFunc) -> tuple[int, str]:
+    """Which parameter is the kernel's largest tensor (static elements; the first of equals), and
+    its innermost extent."""
+    sizes = [
+        math.prod(int(d) if isinstance(d, tirx.IntImm) else 1 for d in getattr(p, "shape", [])) for p in func.params
+    ]
+    largest = max(range(len(sizes)), key=lambda i: sizes[i]) if sizes else -1
+    shape = getattr(func.params[largest], "shape", None) if sizes else None
+    return largest, str(shape[-1]) if shape else ""
+
+
+def simplified(funcs: dict[tvm.ir.GlobalVar, tirx.PrimFunc]) -> dict[tvm.ir.GlobalVar, tirx.PrimFunc]:
+    """Each kernel with its index arithmetic simplified (:func:`index_simplified`)."""
+    return {gv: index_simplified(f) for gv, f in funcs.items()}
 
 
 def _largest(func: tirx.PrimFunc) -> int | None:
@@ -107,10 +148,11 @@ def _expression(values: tuple[int, ...], sizes: dict[tuple[int, ...], tirx.Var])
     return None
 
 
-def shared_kernel(funcs: Sequence[tirx.PrimFunc]) -> tirx.PrimFunc | None:
+def shared_kernel(funcs: Sequence[tirx.PrimFunc], tables: Sequence[list[int]] | None = None) -> tirx.PrimFunc | None:
     """The one kernel that is each of ``funcs`` (same code but for integer constants) at its
-    sizes; None where a varying constant is not an expression of the sizes."""
-    tables = [_constants(f)[1] for f in funcs]
+    sizes; None where a varying constant is not an expression of the sizes. ``tables``: each
+    kernel's constants, where :func:`families` has them already."""
+    tables = [_constants(f)[1] for f in funcs] if tables is None else tables
     if len({len(t) for t in tables}) != 1:
         return None
     sizes = _size_vars(funcs)
@@ -176,29 +218,27 @@ class ShareKernelsAcrossShapes:
         return largest is not None and largest <= self.max_elements and not _scheduled(func)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        renamed: dict[str, tvm.ir.GlobalVar] = {}  # a kernel's name -> the one that replaces it
-        shared: dict[str, tirx.PrimFunc] = {}
-        for family in families(mod):
-            members = [gv for gv in family if self._candidate(mod[gv])]
-            funcs = [mod[gv] for gv in members]
+        candidates = {gv: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and self._candidate(f)}
+        funcs_of = simplified(candidates)
+        plan: list[tuple[list[tvm.ir.GlobalVar], tirx.PrimFunc]] = []  # members, the kernel they share
+        for members, tables in families(funcs_of):
+            funcs = [funcs_of[gv] for gv in members]
             if len(members) < 2 or not all(tvm_ffi.structural_equal(f.attrs, funcs[0].attrs) for f in funcs):
                 continue
-            kernel = shared_kernel(funcs)
-            if kernel is None:
-                continue
-            shared[members[0].name_hint] = kernel
-            for gv in members[1:]:
-                renamed[gv.name_hint] = members[0]
-        if not renamed:
+            kernel = shared_kernel(funcs, tables)
+            if kernel is not None:
+                plan.append((members, kernel))
+        if not plan:
             return mod
-        kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint not in renamed and gv.name_hint not in shared}
+        replaced = {gv.name_hint for members, _ in plan for gv in members}
+        kept = {gv: f for gv, f in mod.functions_items() if gv.name_hint not in replaced}
         builder = relax.BlockBuilder(tvm.IRModule(kept, attrs=mod.attrs, global_infos=mod.global_infos))
-        for name, kernel in shared.items():  # a new GlobalVar: the calls check its signature
-            gv = builder.add_func(kernel, name)
-            renamed[name] = gv
-            renamed.update({old: gv for old, new in list(renamed.items()) if new.name_hint == name})
+        shared_of: dict[str, tvm.ir.GlobalVar] = {}  # a member's name -> its family's kernel
+        for members, kernel in plan:  # a new GlobalVar: the calls check its signature
+            gv = builder.add_func(kernel, members[0].name_hint)
+            shared_of.update({m.name_hint: gv for m in members})
         for gv, func in kept.items():
             if isinstance(func, relax.Function):
-                remap = tvm_ffi.structural_map(func, [(tvm.ir.GlobalVar, lambda g: renamed.get(g.name_hint, g))])
+                remap = tvm_ffi.structural_map(func, [(tvm.ir.GlobalVar, lambda g: shared_of.get(g.name_hint, g))])
                 builder.update_func(gv, remap)
         return builder.finalize()
