@@ -238,3 +238,14 @@ def test_log_softmax_over_a_ragged_vocabulary(vocab):
     assert "R.nn.log_softmax" not in fast and "fast_exp" in fast
     errs = relative_errors(run_step(m, (x,)), run_step(ref, (x,)))
     assert max(errs.values()) <= 2e-6, errs
+
+
+def test_a_symbolic_elementwise_kernel_vectorizes_its_trailing_static_axes():
+    """``(2, n, 8, 8)``: each axis alone is too short for a vector pair, the 64 elements of the
+    two static ones together are vectors (a kernel shared across a CNN's widths)."""
+    n = tirx.Var("n", "int64")
+    mod = _module((2, n, 8, 8), lambda x: relax.op.add(relax.op.multiply(x, x), relax.const(1.0, "float32")))
+    tir = _kernels(mod)
+    assert "T.vectorized" in tir and "T.parallel" in tir
+    x = _x((2, 5, 8, 8))
+    np.testing.assert_allclose(_run(mod, x), x * x + 1, rtol=1e-6)

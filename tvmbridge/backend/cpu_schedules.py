@@ -214,13 +214,21 @@ def _tile_transpose(sch: s_tir.Schedule, block, loops: list, lanes: int):
 
 
 def _schedule_symbolic_elementwise(sch: s_tir.Schedule, block, loops: list, lanes: int) -> s_tir.Schedule:
-    """An elementwise kernel whose size is symbolic (sizes unknown, so always parallel): the
-    innermost axis vectorized where it is static and divides into vectors."""
-    inner = get_extent(sch, loops[-1])
-    if len(loops) > 1 and isinstance(inner, int) and inner % lanes == 0 and inner >= 2 * lanes:
-        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-        _, vec = sch.split(loops[-1], factors=[None, lanes])
-        sch.vectorize(vec)
+    """An elementwise kernel whose size is symbolic (sizes unknown, so always parallel): its
+    trailing static axes fused (a shared CNN kernel's ``(2, C, 8, 8)``: 64 elements per channel)
+    and vectorized where they divide into vectors."""
+    static = 0
+    while static < len(loops) - 1 and isinstance(get_extent(sch, loops[-1 - static]), int):
+        static += 1
+    if static:
+        inner_loops = loops[len(loops) - static :]
+        inner = sch.fuse(*inner_loops) if static > 1 else inner_loops[0]
+        extent = get_extent(sch, inner)
+        outer_loops = loops[: len(loops) - static]
+        outer = sch.fuse(*outer_loops) if len(outer_loops) > 1 else outer_loops[0]
+        if extent % lanes == 0 and extent >= 2 * lanes:
+            _, vec = sch.split(inner, factors=[None, lanes])
+            sch.vectorize(vec)
     else:
         outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     sch.parallel(outer)
