@@ -33,3 +33,18 @@ def test_the_machine_is_named_with_family_and_model():
     text = open("/proc/cpuinfo").read()
     if "cpu family" in text:
         assert re.search(r"\(family \d+, model \d+\)$", name)
+
+
+def test_the_peak_is_the_fastest_library_a_step_may_call(monkeypatch):
+    """A step's GEMMs may run on oneDNN where it beats ``torch.mm`` (MKL): a peak timed on
+    ``torch.mm`` alone would put such a step above 100% of it."""
+    import time
+
+    from tvmbridge.kernels.gemm import onednn_available
+
+    a = torch.randn(64, 64)
+    assert ("oneDNN" in roofline._gemm_probes(a, a)) == onednn_available()
+    slow = {"slow": lambda: time.sleep(2e-3), "fast": lambda: None}
+    monkeypatch.setattr(roofline, "_gemm_probes", lambda a, b: slow)
+    peak = roofline.measure_peak.__wrapped__(torch.float32, size=32, seconds=0.01)
+    assert peak.probe.startswith("fast ") and peak.gflops > 2 * 32**3 / 2e-3 / 1e9
