@@ -46,15 +46,12 @@ def _constants(func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, list[int]]:
 
 
 def families(funcs: dict[tvm.ir.GlobalVar, tirx.PrimFunc]) -> list[tuple[list[tvm.ir.GlobalVar], list[list[int]]]]:
-    """The kernels grouped by their code with integer constants ignored and by the innermost
-    extent of their largest tensor: each group's members and their constants (in the order the
-    structural walk meets them). That axis is the one the CPU schedules vectorize, which they can
-    only where its extent is known: members that differ there stay apart (a CNN's blocks at one
-    resolution share a kernel, each resolution keeps its own)."""
-    keyed: dict[tuple, list[tuple[tirx.PrimFunc, list[tvm.ir.GlobalVar], list[list[int]]]]] = {}
+    """The kernels grouped by their code with integer constants ignored: each group's members and
+    their constants (in the order the structural walk meets them)."""
+    keyed: dict[int, list[tuple[tirx.PrimFunc, list[tvm.ir.GlobalVar], list[list[int]]]]] = {}
     for gv, func in funcs.items():
         key, values = _constants(func)
-        bucket = keyed.setdefault((tvm_ffi.structural_hash(key), _vector_axis(func)), [])
+        bucket = keyed.setdefault(tvm_ffi.structural_hash(key), [])
         for other, members, tables in bucket:
             if tvm_ffi.structural_equal(other, key):
                 members.append(gv)
@@ -85,17 +82,6 @@ def index_simplified(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
     tvm_ffi.structural_map(func, [(s_tir.SBlock, bind_block), (tirx.For, bind_loop)])
     return tvm_ffi.structural_map(func, [((tirx.FloorDiv, tirx.FloorMod), analyzer.simplify)])
-
-
-def _vector_axis(func: tirx.PrimFunc) -> tuple[int, str]:
-    """Which parameter is the kernel's largest tensor (static elements; the first of equals), and
-    its innermost extent."""
-    sizes = [
-        math.prod(int(d) if isinstance(d, tirx.IntImm) else 1 for d in getattr(p, "shape", [])) for p in func.params
-    ]
-    largest = max(range(len(sizes)), key=lambda i: sizes[i]) if sizes else -1
-    shape = getattr(func.params[largest], "shape", None) if sizes else None
-    return largest, str(shape[-1]) if shape else ""
 
 
 def simplified(funcs: dict[tvm.ir.GlobalVar, tirx.PrimFunc]) -> dict[tvm.ir.GlobalVar, tirx.PrimFunc]:
