@@ -84,11 +84,6 @@ def index_simplified(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return tvm_ffi.structural_map(func, [((tirx.FloorDiv, tirx.FloorMod), analyzer.simplify)])
 
 
-def simplified(funcs: dict[tvm.ir.GlobalVar, tirx.PrimFunc]) -> dict[tvm.ir.GlobalVar, tirx.PrimFunc]:
-    """Each kernel with its index arithmetic simplified (:func:`index_simplified`)."""
-    return {gv: index_simplified(f) for gv, f in funcs.items()}
-
-
 def _largest(func: tirx.PrimFunc) -> int | None:
     """The elements of the kernel's largest tensor; None unless every parameter is a tensor of
     static shape (a symbolic kernel serves its sizes already; a scalar parameter binds no size)."""
@@ -134,11 +129,10 @@ def _expression(values: tuple[int, ...], sizes: dict[tuple[int, ...], tirx.Var])
     return None
 
 
-def shared_kernel(funcs: Sequence[tirx.PrimFunc], tables: Sequence[list[int]] | None = None) -> tirx.PrimFunc | None:
-    """The one kernel that is each of ``funcs`` (same code but for integer constants) at its
-    sizes; None where a varying constant is not an expression of the sizes. ``tables``: each
-    kernel's constants, where :func:`families` has them already."""
-    tables = [_constants(f)[1] for f in funcs] if tables is None else tables
+def shared_kernel(funcs: Sequence[tirx.PrimFunc], tables: Sequence[list[int]]) -> tirx.PrimFunc | None:
+    """The one kernel that is each of ``funcs`` (same code but for integer constants, ``tables``
+    as :func:`families` gives them) at its sizes; None where a varying constant is not an
+    expression of the sizes."""
     if len({len(t) for t in tables}) != 1:
         return None
     sizes = _size_vars(funcs)
@@ -205,7 +199,7 @@ class ShareKernelsAcrossShapes:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         candidates = {gv: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc) and self._candidate(f)}
-        funcs_of = simplified(candidates)
+        funcs_of = {gv: index_simplified(f) for gv, f in candidates.items()}
         plan: list[tuple[list[tvm.ir.GlobalVar], tirx.PrimFunc]] = []  # members, the kernel they share
         for members, tables in families(funcs_of):
             funcs = [funcs_of[gv] for gv in members]

@@ -4,8 +4,8 @@ A ratio to eager says whether the bridge beats PyTorch, not how far either is fr
 machine can do. So benchmarks print each step's FLOPs (the analysis package's counter, forward
 and backward, on the eager model) and the step's rate as a fraction of the peak GEMM rate of its
 dtype, measured here by a short GEMM probe with each library a step may call (``torch.mm``,
-oneDNN): the best sustained rate this process can get, on this CPU's ISA (AVX2, AVX-512, AVX512-BF16, AMX;
-named in the line). A CPU without native bfloat16 has a bfloat16 "peak" below its float32 one.
+oneDNN): the best sustained rate this process can get, on this CPU's ISA (AVX2, AVX-512,
+AVX512-BF16, AMX; named in the line). A CPU without native bfloat16 has a bfloat16 "peak" below its float32 one.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class Peak:
 
     dtype: str
     gflops: float
+    library: str  # the fastest of the probes: ``torch.mm`` or ``oneDNN``
     probe: str  # what was timed
 
     def fraction(self, flops: float, seconds: float) -> float:
@@ -79,7 +80,7 @@ def measure_peak(dtype: torch.dtype = torch.float32, size: int = 1536, seconds: 
     b = torch.randn(size, size, generator=gen).to(dtype)
     timed = {name: _best_seconds(call, seconds) for name, call in _gemm_probes(a, b).items()}
     name, (best, calls) = min(timed.items(), key=lambda kv: kv[1][0])
-    return Peak(str(dtype).removeprefix("torch."), 2 * size**3 / best / 1e9, f"{name} {size}^3, best of {calls}")
+    return Peak(str(dtype).removeprefix("torch."), 2 * size**3 / best / 1e9, name, f"{size}^3, best of {calls}")
 
 
 def peaks(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> dict[str, Peak]:
@@ -98,7 +99,7 @@ def step_flops(step: Callable[[], object]) -> int:
 
 def roofline_header(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> str:
     """One line naming the measured peaks: every benchmark prints it under its machine line."""
-    parts = [f"{p.dtype} {p.gflops:.0f} GFLOP/s ({p.probe.split()[0]})" for p in peaks(dtypes).values()]
+    parts = [f"{p.dtype} {p.gflops:.0f} GFLOP/s ({p.library})" for p in peaks(dtypes).values()]
     return f"roofline ({isa()}; {torch.get_num_threads()} threads, fastest GEMM probe): " + ", ".join(parts)
 
 
