@@ -8,6 +8,11 @@ entry or the new one, never half of either. An entry that does not match its rec
 ``read`` cannot use, is a warning, is removed, and counts as absent. After a write the least
 recently used entries go until the directory is within its bound.
 
+A write can also run behind the caller (:meth:`DiskCache.store_later`): a compile hands its result
+to one writer thread and returns, and the serialization (TVM's, which releases the GIL) overlaps
+the first training step. Reads, evictions and removals in that directory wait for its pending
+writes first, and the interpreter waits for them at exit.
+
 Keys are digests of everything the payload depends on (the caller's business): an entry is never
 stale, a changed input is another key.
 """
@@ -20,9 +25,11 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -84,6 +91,54 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+_WRITER_LOCK = threading.Lock()
+_WRITER: ThreadPoolExecutor | None = None
+_PENDING: dict[Path, list[Future]] = {}  # directory -> writes submitted and not yet waited for
+
+
+def _writer() -> ThreadPoolExecutor:
+    """One thread for every background write (created on first use; joined at interpreter exit,
+    as ``concurrent.futures`` joins its workers, so a process that ends right after compiling
+    still leaves whole entries)."""
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = ThreadPoolExecutor(1, thread_name_prefix="tvmbridge-cache-writer")
+    return _WRITER
+
+
+def _forget_writer_in_child() -> None:
+    """A forked child (a DataLoader worker) has no writer thread: it starts afresh, and the parent
+    finishes the writes it submitted."""
+    global _WRITER, _WRITER_LOCK
+    _WRITER, _WRITER_LOCK = None, threading.Lock()
+    _PENDING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_writer_in_child)
+
+_IN_WRITER = threading.local()  # set in the writer thread: its own store's eviction waits for nothing
+
+
+def wait_for_writes(root: Path | None = None) -> None:
+    """Block until the background writes into ``root`` (every directory: None) are done. In the
+    writer thread itself nothing is waited for: the writes before the running one are done (one
+    thread, in order), and the running one is the caller."""
+    if getattr(_IN_WRITER, "active", False):
+        return
+    with _WRITER_LOCK:
+        futures = [f for r in (list(_PENDING) if root is None else [root]) for f in _PENDING.get(r, [])]
+    for future in futures:
+        future.result()  # store() itself warns and returns False on failure; nothing raises here
+    with _WRITER_LOCK:  # done ones forgotten (kept until now: a second reader waits for them too)
+        for r in list(_PENDING):
+            left = [f for f in _PENDING[r] if not f.done()]
+            if left:
+                _PENDING[r] = left
+            else:
+                del _PENDING[r]
+
+
 class DiskCache(Generic[T]):
     """Entries by key in ``root``: ``write(value, path)`` makes a payload file, ``read(path)``
     makes the value back (raising on anything it cannot use). ``what`` names the entries in
@@ -116,6 +171,7 @@ class DiskCache(Generic[T]):
 
     def load(self, key: str) -> T | None:
         """The stored value, or None (absent; a damaged entry is removed, with a warning)."""
+        wait_for_writes(self.root)
         if not self._record(key).is_file():
             return None
         payload = self.root / f"{key}{self.suffix}"
@@ -166,8 +222,21 @@ class DiskCache(Generic[T]):
         self.evict()
         return True
 
+    def store_later(self, key: str, value: T) -> None:
+        """:meth:`store` in the background writer thread. ``value`` must not change afterwards
+        (hand it something the caller no longer mutates)."""
+
+        def write() -> bool:
+            _IN_WRITER.active = True
+            return self.store(key, value)
+
+        with _WRITER_LOCK:
+            future = _writer().submit(write)
+            _PENDING[self.root] = [f for f in _PENDING.get(self.root, []) if not f.done()] + [future]
+
     def entries(self) -> list[tuple[float, int, str]]:
         """(last use, bytes, key) of each whole entry, least recently used first."""
+        wait_for_writes(self.root)
         out = []
         for record in self.root.glob("*.json"):
             try:
@@ -199,6 +268,7 @@ class DiskCache(Generic[T]):
 
     def remove(self, key: str) -> None:
         """The entry gone (if there is one)."""
+        wait_for_writes(self.root)
         self._remove(key)
 
     def _remove(self, key: str) -> None:

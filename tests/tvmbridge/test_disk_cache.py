@@ -77,6 +77,22 @@ def test_second_compile_loads_and_matches_pytorch(cache_dir):
         assert max(errs.values()) < 1e-5, errs
 
 
+def test_without_a_stored_result_the_executable_is_found_after_lowering(cache_dir, monkeypatch):
+    """The compile result's entry gone (evicted), its executable not: the key computed beside the
+    lowering finds the executable, no code is generated, and the numbers are PyTorch's."""
+    import shutil
+
+    model, x = _model(), torch.randn(4, 16)
+    _dispatched(model, x)
+    disk_cache.wait_for_writes()
+    shutil.rmtree(cache_dir.parent / "compiles")
+    monkeypatch.setattr(backend_build, "_codegen", lambda *a: pytest.fail("generated code for a stored executable"))
+    module, compiled = _dispatched(model, x)
+    assert compiled.executable_loaded and not compiled.result_loaded
+    errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < 1e-5, errs
+
+
 def test_options_that_change_the_code_are_another_key(cache_dir):
     model, x = _model(), torch.randn(4, 16)
     _compile(model, x)
@@ -262,3 +278,39 @@ def test_the_dropout_mask_kernel_is_built_once_per_machine(cache_dir, monkeypatc
     finally:
         mt19937._kernel.cache_clear()
         mt19937.kernel_works.cache_clear()
+
+
+def _text_cache(root: Path, write=None) -> disk_cache.DiskCache:
+    return disk_cache.DiskCache(
+        root, ".txt", write or (lambda value, path: Path(path).write_text(value)), lambda p: p.read_text(), "text entry"
+    )
+
+
+def test_a_write_behind_the_caller_is_waited_for_by_every_reader(tmp_path):
+    """``store_later`` returns while its write is still running; a load in that directory (here
+    through another cache object, as a second compile makes) waits for it and finds the entry,
+    and removing it afterwards leaves nothing."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow_write(value: str, path: str) -> None:
+        started.set()
+        assert release.wait(30)
+        Path(path).write_text(value)
+
+    _text_cache(tmp_path, slow_write).store_later("k" * 64, "written later")
+    assert started.wait(30)
+    assert not (tmp_path / ("k" * 64 + ".json")).exists()  # the caller is already back
+    threading.Timer(0.2, release.set).start()
+    assert _text_cache(tmp_path).load("k" * 64) == "written later"
+    _text_cache(tmp_path).remove("k" * 64)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_failing_write_behind_the_caller_is_a_warning_and_no_entry(tmp_path):
+    def failing_write(value: str, path: str) -> None:
+        raise OSError("disk full")
+
+    _text_cache(tmp_path, failing_write).store_later("f" * 64, "lost")
+    with pytest.warns(UserWarning, match="could not store the text entry.*disk full"):
+        disk_cache.wait_for_writes(tmp_path)
+    assert _text_cache(tmp_path).load("f" * 64) is None

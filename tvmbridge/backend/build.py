@@ -13,6 +13,8 @@ import math
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -248,13 +250,28 @@ def compile_or_load(
 ) -> tuple[tvm.runtime.Executable, bool, str]:
     """:func:`compile_module` through the disk cache (``executable_cache``; with ``disk_cache``
     and unless the environment turns it off); whether the executable was loaded, and its key
-    (``key``: the one an earlier compile of this very module computed, else computed now)."""
+    (``key``: the one an earlier compile of this very module computed, else computed now).
+
+    A key not yet known is the digest of the module's JSON, which takes a while on a large model:
+    it is computed in another thread while the module is lowered (TVM serializes outside the GIL),
+    and the cache is looked up once both are done, before code generation."""
     if not (disk_cache and executable_cache.enabled()):
         return _as_library(compile_module(mod, target, schedule, fuse, tuning_db), target), False, ""
     state = tuning_state(tuning_db) if tuning_db is not None and schedule else None
-    key = key or executable_cache.cache_key(mod, target, schedule, fuse, state)
-    exe, loaded = executable_cache.cached_compile(key, lambda: compile_module(mod, target, schedule, fuse, tuning_db))
-    return exe, loaded, key
+    cache = executable_cache.ExecutableCache()
+    if key:
+        exe, loaded = executable_cache.cached_compile(
+            key, lambda: compile_module(mod, target, schedule, fuse, tuning_db), cache
+        )
+        return exe, loaded, key
+    with ThreadPoolExecutor(1, thread_name_prefix="tvmbridge-cache-key") as pool:
+        asserts = codegen.kernel_asserts()  # this thread's pass context, which the build runs under
+        pending = pool.submit(executable_cache.cache_key, mod, target, schedule, fuse, state, asserts)
+        exe, loaded = _compile(mod, target, schedule, fuse, tuning_db, lambda: cache.load(pending.result()))
+        key = pending.result()
+    if loaded:
+        return exe, True, key
+    return executable_cache.stored(key, exe, cache), False, key
 
 
 def compile_module(
@@ -266,16 +283,35 @@ def compile_module(
 ) -> tvm.runtime.Executable:
     """Lower and compile; a tuned schedule that does not compile leaves the database out (with
     a warning) rather than failing the compile."""
+    return _compile(mod, target, schedule, fuse, tuning_db)[0]
+
+
+def _compile(
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    schedule: bool,
+    fuse: bool,
+    tuning_db: str | None,
+    cached: Callable[[], tvm.runtime.Executable | None] = lambda: None,
+) -> tuple[tvm.runtime.Executable, bool]:
+    """:func:`compile_module`, asking ``cached`` for a stored executable once the module is
+    lowered (code generation is most of a CPU build); and whether that one is returned."""
+
+    def build(tuning: str | None) -> tuple[tvm.runtime.Executable, bool]:
+        lowered = lower(mod, target, schedule, fuse, tuning)
+        found = cached()
+        return (found, True) if found is not None else (_codegen(lowered, target), False)
+
     with stage_errors("build", what=f"compiling for {target.kind.name} failed"):
         if tuning_db is not None and schedule:
             try:
-                return _codegen(lower(mod, target, schedule, fuse, tuning_db), target)
+                return build(tuning_db)
             except Exception as exc:  # noqa: BLE001 - a record that replays but does not compile here
                 _note_tuning(
                     f"tvmbridge: compiling with the tuning database {tuning_db} failed "
                     f"({_error_summary(exc)}); compiled with the default schedules instead"
                 )
-        return _codegen(lower(mod, target, schedule, fuse, None), target)
+        return build(None)
 
 
 def _codegen(lowered: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:

@@ -28,6 +28,7 @@ __all__ = [
     "ExecutableCache",
     "cache_key",
     "cached_compile",
+    "stored",
     "code_digest",
     "enabled",
     "max_bytes",
@@ -35,13 +36,21 @@ __all__ = [
 ]
 
 
-def cache_key(mod: tvm.IRModule, target: tvm.target.Target, schedule: bool, fuse: bool, tuning_state: object) -> str:
+def cache_key(
+    mod: tvm.IRModule,
+    target: tvm.target.Target,
+    schedule: bool,
+    fuse: bool,
+    tuning_state: object,
+    asserts: bool | None = None,
+) -> str:
     """The digest of what a build reads (``tuning_state``: the tuning database's path and files'
-    state, or None)."""
+    state, or None; ``asserts``: :func:`kernel_asserts` as the building thread sees it, which
+    reads that thread's pass context)."""
     h = hashlib.sha256()
     h.update(tvm.ir.save_json(mod).encode())
     h.update(json.dumps(str(target.export()), sort_keys=True).encode())
-    h.update(repr((schedule, fuse, tuning_state, kernel_asserts(), FORMAT)).encode())
+    h.update(repr((schedule, fuse, tuning_state, kernel_asserts() if asserts is None else asserts, FORMAT)).encode())
     h.update(json.dumps(machine(), sort_keys=True).encode())
     h.update(code_digest().encode())
     return h.hexdigest()
@@ -71,7 +80,12 @@ def cached_compile(
     exe = cache.load(key)
     if exe is not None:
         return exe, True
-    exe = compile()
+    return stored(key, compile(), cache), False
+
+
+def stored(key: str, exe: tvm.runtime.Executable, cache: ExecutableCache) -> tvm.runtime.Executable:
+    """``exe`` stored under ``key``, and the library just written loaded in its place (the
+    in-memory one where it could not be stored)."""
     if cache.store(key, exe):
-        return cache.load(key) or exe, False
-    return exe, False
+        return cache.load(key) or exe
+    return exe
