@@ -76,6 +76,65 @@ def test_kernels_built_in_threads_run_as_one_module_does(layer_halves, tmp_path)
     assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(loaded, layer_halves), strict=True))
 
 
+def _streamed(lowered: tvm.IRModule, replace: dict[str, tvm.tirx.PrimFunc] | None = None) -> codegen.KernelBuilder:
+    """A builder handed every kernel of ``lowered`` (``replace``: other code under some names)."""
+    kernels = codegen.KernelBuilder(TARGET, threads=2, per_group=3)
+    for gv, func in lowered.functions_items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            kernels.add(gv, (replace or {}).get(gv.name_hint, func))
+    return kernels
+
+
+def test_kernels_built_while_scheduling_run_as_one_module_does(layer_halves):
+    """Kernels handed to the builder as they are scheduled are the executable's code (none built
+    twice); the outputs are bit for bit those of the one-module build."""
+    lowered = backend_build.lower(layer_halves, TARGET)
+    pipeline = backend_build.after_lowering(TARGET)
+    expected = _vm_outputs(codegen.build_executable(lowered, TARGET, pipeline, threads=1), layer_halves)
+    streamed = codegen.build_executable(lowered, TARGET, pipeline, threads=2, prebuilt=_streamed(lowered))
+    libs = streamed.mod._collect_dso_modules()
+    assert len(libs) == -(-len(_kernels(lowered)) // 3), "kernels built again after the builder's groups"
+    assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(streamed, layer_halves), strict=True))
+
+
+def test_a_kernel_built_early_that_the_pipeline_changed_is_not_used(layer_halves):
+    """Should the Relax pipeline end with another body for a kernel the builder already compiled,
+    everything is built again from the pipeline's module: the early code never runs."""
+    lowered = backend_build.lower(layer_halves, TARGET)
+    pipeline = backend_build.after_lowering(TARGET)
+    expected = _vm_outputs(codegen.build_executable(lowered, TARGET, pipeline, threads=1), layer_halves)
+    other = {name: func.with_body(tvm.tirx.Evaluate(0)) for name, func in _kernels(lowered).items()}  # no-ops
+    streamed = codegen.build_executable(lowered, TARGET, pipeline, threads=2, prebuilt=_streamed(lowered, other))
+    assert all(np.array_equal(a, b) for a, b in zip(expected, _vm_outputs(streamed, layer_halves), strict=True))
+
+
+def test_a_symbolic_module_builds_its_shape_functions_beside_the_streamed_kernels(monkeypatch):
+    """A symbolic variant: the Relax pipeline adds shape functions no scheduler saw; they are
+    built too, and the compile runs PyTorch's numbers at two sizes."""
+    monkeypatch.setenv("TVMBRIDGE_COMPILE_THREADS", "2")
+    monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "0")
+    streamed: list[int] = []
+    monkeypatch.setattr(codegen.KernelBuilder, "libraries", _counting(codegen.KernelBuilder.libraries, streamed))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    x = torch.randn(3, 8)
+    module = add_tvm_dispatch(clone_module(model), (x,), dynamic={"input": {0: "batch"}})
+    for n in (3, 5):
+        x = torch.randn(n, 8)
+        errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 1e-5, errs
+    assert [v.symbolic for v in dispatcher_of(module).variants] == [True] and streamed
+
+
+def _counting(method, calls: list[int]):
+    def counted(self):
+        libs = method(self)
+        calls.append(len(libs))
+        return libs
+
+    return counted
+
+
 def _ir_size(exe: tvm.runtime.Executable) -> int:
     return sum(len(m.inspect_source("ll")) for m in exe.mod._collect_dso_modules())
 

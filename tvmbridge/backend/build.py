@@ -118,11 +118,13 @@ def lower(
     schedule: bool = True,
     fuse: bool = True,
     tuning_db: str | None = None,
+    on_kernel: Callable[[tvm.ir.GlobalVar, tvm.tirx.PrimFunc], None] | None = None,
 ) -> tvm.IRModule:
     """The bridge's Relax pipeline up to (not including) code generation. ``schedule=False``
     leaves TVM's own CPU kernels unscheduled (serial loops), ``fuse=False`` keeps one kernel per
     Relax op: both for measuring what each buys. ``tuning_db``: a MetaSchedule work directory
-    whose best records replace the default schedules of the kernels they cover."""
+    whose best records replace the default schedules of the kernels they cover. ``on_kernel``
+    (CPU): told each kernel in its final form as soon as it is scheduled."""
     seq = [
         relax.transform.LegalizeOps(MemoizedLegalization(_LEGALIZE_FIXES).table()),
         drop_scope_pragmas,
@@ -141,7 +143,7 @@ def lower(
         if target.kind.name == "llvm" and schedule:
             from .cpu_schedules import apply_cpu_schedules
 
-            mod = apply_cpu_schedules(mod, target)
+            mod = apply_cpu_schedules(mod, target, on_kernel)
         if target.kind.name in ("cuda", "rocm") and schedule:  # unscheduled: for kernel_check only
             from .gpu_schedules import apply_gpu_schedules
 
@@ -298,9 +300,19 @@ def _compile(
     lowered (code generation is most of a CPU build); and whether that one is returned."""
 
     def build(tuning: str | None) -> tuple[tvm.runtime.Executable, bool]:
-        lowered = lower(mod, target, schedule, fuse, tuning)
-        found = cached()
-        return (found, True) if found is not None else (_codegen(lowered, target), False)
+        kernels = _kernel_builder(target, schedule)
+        try:
+            lowered = lower(mod, target, schedule, fuse, tuning, kernels.add if kernels else None)
+            found = cached()
+        except BaseException:
+            if kernels is not None:
+                kernels.cancel()
+            raise
+        if found is not None:
+            if kernels is not None:
+                kernels.cancel()
+            return found, True
+        return _codegen(lowered, target, kernels), False
 
     with stage_errors("build", what=f"compiling for {target.kind.name} failed"):
         if tuning_db is not None and schedule:
@@ -314,8 +326,19 @@ def _compile(
         return build(None)
 
 
-def _codegen(lowered: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:
-    return codegen.build_executable(lowered, target, after_lowering(target))
+def _codegen(
+    lowered: tvm.IRModule, target: tvm.target.Target, prebuilt: codegen.KernelBuilder | None = None
+) -> tvm.runtime.Executable:
+    return codegen.build_executable(lowered, target, after_lowering(target), prebuilt=prebuilt)
+
+
+def _kernel_builder(target: tvm.target.Target, schedule: bool) -> codegen.KernelBuilder | None:
+    """A builder that compiles CPU kernels while the rest are scheduled (where the build uses
+    more than one thread and no pass instrument watches it), else None."""
+    threads = codegen.compile_threads()
+    if target.kind.name != "llvm" or not schedule or threads <= 1 or codegen.kernel_asserts():
+        return None
+    return codegen.KernelBuilder(target, threads)
 
 
 def _as_library(exe: tvm.runtime.Executable, target: tvm.target.Target) -> tvm.runtime.Executable:

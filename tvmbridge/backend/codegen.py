@@ -30,10 +30,11 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax import vm_build
 
@@ -133,17 +134,72 @@ def kernel_groups(tir: tvm.IRModule, groups: int) -> list[tvm.IRModule]:
     return [tvm.IRModule({gv: tir[gv] for gv in members}, attrs=tir.attrs) for _, members in bins if members]
 
 
+class KernelBuilder:
+    """Kernels built (TVM's TIR pipeline and LLVM's optimizer) in background threads as they
+    become final, ``per_group`` to a module, while the caller schedules the next ones and lowers
+    the Relax functions: on a CPU build, scheduling runs in Python and LLVM outside the GIL, so the
+    two overlap. :func:`build_executable` takes the libraries, and builds anything the Relax
+    pipeline added or changed itself."""
+
+    def __init__(self, target: tvm.target.Target, threads: int, per_group: int = 8) -> None:
+        self.target = target
+        self.context = _build_context(tvm.transform.PassContext.current())
+        self.per_group = per_group
+        self.kernels: dict[str, tvm.tirx.PrimFunc] = {}
+        self._group: dict[tvm.ir.GlobalVar, tvm.tirx.PrimFunc] = {}
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tvmbridge-codegen")
+        self._built: list[Future] = []
+
+    def add(self, gv: tvm.ir.GlobalVar, func: tvm.tirx.PrimFunc) -> None:
+        """A kernel in its final form (the name it is called by becomes its symbol)."""
+        func = func.with_attr("global_symbol", gv.name_hint)
+        self.kernels[gv.name_hint] = func
+        self._group[gv] = func
+        if len(self._group) >= self.per_group:
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._group:
+            group, self._group = tvm.IRModule(self._group), {}
+            self._built.append(self._pool.submit(self._build, group))
+
+    def _build(self, group: tvm.IRModule) -> tvm.runtime.Module:
+        with self.context:
+            return tvm.tirx.build(group, target=self.target)
+
+    def libraries(self) -> list[tvm.runtime.Module]:
+        """Every kernel's library, once all are built (a build's error raises here)."""
+        self._submit()
+        try:
+            return [f.result() for f in self._built]
+        finally:
+            self._pool.shutdown()
+
+    def cancel(self) -> None:
+        """Nothing more is built (what runs finishes)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def build_executable(
-    lowered: tvm.IRModule, target: tvm.target.Target, relax_pipeline: tvm.transform.Pass, threads: int | None = None
+    lowered: tvm.IRModule,
+    target: tvm.target.Target,
+    relax_pipeline: tvm.transform.Pass,
+    threads: int | None = None,
+    prebuilt: KernelBuilder | None = None,
 ) -> tvm.runtime.Executable:
     """What ``tvm.compile(lowered, target, relax_pipeline=...)`` makes, with the kernels built in
     ``threads`` threads (default :func:`compile_threads`) on an ``llvm`` target. The caller's
     ``PassContext`` (options, disabled passes) holds in every thread; under pass instruments
-    (which see passes in order) the kernels are built in this thread."""
+    (which see passes in order) the kernels are built in this thread. ``prebuilt``: the kernels
+    of ``lowered`` already being built; only what the Relax pipeline adds is built here (and
+    everything again, should the pipeline have changed one of them)."""
     threads = compile_threads() if threads is None else threads
     caller = tvm.transform.PassContext.current()
     context = _build_context(caller)
     here = contextlib.nullcontext() if context.same_as(caller) else context  # entered once, not again
+    if prebuilt is not None and (target.kind.name != "llvm" or threads <= 1 or list(context.instruments)):
+        prebuilt.cancel()  # the caller's builder is for a plain llvm build only
+        prebuilt = None
     if target.kind.name == "cuda":
         with here, exact_cuda_math():
             return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
@@ -161,6 +217,8 @@ def build_executable(
         tir.get_attr("system_lib_prefix") is not None or vm_build._auto_attach_system_lib_prefix(tir, target) is not tir
     )
     if tir is None or ext_libs or system_lib:  # what relax.build links in a way this path does not
+        if prebuilt is not None:
+            prebuilt.cancel()
         with here:
             return vm_build._vmlink(builder, target, tir, ext_libs=ext_libs, params=params)
 
@@ -168,7 +226,17 @@ def build_executable(
         with context:
             return tvm.tirx.build(group, target=target)
 
-    libs = _in_threads(build, kernel_groups(tir, threads * GROUPS_PER_THREAD), threads)
+    libs = prebuilt.libraries() if prebuilt is not None else []
+    if prebuilt is not None:
+        built = prebuilt.kernels
+        rest = {gv: f for gv, f in tir.functions_items() if gv.name_hint not in built}  # the pipeline's own
+        if any(
+            not tvm_ffi.structural_equal(built[gv.name_hint], f) for gv, f in tir.functions_items() if gv not in rest
+        ):
+            libs, rest = [], dict(tir.functions_items())  # the pipeline rewrote a kernel built already: all again
+        tir = tvm.IRModule(rest, attrs=tir.attrs)
+    if len(tir.functions):
+        libs += _in_threads(build, kernel_groups(tir, threads * GROUPS_PER_THREAD), threads)
     for lib in libs[1:]:  # one import tree: the VM finds a kernel in any of them
         libs[0].import_module(lib)
     return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, libs[0], [], params))

@@ -39,6 +39,7 @@ order. The README gives what each rule buys, measured.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 
 import tvm
 from tvm import s_tir, tirx
@@ -438,11 +439,33 @@ def cpu_rules() -> list[CPUScheduleRule]:
     return [Guarded(r) for r in rules]
 
 
-def apply_cpu_schedules(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
-    """Schedule every TIR function of ``mod`` that no rule has scheduled yet, in a copy (dlight's
-    pass edits the module it is given in place)."""
-    with target:
-        return dlight.ApplyDefaultSchedule(*cpu_rules())(mod.clone())
+def apply_cpu_schedules(
+    mod: tvm.IRModule, target: Target, on_kernel: Callable[[tvm.ir.GlobalVar, tirx.PrimFunc], None] | None = None
+) -> tvm.IRModule:
+    """Schedule every TIR function of ``mod`` that no rule has scheduled yet, in a copy;
+    ``on_kernel`` is told each kernel in its final form as soon as it is."""
+    out = mod.clone()
+    for gv, func in scheduled_kernels(mod, target):
+        out[gv] = func
+        if on_kernel is not None:
+            on_kernel(gv, func)
+    return out
+
+
+def scheduled_kernels(mod: tvm.IRModule, target: Target) -> Iterator[tuple[tvm.ir.GlobalVar, tirx.PrimFunc]]:
+    """Each TIR function of ``mod`` as it is to be compiled, one at a time (what dlight's
+    ``ApplyDefaultSchedule`` makes of it: the first rule's schedule, marked scheduled; a function
+    scheduled before, or that no rule takes, as it is), so that a caller can compile the first
+    ones while the later ones are scheduled."""
+    rules = cpu_rules()
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        if not bool(func.attrs is not None and func.attrs.get("tirx.is_scheduled", False)):
+            sch = first_schedule(rules, func, target)
+            if sch is not None:
+                func = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+        yield gv, func
 
 
 def default_cpu_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:
