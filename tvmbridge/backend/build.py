@@ -304,15 +304,12 @@ def _compile(
         try:
             lowered = lower(mod, target, schedule, fuse, tuning, kernels.add if kernels else None)
             found = cached()
-        except BaseException:
+            if found is not None:
+                return found, True
+            return _codegen(lowered, target, kernels), False
+        finally:
             if kernels is not None:
-                kernels.cancel()
-            raise
-        if found is not None:
-            if kernels is not None:
-                kernels.cancel()
-            return found, True
-        return _codegen(lowered, target, kernels), False
+                kernels.cancel()  # a no-op once the executable has its libraries; else builds stop
 
     with stage_errors("build", what=f"compiling for {target.kind.name} failed"):
         if tuning_db is not None and schedule:
