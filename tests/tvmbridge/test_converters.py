@@ -116,3 +116,41 @@ def test_the_two_size_evaluators_agree():
     s0 = tvm.tirx.Var("s0", "int64")
     assert evaluate_dims((3, "2*s0 + 1"), {"s0": 5}) == (3, 11)
     assert evaluate_dim(s0 * 2 + 1, {"s0": 5}) == 11
+
+
+class RoundedDivisions(torch.nn.Module):
+    """Divisions with a rounding mode and a number beside a float tensor: a position table's
+    ``arange(d) // 2`` (timm's XCiT and EdgeNeXt), ``//`` and ``trunc`` of activations."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        table = torch.arange(8, dtype=h.dtype) // 2 + torch.arange(8, dtype=h.dtype) // 2.5
+        return h * table + torch.div(h * 3, 2, rounding_mode="trunc") + torch.div(7.0, h.abs() + 1, rounding_mode="floor")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_rounded_division_by_a_number_trains_as_pytorch(dtype):
+    """Converted in the tensor's dtype (the frontend's int64/float32 constant is refused beside
+    it), with the zero gradient PyTorch gives a rounded quotient."""
+    from tests.helpers import clone_module, max_errors, run_step
+    from tvmbridge import add_tvm_dispatch
+
+    torch.manual_seed(0)
+    model, x = RoundedDivisions(dtype), torch.randn(4, 8, dtype=dtype)
+    errs = max_errors(run_step(add_tvm_dispatch(clone_module(model), (x,)), (x,)), run_step(clone_module(model), (x,)))
+    assert max(errs.values()) < (1e-5 if dtype == torch.float32 else 1e-12), errs
+
+
+def test_a_half_precision_rounded_division_reads_the_number_in_float32():
+    """A bfloat16 ``x // 0.3`` as ATen computes it: both in float32 (0.3 not rounded to
+    bfloat16 first), one rounding of the quotient."""
+    from tvmbridge import add_tvm_dispatch
+
+    fn = Fn(lambda x: torch.div(x, 0.3, rounding_mode="floor") + torch.div(x, 0.3, rounding_mode="trunc"))
+    x = (torch.randn(64) * 20).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(add_tvm_dispatch(Fn(fn.fn), (x,))(x), fn(x))

@@ -1,10 +1,11 @@
 """Elementwise ops with PyTorch's gradient at their edges: ``hardtanh`` (and so ``relu6``,
-``hardswish``, ``hardsigmoid``), ``clamp`` with number or tensor bounds, ``elu``."""
+``hardswish``, ``hardsigmoid``), ``clamp`` with number or tensor bounds, ``elu``; and ``div``
+with a rounding mode and a number, in the dtype PyTorch computes it in."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -93,3 +94,36 @@ def elu_exact(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     expm1 = op.subtract(op.exp(op.multiply(neg, relax.const(in_scale, dtype))), relax.const(1.0, dtype))
     branch = op.multiply(expm1, relax.const(alpha * scale, dtype))
     return importer.block_builder.emit(op.where(positive, op.multiply(x, relax.const(scale, dtype)), branch))
+
+
+@converter("div.Tensor_mode", wraps_default=True)
+def div_rounding_number(importer: BridgeImporter, node: torch.fx.Node, default: Any) -> relax.Expr:
+    """``div(x, number, rounding_mode=...)`` (``x // 2`` on a float tensor, a position table's
+    ``arange(d) // 2``) computes, as ATen does, in the result's dtype with the number read at
+    that precision (a float16/bfloat16 result in float32, rounded once at the end); the frontend
+    makes the number an int64 or float32 constant beside a tensor of any dtype, which Relax
+    refuses. Two tensors, or an integer result, keep TVM's conversion."""
+    args, kwargs = args_of(node), kwargs_of(node)
+    given = {**dict(zip(("self", "other", "rounding_mode"), args)), **kwargs}
+    dtype = out_dtype(node)
+    numbers = [k for k in ("self", "other") if not isinstance(given[k], torch.fx.Node)]
+    if not numbers or not dtype.startswith(("float", "bfloat")):
+        return default(node)
+    compute = "float32" if dtype in ("float16", "bfloat16") else dtype
+    bb, op = importer.block_builder, relax.op
+
+    def operand(value: Any) -> relax.Expr:
+        if not isinstance(value, torch.fx.Node):
+            return relax.const(float(value), compute)
+        x = importer.env[value]
+        return x if str(x.ty.dtype) == compute else bb.emit(op.astype(x, compute))
+
+    x, y = operand(given["self"]), operand(given["other"])
+    mode = given.get("rounding_mode")
+    if mode == "floor":
+        out = bb.emit(op.floor_divide(x, y))
+    elif mode == "trunc":
+        out = bb.emit(op.trunc(op.divide(x, y)))
+    else:
+        out = bb.emit(op.divide(x, y))
+    return out if compute == dtype else bb.emit(op.astype(out, dtype))
