@@ -249,3 +249,35 @@ def test_a_symbolic_elementwise_kernel_vectorizes_its_trailing_static_axes():
     assert "T.vectorized" in tir and "T.parallel" in tir
     x = _x((2, 5, 8, 8))
     np.testing.assert_allclose(_run(mod, x), x * x + 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, y: y.expand(4, 64).contiguous(),  # an expand: the value is the same along the row
+        lambda x, y: torch.zeros_like(x) + y[0, 0],  # a fill from a scalar
+        lambda x, y: torch.floor(x * 0.5) + y,  # floor's zero gradient holds a bfloat16(0) constant
+    ],
+    ids=["expand", "fill", "floor"],
+)
+def test_a_low_precision_value_the_same_in_every_lane_builds_and_trains(fn, dtype):
+    """A bfloat16/float16 kernel whose vector would be broadcast from a scalar (TVM's bfloat16
+    storage legalization fails to build it vectorized) stays scalar, and trains as PyTorch."""
+    from tests.helpers import Fn, clone_module, max_errors, run_step
+    from tvmbridge import add_tvm_dispatch
+
+    x, y = (torch.randn(4, 64) * 20).to(dtype), torch.randn(4, 1).to(dtype)
+    module = Fn(fn)
+    errs = max_errors(run_step(add_tvm_dispatch(clone_module(module), (x, y)), (x, y)), run_step(module, (x, y)))
+    assert max(errs.values()) == 0, errs
+
+
+def test_a_low_precision_cast_that_varies_along_the_row_stays_vectorized():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8, 256), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.astype(relax.op.multiply(x, relax.const(2.0)), "bfloat16"))
+        bb.emit_func_output(out)
+    assert "T.vectorized" in _kernels(bb.get())

@@ -42,6 +42,7 @@ import math
 from collections.abc import Callable, Iterator
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -101,7 +102,7 @@ class Elementwise(CPUScheduleRule):
             return None
         n = _numel(sch, loops)
         lanes = _vec_lanes(target, sch, block)
-        if _selects(sch, block):  # see _selects: parallel, never vectorized
+        if _selects(sch, block) or _low_precision_broadcast(sch, block):  # parallel, never vectorized
             outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
             if n is None or n >= _MIN_PARALLEL:
                 sch.parallel(outer)
@@ -182,6 +183,34 @@ def _selects(sch: s_tir.Schedule, block) -> bool:
     over rows of 8) came out off by 1e29. Those kernels are copies bound by memory, so they stay
     scalar (and parallel)."""
     return "if_then_else" in str(sch.get(block))
+
+
+def _low_precision_broadcast(sch: s_tir.Schedule, block) -> bool:
+    """Whether ``block``'s value holds a bfloat16/float16 scalar, the same in every lane along its
+    innermost axis (an ``expand``, a broadcast bias, a constant fill, a zero gradient's
+    ``bfloat16(0)``): vectorized, that scalar becomes a vector broadcast from it, which TVM 0.27's
+    bfloat16 storage legalization leaves in bfloat16 while the buffer becomes uint16, and the
+    build fails ("dtype mismatch on BufferStore"). Such kernels stay scalar (and parallel)."""
+    stmt = sch.get(block)
+    store = stmt.body
+    if not isinstance(store, tirx.BufferStore):
+        return False
+    inner = stmt.iter_vars[-1].var
+
+    def lane_invariant_low(node: tirx.PrimExpr) -> bool:
+        return str(node.ty.dtype) in ("bfloat16", "float16") and not any(
+            v.same_as(inner) for v in tirx.analysis.undefined_vars(node)
+        )
+
+    found = [store.value] if lane_invariant_low(store.value) else []
+
+    def check(node: tirx.PrimExpr) -> tirx.PrimExpr:
+        if lane_invariant_low(node):
+            found.append(node)
+        return node
+
+    tvm_ffi.structural_map(store.value, [((tirx.FloatImm, tirx.Cast), check)])
+    return bool(found)
 
 
 def _tile_transpose(sch: s_tir.Schedule, block, loops: list, lanes: int):
