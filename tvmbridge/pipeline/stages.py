@@ -36,6 +36,7 @@ from ..partition.joint import count_primal_bindings, joint_graph
 from ..partition.policy import choose_captures
 from ..partition.split import split
 from ..passes import DecomposeForTraining, Dedup, ExternalizeRandom, Simplify, build_adjoint
+from ..passes.accumulation import LongSumsInFloat64
 from ..passes.low_precision import Float32Opmath
 from .artifacts import INPUTS, Artifacts, Stage
 
@@ -170,7 +171,11 @@ def _split(a: Artifacts) -> Artifacts:
 
 
 def _low_precision(a: Artifacts) -> Artifacts:
+    """Precision as eager's: bfloat16/float16 math in float32; on a CPU, long float32 sums in
+    float64 (TVM's CPU reductions add element after element; its GPU reductions are trees)."""
     halves = Float32Opmath()(a.halves)  # type: ignore[operator]  # module_pass: a pass constructor, unseen by mypy
+    if a.device is not None and a.device.type == "cpu":
+        halves = LongSumsInFloat64()(halves)  # type: ignore[operator]  # module_pass, as above
     return dataclasses.replace(a, halves=halves)
 
 
@@ -271,7 +276,7 @@ STAGES: tuple[Stage, ...] = (
         reads=("halves", "options", "device", "sizes"),
         writes=("halves", "gemm_choices"),
     ),
-    Stage("low_precision", _low_precision, lambda a: a.halves, reads=("halves",), writes=("halves",)),
+    Stage("low_precision", _low_precision, lambda a: a.halves, reads=("halves", "device"), writes=("halves",)),
     Stage("convolutions", _convolutions, lambda a: a.halves, reads=("halves", "options", "device"), writes=("halves",)),
     Stage("fast_math", _fast_math, lambda a: a.halves, reads=("halves", "options"), writes=("halves",)),
     Stage(
