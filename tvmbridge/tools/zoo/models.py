@@ -225,6 +225,9 @@ def _decoders() -> list[ZooEntry]:
         E("falcon", "decoder",
           hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
              num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1), clm),
+        E("gptj", "decoder", hf("GPTJForCausalLM", "GPTJConfig", **DEC, rotary_dim=4, n_positions=128), clm),
+        E("mamba", "decoder", hf("MambaForCausalLM", "MambaConfig", **DEC, state_size=4), clm,
+          note="a selective scan: a loop over the sequence, unrolled by the trace"),
         E("stablelm", "decoder",
           hf("StableLmForCausalLM", "StableLmConfig", **DEC, hidden_dropout=0.1, partial_rotary_factor=0.25), clm),
         E("mixtral", "decoder",
@@ -320,6 +323,8 @@ def _timm() -> list[ZooEntry]:
         ("vit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
         ("deit_tiny_patch16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=4)),
         ("mixer_s16_224", dict(TIMM_DROP, img_size=IMAGE)),
+        ("xcit_nano_12_p16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=2)),  # arange(d) // 2
+        ("cait_xxs24_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=2)),
     ]
     # fmt: on
     cnns: list[tuple[str, dict[str, Any]]] = [  # CNN_IMAGE: see there
@@ -336,6 +341,10 @@ def _timm() -> list[ZooEntry]:
         ("levit_128s", dict(TIMM_DROP, img_size=CNN_IMAGE)),
         ("mobilevit_xxs", TIMM_DROP),
         ("lcnet_050", TIMM_DROP),
+        ("hgnetv2_b0", dict(drop_rate=0.1)),  # a scalar scale's gradient: a sum over the whole batch
+        ("edgenext_xx_small", dict(drop_rate=0.1)),
+        ("fastvit_t8", dict(drop_rate=0.1)),
+        ("mobilenetv4_conv_small", dict(drop_rate=0.1)),
     ]
     specs = [(n, kw, IMAGE) for n, kw in transformers_] + [(n, kw, CNN_IMAGE) for n, kw in cnns]
     return [
