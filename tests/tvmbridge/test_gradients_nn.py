@@ -268,6 +268,33 @@ def test_negative_indices_read_from_the_end():
         m(X3[0], torch.tensor([0, -5]))
 
 
+I4, J4 = torch.tensor([0, 2, 3, 1]), torch.tensor([1, 1, 4, 0])
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, i, j: x[:, :, i, j],  # zipped: one element per pair
+    lambda x, i, j: x[:, :, i[:, None], j[None, :]],  # an outer product by broadcasting
+    lambda x, i, j: x[:, :, i[None, :], j[:, None]],  # the same, transposed
+    lambda x, i, j: x[:, :, i.view(2, 2), j.view(2, 2)],
+    lambda x, i, j: x[:, i % 4, :, j],  # apart: the indexed dims go in front
+    lambda x, i, j: x[i % 2, j % 4],  # leading axes
+    lambda x, i, j: x[:, :, -i - 1, j - 6],  # from the end
+    lambda x, i, j: x.sum(1)[torch.arange(2), (x[:, 0, :, 0] > 0).sum(-1) - 1],  # a classifier's last token
+], ids=["zip", "outer", "outer_transposed", "zip_2d", "apart", "leading", "negative", "last_token"])
+def test_several_index_tensors_read_as_pytorch_reads(fn):
+    """``x[..., i, j]`` with two index tensors broadcast together: the frontend took an outer
+    product of some (a transposed result, which the first-call check then sent to PyTorch), could
+    not convert others and had no gradient for the rest."""
+    check(Fn(fn), X4, I4, J4)
+
+
+def test_several_index_tensors_out_of_range_raise_like_pytorch():
+    m = Fn(lambda x, i, j: x[:, :, i, j])
+    add_tvm_dispatch(m, (X4, I4, J4))
+    with pytest.raises(IndexError):
+        m(X4, I4, torch.tensor([1, 6, 0, 0]))
+
+
 def test_unconverted_outputs_of_multi_output_ops_are_refused():
     """``native_layer_norm``'s mean and rstd: the frontend converts the op to its first output
     and its ``getitem`` then returns that for every index (a silently wrong value)."""

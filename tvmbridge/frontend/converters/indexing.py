@@ -113,9 +113,62 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
         saved[idx_node] = importer.env[idx_node]
         importer.env[idx_node] = bb.emit(op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx))
     try:
-        return default(node)
+        joint = _joint_index(importer, node, x, list(args[1]))
+        return joint if joint is not None else default(node)
     finally:
         importer.env.update(saved)
+
+
+def _joint_index(
+    importer: BridgeImporter, node: torch.fx.Node, x: relax.Expr, indices: list[torch.fx.Node | None]
+) -> relax.Expr | None:
+    """Two or more integer index tensors (``x[rows, cols]``, a sequence classifier's
+    ``logits[arange(b), last]``, ``x[:, :, i, j]``): PyTorch broadcasts them together and reads
+    one element per broadcast position, the result's indexed dims where the first indexed axis
+    was if the indexed axes are adjacent, else in front. The frontend's conversion took the
+    outer product of some (a transposed or wrong-shaped result) and had no gradient for the
+    rest. Here: the indexed axes moved to the front and flattened, one ``take`` at the linear
+    index (the embedding's gradient), the dims put where PyTorch puts them. None where another
+    conversion applies (one index, a mask, a size known only at run time)."""
+    axes = [a for a, i in enumerate(indices) if i is not None]
+    metas = [getattr(indices[a], "meta", {}).get("val") for a in axes]
+    shape = list(x.ty.shape) if x.ty.shape is not None else []
+    vals = [v for v in metas if isinstance(v, torch.Tensor) and v.dtype not in (torch.bool, torch.uint8)]
+    if len(axes) < 2 or len(vals) != len(axes):
+        return None
+    sizes = [shape[a] for a in axes]
+    if not all(isinstance(d, tvm.tirx.IntImm) for d in sizes) or any(
+        not all(isinstance(d, int) for d in v.shape) for v in vals
+    ):
+        return None
+    bb, op = importer.block_builder, relax.op
+    common = list(torch.broadcast_shapes(*(tuple(v.shape) for v in vals)))
+    linear: relax.Expr | None = None
+    for k, a in enumerate(axes):
+        stride = math.prod(int(d) for d in sizes[k + 1 :])
+        term = op.broadcast_to(op.astype(importer.env[indices[a]], "int64"), common)
+        term = term if stride == 1 else op.multiply(term, relax.const(stride, "int64"))
+        linear = term if linear is None else op.add(linear, term)
+    assert linear is not None
+    linear = bb.emit(linear)
+    others = [a for a in range(len(shape)) if a not in axes]
+    moved = bb.emit(op.permute_dims(x, axes + others)) if axes + others != list(range(len(shape))) else x
+    rows = math.prod(int(d) for d in sizes)
+    table = bb.emit(op.reshape(moved, [rows] + [shape[a] for a in others]))
+    taken = bb.emit(op.take(table, bb.emit(op.reshape(linear, [-1])), axis=0, mode="clip"))
+    out = bb.emit(op.reshape(taken, common + [shape[a] for a in others]))
+    before = [a for a in others if a < axes[0]]
+    if axes == list(range(axes[0], axes[-1] + 1)) and before:  # adjacent: the dims go where the axes were
+        nb, nbefore = len(common), len(before)
+        order = list(range(nb, nb + nbefore)) + list(range(nb)) + list(range(nb + nbefore, nb + len(others)))
+        out = bb.emit(op.permute_dims(out, order))
+    expected = [int(d) for d in node.meta["val"].shape] if "val" in node.meta else None
+    got = [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in out.ty.shape]
+    if expected is not None and None not in got and got != expected:
+        raise UnsupportedOpError(
+            "convert", f"x[indices] came out {got}, PyTorch's is {expected}: please report this", op="index.Tensor"
+        )
+    return out
 
 
 @converter("index_put.default", wraps_default=True)
