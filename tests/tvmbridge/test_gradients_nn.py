@@ -420,3 +420,27 @@ def test_a_case_no_formula_covers_is_refused_naming_the_op():
 def test_topk_gradient_goes_back_where_the_values_were_read(fn):
     """A mixture-of-experts router's top-k weights (Relax has no topk gradient)."""
     check(Fn(fn), X3)
+
+
+# --- recurrent layers ----------------------------------------------------------------------------
+class Recurrent(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(7, 5, batch_first=True),
+    lambda: nn.LSTM(7, 5, batch_first=True, bidirectional=True),
+    lambda: nn.LSTM(7, 5),
+    lambda: nn.GRU(7, 5, batch_first=True),
+], ids=["lstm", "lstm_bidirectional", "lstm_seq_first", "gru"])
+def test_recurrent_layers_train(make):
+    """The frontend stacks the steps' outputs (``relax.stack``, which had no gradient: an LSTM
+    was refused; timm's Sequencer too)."""
+    torch.manual_seed(0)
+    check(Recurrent(make()), randn(2, 5, 7))

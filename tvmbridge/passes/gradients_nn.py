@@ -277,3 +277,17 @@ def pad_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder
     axes = list(range(len(dims)))
     grad = op.strided_slice(output_grad, axes, before, [b + d for b, d in zip(before, dims)])
     return [grad] + [no_grad(a) for a in orig_call.args[1:]]
+
+
+@gradient("relax.stack")
+def stack_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """``stack``: the output's gradient split along the new axis, each part squeezed back to its
+    input's shape (TVM has none; the frontend stacks an LSTM's steps, timm's Sequencer)."""
+    fields = orig_call.args[0].ty.fields
+    axis = int(orig_call.attrs.axis) % len(orig_var.ty.shape) if orig_call.attrs.axis is not None else 0
+    parts = output_grad if len(fields) == 1 else emit(ctx, op.split(output_grad, len(fields), axis))
+    grads = [
+        emit(ctx, op.squeeze(parts if len(fields) == 1 else emit(ctx, relax.TupleGetItem(parts, i)), [axis]))
+        for i in range(len(fields))
+    ]
+    return [relax.Tuple(grads)]
