@@ -463,3 +463,44 @@ def test_boolean_mask_writes_train_as_eager() -> None:
             (model(x, mask) * torch.linspace(-1, 1, 6)).sum().backward()
         _assert_same(_grads(m), _grads(ref))
     assert m._tvm_dispatch.calls_tvm == 3
+
+
+class SharedEncoding(torch.nn.Module):
+    """One submodule registered under two paths (timm's CoaT shares a position encoding between
+    its blocks), and a tied weight, with a BatchNorm so that buffers are swapped as well."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoding = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+        self.blocks = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+        for block in self.blocks:
+            block.encoding = self.encoding
+        self.head = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8, bias=False)
+        self.out.weight = self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block.encoding(x)
+        return self.out(torch.relu(self.head(x)))
+
+
+def test_a_submodule_registered_twice_keeps_its_own_tensors_and_trains() -> None:
+    """The trace swaps the module's tensors for fake ones and back; torch's ``functional_call``
+    put the fake ones back at a path registered twice, so the next call read fake parameters."""
+    torch.manual_seed(0)
+    model, x = SharedEncoding(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    before = {n: t for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]}
+    add_tvm_dispatch(model, (x,))
+    after = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers()])
+    assert all(after[n] is t for n, t in before.items()), [n for n, t in before.items() if after[n] is not t]
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x * (step + 1)).square().mean().backward()
+            o.step()
+    for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), n
+    assert model.blocks[1].encoding[0].weight is model.encoding[0].weight

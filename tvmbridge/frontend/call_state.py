@@ -1,9 +1,13 @@
 """What a compiled call depends on besides its tensors: the module's state (parameters and
-buffers, each tied tensor once, in input order) and the autocast in effect."""
+buffers, each tied tensor once, in input order; swapped for other tensors around a call) and
+the autocast in effect."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,3 +86,34 @@ class ModuleState:
         except AttributeError:
             return None
         return sub._parameters.get(leaf) if leaf in sub._parameters else sub._buffers.get(leaf)
+
+
+@contextlib.contextmanager
+def swapped_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``module``'s parameters and buffers named in ``state`` replaced by those tensors for the
+    block (at every path holding the same tensor: tied weights, a submodule registered twice),
+    each restored once after; names the module lacks are ignored. ``torch.func.functional_call``
+    with ``tie_weights`` restores a submodule registered under two paths (timm's CoaT shares its
+    position encodings between blocks) to the tensor it swapped in, so a trace left the user's
+    module holding fake tensors."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    current = dict(named)
+    paths_of: dict[int, list[str]] = {}
+    for path, tensor in named:
+        paths_of.setdefault(id(tensor), []).append(path)
+    slots: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
+    for name, value in state.items():
+        if name not in current:
+            continue
+        for path in paths_of[id(current[name])]:
+            prefix, _, attr = path.rpartition(".")
+            owner = module.get_submodule(prefix)
+            table: dict[str, Any] = owner._parameters if attr in owner._parameters else owner._buffers
+            if (id(owner), attr) not in slots:
+                slots[(id(owner), attr)] = (table, attr, table[attr])
+                table[attr] = value
+    try:
+        yield
+    finally:
+        for table, attr, original in slots.values():
+            table[attr] = original

@@ -2,11 +2,12 @@
 
 The call is first put in canonical form (``signature``); its non-tensor leaves are bound as
 constants (:class:`FlatCall`). The module's state (parameters and buffers, each tied tensor once)
-becomes ordinary inputs after the call's tensors, through ``torch.func.functional_call``: nothing
-is compiled in as a constant, so ``load_state_dict``, an optimizer step or a replaced
-``Parameter`` is seen by the next call. Buffers the call updates in place (BatchNorm's running
-statistics in train mode) come back as extra outputs, after the module's own. What the export
-learned is kept in :class:`TracedModule` for the guard and the runtime.
+becomes ordinary inputs after the call's tensors, swapped in for the call
+(``call_state.swapped_state``): nothing is compiled in as a constant, so ``load_state_dict``, an
+optimizer step or a replaced ``Parameter`` is seen by the next call. Buffers the call updates in
+place (BatchNorm's running statistics in train mode) come back as extra outputs, after the
+module's own. What the export learned is kept in :class:`TracedModule` for the guard and the
+runtime.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from ..errors import ConversionError, describe
-from .call_state import AutocastState, ModuleState
+from .call_state import AutocastState, ModuleState, swapped_state
 from .custom_functions import custom_functions_seen
 from .decompositions import decomposition_table
 from .digest import program_digest
@@ -177,7 +178,8 @@ class FlatCall(torch.nn.Module):
         values = dict(zip(self.state.names, tensors[len(self.slots) :]))
         for name in self.updated:
             values[name] = values[name].clone()
-        out = torch.func.functional_call(self.inner, values, args, kwargs, tie_weights=True, strict=False)
+        with swapped_state(self.inner, values):
+            out = self.inner(*args, **kwargs)
         out_leaves, self.seen.out_spec = flatten_output(out)
         return (*out_leaves, *(values[n] for n in self.updated), *(user[j] for j in self.updated_inputs))
 

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.nn.utils.stateless import _reparametrize_module
 
-from ..frontend.call_state import AutocastState
+from ..frontend.call_state import AutocastState, swapped_state
 from ..frontend.outputs import flatten_output
 from .locks import TRACING
 
@@ -89,7 +88,7 @@ class EagerForward:
             with (
                 TRACING.writing(),
                 AutocastState.entered(None if full_precision else traced.autocast, compiled.device.type),
-                _reparametrize_module(self.module, state, tie_weights=True, strict=False),
+                swapped_state(self.module, state),
             ):
                 out = self(*args, **kwargs)
         finally:

@@ -1,8 +1,8 @@
 """The lock between dispatched calls and tracing.
 
-While ``torch.export`` traces, it patches ``nn.Module.__call__`` for the whole process and
-``functional_call`` swaps the module's tensors for fake ones: a call in another thread would run
-inside the tracer or read fake parameters. So compiles (and the eager re-run of a double
+While ``torch.export`` traces, it patches ``nn.Module.__call__`` for the whole process and the
+trace (``call_state.swapped_state``) swaps the module's tensors for fake ones: a call in another
+thread would run inside the tracer or read fake parameters. So compiles (and the eager re-run of a double
 backward) take :data:`TRACING` for writing, calls read the module's state under it for reading,
 and a call that is about to run PyTorch's forward first waits for any trace in another thread.
 """
