@@ -178,6 +178,8 @@ def _text_encoders() -> list[ZooEntry]:
              pos_att_type=["p2c", "c2p"], max_relative_positions=-1), mlm_batch()),
         E("mpnet-mlm", "text-encoder", hf("MPNetForMaskedLM", "MPNetConfig", **dict(ROBERTA, type_vocab_size=None)),
           mlm_batch(pad=1, token_types=False)),
+        E("convbert-mlm", "text-encoder", hf("ConvBertForMaskedLM", "ConvBertConfig", **ENC, embedding_size=32),
+          mlm_batch(), note="span-based dynamic convolution: x[..., i, j] with two index tensors"),
         E("modernbert-mlm", "text-encoder",
           hf("ModernBertForMaskedLM", "ModernBertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
              num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128, pad_token_id=0,
@@ -208,6 +210,9 @@ def _decoders() -> list[ZooEntry]:
                                   sliding_window=8), clm),
         E("gpt2", "decoder", hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                                 n_positions=128, bos_token_id=0, eos_token_id=0), clm),
+        E("gpt2-cls", "decoder", hf("GPT2ForSequenceClassification", "GPT2Config", vocab_size=VOCAB, n_embd=32,
+                                    n_layer=2, n_head=4, n_positions=128, pad_token_id=0, num_labels=3),
+          cls_batch(token_types=False), note="the last real token's logits: logits[arange(b), last]"),
         E("gpt-neo", "decoder",
           hf("GPTNeoForCausalLM", "GPTNeoConfig", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
              intermediate_size=64, attention_types=[[["global", "local"], 1]], window_size=8,
@@ -341,7 +346,9 @@ def _timm() -> list[ZooEntry]:
         ("levit_128s", dict(TIMM_DROP, img_size=CNN_IMAGE)),
         ("mobilevit_xxs", TIMM_DROP),
         ("lcnet_050", TIMM_DROP),
-        ("hgnetv2_b0", dict(drop_rate=0.1)),  # a scalar scale's gradient: a sum over the whole batch
+        ("hgnetv2_b0", dict(drop_rate=0.1)),
+        ("coat_tiny", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # a submodule registered under two paths
+        ("sequencer2d_s", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # LSTMs  # a scalar scale's gradient: a sum over the whole batch
         ("edgenext_xx_small", dict(drop_rate=0.1)),
         ("fastvit_t8", dict(drop_rate=0.1)),
         ("mobilenetv4_conv_small", dict(drop_rate=0.1)),
