@@ -25,13 +25,13 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Generic, TypeVar
+
+from .caches import CACHES
 
 T = TypeVar("T")
 FORMAT = 2
@@ -91,52 +91,9 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-_WRITER_LOCK = threading.Lock()
-_WRITER: ThreadPoolExecutor | None = None
-_PENDING: dict[Path, list[Future]] = {}  # directory -> writes submitted and not yet waited for
-
-
-def _writer() -> ThreadPoolExecutor:
-    """One thread for every background write (created on first use; joined at interpreter exit,
-    as ``concurrent.futures`` joins its workers, so a process that ends right after compiling
-    still leaves whole entries)."""
-    global _WRITER
-    if _WRITER is None:
-        _WRITER = ThreadPoolExecutor(1, thread_name_prefix="tvmbridge-cache-writer")
-    return _WRITER
-
-
-def _forget_writer_in_child() -> None:
-    """A forked child (a DataLoader worker) has no writer thread: it starts afresh, and the parent
-    finishes the writes it submitted."""
-    global _WRITER, _WRITER_LOCK
-    _WRITER, _WRITER_LOCK = None, threading.Lock()
-    _PENDING.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_writer_in_child)
-
-_IN_WRITER = threading.local()  # set in the writer thread: its own store's eviction waits for nothing
-
-
 def wait_for_writes(root: Path | None = None) -> None:
-    """Block until the background writes into ``root`` (every directory: None) are done. In the
-    writer thread itself nothing is waited for: the writes before the running one are done (one
-    thread, in order), and the running one is the caller."""
-    if getattr(_IN_WRITER, "active", False):
-        return
-    with _WRITER_LOCK:
-        futures = [f for r in (list(_PENDING) if root is None else [root]) for f in _PENDING.get(r, [])]
-    for future in futures:
-        future.result()  # store() itself warns and returns False on failure; nothing raises here
-    with _WRITER_LOCK:  # done ones forgotten (kept until now: a second reader waits for them too)
-        for r in list(_PENDING):
-            left = [f for f in _PENDING[r] if not f.done()]
-            if left:
-                _PENDING[r] = left
-            else:
-                del _PENDING[r]
+    """Block until the background writes into ``root`` (every directory: None) are done."""
+    CACHES.writes.wait(root)
 
 
 class DiskCache(Generic[T]):
@@ -226,13 +183,7 @@ class DiskCache(Generic[T]):
         """:meth:`store` in the background writer thread. ``value`` must not change afterwards
         (hand it something the caller no longer mutates)."""
 
-        def write() -> bool:
-            _IN_WRITER.active = True
-            return self.store(key, value)
-
-        with _WRITER_LOCK:
-            future = _writer().submit(write)
-            _PENDING[self.root] = [f for f in _PENDING.get(self.root, []) if not f.done()] + [future]
+        CACHES.writes.submit(self.root, lambda: self.store(key, value))
 
     def entries(self) -> list[tuple[float, int, str]]:
         """(last use, bytes, key) of each whole entry, least recently used first."""
