@@ -187,28 +187,23 @@ def _selects(sch: s_tir.Schedule, block) -> bool:
 
 def _low_precision_broadcast(sch: s_tir.Schedule, block) -> bool:
     """Whether ``block``'s value holds a bfloat16/float16 scalar, the same in every lane along its
-    innermost axis (an ``expand``, a broadcast bias, a constant fill, a zero gradient's
-    ``bfloat16(0)``): vectorized, that scalar becomes a vector broadcast from it, which TVM 0.27's
-    bfloat16 storage legalization leaves in bfloat16 while the buffer becomes uint16, and the
-    build fails ("dtype mismatch on BufferStore"). Such kernels stay scalar (and parallel)."""
+    innermost axis (an ``expand``, a constant fill, a zero gradient's ``bfloat16(0)``): vectorized,
+    it is broadcast, which TVM 0.27's bfloat16 storage legalization leaves in bfloat16 while the
+    buffer becomes uint16 ("dtype mismatch on BufferStore"). Such kernels stay scalar."""
     stmt = sch.get(block)
-    store = stmt.body
+    store, inner = stmt.body, stmt.iter_vars[-1].var
     if not isinstance(store, tirx.BufferStore):
         return False
-    inner = stmt.iter_vars[-1].var
-
-    def lane_invariant_low(node: tirx.PrimExpr) -> bool:
-        return str(node.ty.dtype) in ("bfloat16", "float16") and not any(
-            v.same_as(inner) for v in tirx.analysis.undefined_vars(node)
-        )
-
-    found = [store.value] if lane_invariant_low(store.value) else []
+    found: list[tirx.PrimExpr] = []
 
     def check(node: tirx.PrimExpr) -> tirx.PrimExpr:
-        if lane_invariant_low(node):
+        if str(node.ty.dtype) in ("bfloat16", "float16") and not any(
+            v.same_as(inner) for v in tirx.analysis.undefined_vars(node)
+        ):
             found.append(node)
         return node
 
+    check(store.value)
     tvm_ffi.structural_map(store.value, [((tirx.FloatImm, tirx.Cast), check)])
     return bool(found)
 
