@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -504,3 +505,27 @@ def test_a_submodule_registered_twice_keeps_its_own_tensors_and_trains() -> None
     for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), n
     assert model.blocks[1].encoding[0].weight is model.encoding[0].weight
+
+
+@pytest.mark.parametrize(
+    "like",
+    [torch.zeros_like, torch.ones_like, lambda x: torch.full_like(x, 3.0), lambda x: x.new_zeros(x.shape)],
+    ids=["zeros_like", "ones_like", "full_like", "new_zeros"],
+)
+def test_an_input_read_only_for_its_shape_keeps_grad_none(like) -> None:
+    """``zeros_like(x) + y``: PyTorch gives ``x`` no gradient; the compiled backward handed back
+    zeros, and the first-call check discarded the variant (PyTorch ran every call after)."""
+    from tvmbridge.errors import VerificationWarning
+
+    class Mixed(torch.nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return like(x) * y + y
+
+    x, y = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    module = add_tvm_dispatch(Mixed(), (x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VerificationWarning)
+        out = module(x, y)
+        out.sum().backward()
+    assert type(out.grad_fn).__name__ == "TVMFunctionBackward"
+    assert x.grad is None and torch.equal(y.grad, like(x).detach() + 1)

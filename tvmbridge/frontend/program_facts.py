@@ -30,12 +30,20 @@ def constant_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[in
     return frozenset(found)
 
 
+# ops that read only their input's shape, dtype and device (ATen's derivatives list them as not
+# differentiable): ``zeros_like(x) + y`` leaves ``x.grad`` None
+_METADATA_ONLY = frozenset(
+    f"{op}.default"
+    for op in ("full_like", "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "randint_like")
+) | frozenset({"new_zeros.default", "new_ones.default", "new_empty.default", "new_full.default"})
+
+
 def passes_no_gradient(node: torch.fx.Node) -> bool:
-    """Ops whose backward PyTorch leaves undefined for their inputs: ``detach``, and
-    ``linalg_vector_norm`` with ``ord=0`` (a count of nonzeros), so an input reached only
-    through them keeps ``.grad`` None."""
+    """Ops whose backward PyTorch leaves undefined for their inputs: ``detach``, the ``*_like``
+    constructors, and ``linalg_vector_norm`` with ``ord=0`` (a count of nonzeros), so an input
+    reached only through them keeps ``.grad`` None."""
     name = getattr(node.target, "__name__", "")
-    if name == "detach.default":
+    if name == "detach.default" or name in _METADATA_ONLY:
         return True
     if name == "linalg_vector_norm.default":
         ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
