@@ -8,11 +8,6 @@ entry or the new one, never half of either. An entry that does not match its rec
 ``read`` cannot use, is a warning, is removed, and counts as absent. After a write the least
 recently used entries go until the directory is within its bound.
 
-A write can also run behind the caller (:meth:`DiskCache.store_later`): a compile hands its result
-to one writer thread and returns, and the serialization (TVM's, which releases the GIL) overlaps
-the first training step. Reads, evictions and removals in that directory wait for its pending
-writes first, and the interpreter waits for them at exit.
-
 Keys are digests of everything the payload depends on (the caller's business): an entry is never
 stale, a changed input is another key.
 """
@@ -30,8 +25,6 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
-
-from .caches import CACHES
 
 T = TypeVar("T")
 FORMAT = 2
@@ -91,11 +84,6 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def wait_for_writes(root: Path | None = None) -> None:
-    """Block until the background writes into ``root`` (every directory: None) are done."""
-    CACHES.writes.wait(root)
-
-
 class DiskCache(Generic[T]):
     """Entries by key in ``root``: ``write(value, path)`` makes a payload file, ``read(path)``
     makes the value back (raising on anything it cannot use). ``what`` names the entries in
@@ -128,7 +116,6 @@ class DiskCache(Generic[T]):
 
     def load(self, key: str) -> T | None:
         """The stored value, or None (absent; a damaged entry is removed, with a warning)."""
-        wait_for_writes(self.root)
         if not self._record(key).is_file():
             return None
         payload = self.root / f"{key}{self.suffix}"
@@ -179,15 +166,8 @@ class DiskCache(Generic[T]):
         self.evict()
         return True
 
-    def store_later(self, key: str, value: T) -> None:
-        """:meth:`store` in the background writer thread. ``value`` must not change afterwards
-        (hand it something the caller no longer mutates)."""
-
-        CACHES.writes.submit(self.root, lambda: self.store(key, value))
-
     def entries(self) -> list[tuple[float, int, str]]:
         """(last use, bytes, key) of each whole entry, least recently used first."""
-        wait_for_writes(self.root)
         out = []
         for record in self.root.glob("*.json"):
             try:
@@ -219,7 +199,6 @@ class DiskCache(Generic[T]):
 
     def remove(self, key: str) -> None:
         """The entry gone (if there is one)."""
-        wait_for_writes(self.root)
         self._remove(key)
 
     def _remove(self, key: str) -> None:

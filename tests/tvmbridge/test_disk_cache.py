@@ -84,7 +84,6 @@ def test_without_a_stored_result_the_executable_is_found_after_lowering(cache_di
 
     model, x = _model(), torch.randn(4, 16)
     _dispatched(model, x)
-    disk_cache.wait_for_writes()
     shutil.rmtree(cache_dir.parent / "compiles")
     monkeypatch.setattr(backend_build, "_codegen", lambda *a: pytest.fail("generated code for a stored executable"))
     module, compiled = _dispatched(model, x)
@@ -278,39 +277,3 @@ def test_the_dropout_mask_kernel_is_built_once_per_machine(cache_dir, monkeypatc
     finally:
         mt19937._kernel.cache_clear()
         mt19937.kernel_works.cache_clear()
-
-
-def _text_cache(root: Path, write=None) -> disk_cache.DiskCache:
-    return disk_cache.DiskCache(
-        root, ".txt", write or (lambda value, path: Path(path).write_text(value)), lambda p: p.read_text(), "text entry"
-    )
-
-
-def test_a_write_behind_the_caller_is_waited_for_by_every_reader(tmp_path):
-    """``store_later`` returns while its write is still running; a load in that directory (here
-    through another cache object, as a second compile makes) waits for it and finds the entry,
-    and removing it afterwards leaves nothing."""
-    started, release = threading.Event(), threading.Event()
-
-    def slow_write(value: str, path: str) -> None:
-        started.set()
-        assert release.wait(30)
-        Path(path).write_text(value)
-
-    _text_cache(tmp_path, slow_write).store_later("k" * 64, "written later")
-    assert started.wait(30)
-    assert not (tmp_path / ("k" * 64 + ".json")).exists()  # the caller is already back
-    threading.Timer(0.2, release.set).start()
-    assert _text_cache(tmp_path).load("k" * 64) == "written later"
-    _text_cache(tmp_path).remove("k" * 64)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
-
-
-def test_a_failing_write_behind_the_caller_is_a_warning_and_no_entry(tmp_path):
-    def failing_write(value: str, path: str) -> None:
-        raise OSError("disk full")
-
-    _text_cache(tmp_path, failing_write).store_later("f" * 64, "lost")
-    with pytest.warns(UserWarning, match="could not store the text entry.*disk full"):
-        disk_cache.wait_for_writes(tmp_path)
-    assert _text_cache(tmp_path).load("f" * 64) is None

@@ -134,8 +134,8 @@ def compile_result(
         shown_rest = {"fast_math": done.halves, **shown_rest}
     else:
         done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:])
-        if disk is not None:  # written behind the caller: the first step need not wait for it
-            disk.store_artifacts_later(disk_key, done)
+        if disk is not None:
+            disk.store(disk_key, done)
     seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
     release_program(done.traced)
     assert done.traced is not None and done.device is not None and done.gradient is not None and done.split is not None

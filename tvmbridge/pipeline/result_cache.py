@@ -12,7 +12,6 @@ joint graph is one var again after loading.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -82,31 +81,14 @@ class _Unpickler(pickle.Unpickler):
         return self.objects[pid]
 
 
-@dataclasses.dataclass(frozen=True)
-class Pickled:
-    """The :data:`STORED` fields pickled, the TVM objects they name set aside (immutable, so the
-    JSON of them can be written later, in another thread)."""
-
-    data: bytes
-    objects: list[tvm_ffi.Object]
-
-    def to_bytes(self) -> bytes:
-        """A pickle, then the JSON of the TVM objects it names."""
-        objects = tvm.ir.save_json(tvm.runtime.convert(self.objects)).encode()
-        return len(self.data).to_bytes(8, "little") + self.data + objects
-
-
-def pickled(artifacts: Artifacts) -> Pickled:
-    """The Python side of an entry, made now (the artifacts' lists and dicts as they are)."""
+def dumps(artifacts: Artifacts) -> bytes:
+    """The :data:`STORED` fields as bytes: a pickle, then the JSON of the TVM objects it names."""
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump({name: getattr(artifacts, name) for name in STORED})
-    return Pickled(buf.getvalue(), pickler.objects)
-
-
-def dumps(artifacts: Artifacts) -> bytes:
-    """The :data:`STORED` fields as bytes."""
-    return pickled(artifacts).to_bytes()
+    objects = tvm.ir.save_json(tvm.runtime.convert(pickler.objects)).encode()
+    data = buf.getvalue()
+    return len(data).to_bytes(8, "little") + data + objects
 
 
 def loads(blob: bytes) -> dict[str, Any]:
@@ -133,8 +115,8 @@ def result_key(fingerprint: str, artifacts: Artifacts) -> str:
     return h.hexdigest()
 
 
-def _write(value: Artifacts | Pickled, path: str) -> None:
-    Path(path).write_bytes((value if isinstance(value, Pickled) else pickled(value)).to_bytes())
+def _write(artifacts: Artifacts, path: str) -> None:
+    Path(path).write_bytes(dumps(artifacts))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -146,8 +128,3 @@ class ResultCache(DiskCache[Any]):
 
     def __init__(self, root: Path | None = None, limit: int | None = None) -> None:
         super().__init__(root or cache_dir() / "compiles", ".pkl", _write, _read, "compile result", limit)
-
-    def store_artifacts_later(self, key: str, artifacts: Artifacts) -> None:
-        """The entry pickled now, its TVM objects' JSON (most of the time, outside the GIL) and
-        the file written by the background writer."""
-        self.store_later(key, pickled(artifacts))

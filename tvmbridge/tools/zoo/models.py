@@ -348,7 +348,10 @@ def _timm() -> list[ZooEntry]:
         ("lcnet_050", TIMM_DROP),
         ("hgnetv2_b0", dict(drop_rate=0.1)),
         ("coat_tiny", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # a submodule registered under two paths
-        ("sequencer2d_s", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # LSTMs  # a scalar scale's gradient: a sum over the whole batch
+        (
+            "sequencer2d_s",
+            dict(drop_rate=0.1, img_size=CNN_IMAGE),
+        ),  # LSTMs  # a scalar scale's gradient: a sum over the whole batch
         ("edgenext_xx_small", dict(drop_rate=0.1)),
         ("fastvit_t8", dict(drop_rate=0.1)),
         ("mobilenetv4_conv_small", dict(drop_rate=0.1)),
