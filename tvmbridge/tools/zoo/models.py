@@ -346,12 +346,9 @@ def _timm() -> list[ZooEntry]:
         ("levit_128s", dict(TIMM_DROP, img_size=CNN_IMAGE)),
         ("mobilevit_xxs", TIMM_DROP),
         ("lcnet_050", TIMM_DROP),
-        ("hgnetv2_b0", dict(drop_rate=0.1)),
+        ("hgnetv2_b0", dict(drop_rate=0.1)),  # a scalar scale's gradient: a sum over the whole batch
         ("coat_tiny", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # a submodule registered under two paths
-        (
-            "sequencer2d_s",
-            dict(drop_rate=0.1, img_size=CNN_IMAGE),
-        ),  # LSTMs  # a scalar scale's gradient: a sum over the whole batch
+        ("sequencer2d_s", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # LSTMs
         ("edgenext_xx_small", dict(drop_rate=0.1)),
         ("fastvit_t8", dict(drop_rate=0.1)),
         ("mobilenetv4_conv_small", dict(drop_rate=0.1)),
