@@ -424,23 +424,41 @@ def test_topk_gradient_goes_back_where_the_values_were_read(fn):
 
 # --- recurrent layers ----------------------------------------------------------------------------
 class Recurrent(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
+    """The layer's output, or its final states (``_, (h, c) = lstm(x)``), or all three."""
+
+    def __init__(self, layer: nn.Module, returns: str = "output") -> None:
         super().__init__()
-        self.layer = layer.double()
+        self.layer, self.returns = layer.double(), returns
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         out = self.layer(x)
-        return out[0] if isinstance(out, tuple) else out
+        if not isinstance(out, tuple):
+            return out
+        states = out[1] if isinstance(out[1], tuple) else (out[1],)
+        return {"output": out[0], "states": states, "all": (out[0], *states)}[self.returns]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: nn.LSTM(7, 5, batch_first=True),
-    lambda: nn.LSTM(7, 5, batch_first=True, bidirectional=True),
-    lambda: nn.LSTM(7, 5),
-    lambda: nn.GRU(7, 5, batch_first=True),
-], ids=["lstm", "lstm_bidirectional", "lstm_seq_first", "gru"])
-def test_recurrent_layers_train(make):
+@pytest.mark.parametrize("make,returns", [
+    (lambda: nn.LSTM(7, 5, batch_first=True), "output"),
+    (lambda: nn.LSTM(7, 5, batch_first=True, bidirectional=True), "all"),
+    (lambda: nn.LSTM(7, 5), "states"),
+    (lambda: nn.LSTM(7, 5, num_layers=3, bidirectional=True, batch_first=True), "all"),
+    (lambda: nn.LSTM(7, 5, num_layers=2, bias=False), "states"),
+    (lambda: nn.GRU(7, 5, batch_first=True), "output"),
+], ids=["lstm", "lstm_bidirectional", "lstm_states", "lstm_3_layers", "lstm_2_layers_no_bias", "gru"])
+def test_recurrent_layers_train(make, returns):
     """The frontend stacks the steps' outputs (``relax.stack``, which had no gradient: an LSTM
-    was refused; timm's Sequencer too)."""
+    was refused; timm's Sequencer too), and its LSTM converter took one layer and gave no final
+    states (``_, (h, c) = lstm(x)`` and stacked LSTMs were refused)."""
     torch.manual_seed(0)
-    check(Recurrent(make()), randn(2, 5, 7))
+    check(Recurrent(make(), returns), randn(2, 5, 7))
+
+
+def test_lstm_with_initial_states_and_what_is_refused():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(7, 5, num_layers=2, batch_first=True).double()
+    check(Fn(lambda x, h, c: lstm(x, (h, c))[1][0]), randn(2, 5, 7), randn(2, 2, 5, seed=1), randn(2, 2, 5, seed=2))
+    for layer, what in [(nn.LSTM(7, 5, num_layers=2, dropout=0.5), "dropout between its layers"),
+                        (nn.LSTM(7, 5, proj_size=3), "proj_size")]:
+        with pytest.raises(UnsupportedOpError, match=what):
+            add_tvm_dispatch(Recurrent(layer), (randn(5, 2, 7),))

@@ -11,7 +11,8 @@ silently wrong for training, and refuse what they cannot convert exactly:
 * ``pooling``: the arguments the frontend would ignore refused or honoured;
 * ``elementwise``: hardtanh, clamp, elu with PyTorch's gradients at their edges;
 * ``reductions``: amax/amin, 0-d reductions, vector norms;
-* ``resampling``: nearest and bilinear interpolation as ATen's gathers; antialiased and bicubic refused.
+* ``resampling``: nearest and bilinear interpolation as ATen's gathers; antialiased and bicubic refused;
+* ``recurrent``: ``nn.LSTM`` of any depth and direction, with its final states.
 
 To add one: a function ``fn(importer, node)`` in the family's module under
 ``@converter("<aten overload name>")`` (``wraps_default=True`` to get TVM's converter of the op
@@ -20,9 +21,20 @@ as a third argument). ``registry`` tells more.
 
 from __future__ import annotations
 
-from . import elementwise, indexing, layout, linear, normalization, pooling, random, reductions, resampling
+from . import (
+    elementwise,
+    indexing,
+    layout,
+    linear,
+    normalization,
+    pooling,
+    random,
+    recurrent,
+    reductions,
+    resampling,
+)
 from .registry import CONVERTERS, Converter, bind, converter
 
-FAMILIES = (random, normalization, linear, indexing, layout, pooling, elementwise, reductions, resampling)
+FAMILIES = (random, normalization, linear, indexing, layout, pooling, elementwise, reductions, resampling, recurrent)
 
 __all__ = ["CONVERTERS", "Converter", "FAMILIES", "bind", "converter"]
