@@ -4,7 +4,6 @@ outputs and every gradient against PyTorch's autograd. Where TVM's own frontend 
 wrong, a minimal reproduction shows what the bridge works around."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -445,11 +444,16 @@ class Recurrent(nn.Module):
     (lambda: nn.LSTM(7, 5, num_layers=3, bidirectional=True, batch_first=True), "all"),
     (lambda: nn.LSTM(7, 5, num_layers=2, bias=False), "states"),
     (lambda: nn.GRU(7, 5, batch_first=True), "output"),
-], ids=["lstm", "lstm_bidirectional", "lstm_states", "lstm_3_layers", "lstm_2_layers_no_bias", "gru"])
+    (lambda: nn.GRU(7, 5, num_layers=3, bidirectional=True), "all"),
+    (lambda: nn.GRU(7, 5, num_layers=2, bias=False, batch_first=True), "states"),
+    (lambda: nn.RNN(7, 5, num_layers=2, batch_first=True), "all"),
+    (lambda: nn.RNN(7, 5, nonlinearity="relu", bidirectional=True), "states"),
+], ids=["lstm", "lstm_bidirectional", "lstm_states", "lstm_3_layers", "lstm_2_layers_no_bias", "gru",
+        "gru_3_layers_bidirectional", "gru_2_layers_no_bias", "rnn_2_layers", "rnn_relu_bidirectional"])
 def test_recurrent_layers_train(make, returns):
     """The frontend stacks the steps' outputs (``relax.stack``, which had no gradient: an LSTM
-    was refused; timm's Sequencer too), and its LSTM converter took one layer and gave no final
-    states (``_, (h, c) = lstm(x)`` and stacked LSTMs were refused)."""
+    was refused; timm's Sequencer too), and its recurrent converters took one layer and gave no
+    final states (``_, (h, c) = lstm(x)``, ``_, h = gru(x)`` and stacked layers were refused)."""
     torch.manual_seed(0)
     check(Recurrent(make(), returns), randn(2, 5, 7))
 
@@ -458,6 +462,8 @@ def test_lstm_with_initial_states_and_what_is_refused():
     torch.manual_seed(0)
     lstm = nn.LSTM(7, 5, num_layers=2, batch_first=True).double()
     check(Fn(lambda x, h, c: lstm(x, (h, c))[1][0]), randn(2, 5, 7), randn(2, 2, 5, seed=1), randn(2, 2, 5, seed=2))
+    gru = nn.GRU(7, 5, num_layers=2, bidirectional=True).double()
+    check(Fn(lambda x, h: gru(x, h)[0]), randn(5, 2, 7), randn(4, 2, 5, seed=1))
     for layer, what in [(nn.LSTM(7, 5, num_layers=2, dropout=0.5), "dropout between its layers"),
                         (nn.LSTM(7, 5, proj_size=3), "proj_size")]:
         with pytest.raises(UnsupportedOpError, match=what):

@@ -12,7 +12,7 @@ silently wrong for training, and refuse what they cannot convert exactly:
 * ``elementwise``: hardtanh, clamp, elu with PyTorch's gradients at their edges;
 * ``reductions``: amax/amin, 0-d reductions, vector norms;
 * ``resampling``: nearest and bilinear interpolation as ATen's gathers; antialiased and bicubic refused;
-* ``recurrent``: ``nn.LSTM`` of any depth and direction, with its final states.
+* ``recurrent``: ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` of any depth and direction, with their final states.
 
 To add one: a function ``fn(importer, node)`` in the family's module under
 ``@converter("<aten overload name>")`` (``wraps_default=True`` to get TVM's converter of the op
