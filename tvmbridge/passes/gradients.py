@@ -22,6 +22,8 @@ from tvm.sym.analyzer import Analyzer
 
 from analysis.registry import Registry
 
+from ..errors import UnsupportedOpError
+
 Gradient = Callable[[Var, Call, Var, BlockBuilder], list[Expr]]
 GRADIENTS: Registry[str, Gradient] = Registry("gradient")  # Relax op name -> the bridge's gradient
 
@@ -274,3 +276,35 @@ def topk_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
     index = ctx.normalize(relax.op.topk(x, int(attrs.k), axis, "indices", bool(attrs.largest), "int64"))
     zeros = relax.op.zeros_like(x)
     return [relax.op.scatter_elements(zeros, index, values_grad, axis=axis, reduction="add")]
+
+
+@gradient("relax.scatter_elements")
+def scatter_elements_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """``x.scatter(axis, index, src)`` (``reduction`` update or add): ``src`` gets the gradient of
+    the places it was written to (every repeat, as PyTorch's ``gather`` backward gives it);
+    ``x`` keeps its gradient except where overwritten."""
+    x, index, updates = orig_call.args
+    axis, reduction = int(orig_call.attrs.axis), str(orig_call.attrs.reduction)
+    if reduction not in ("update", "add"):
+        raise UnsupportedOpError("gradient", f"scatter with reduction {reduction!r}", op="relax.scatter_elements")
+    op = relax.op
+    x_grad = output_grad
+    if reduction == "update":
+        x_grad = op.scatter_elements(output_grad, index, op.zeros_like(updates), axis=axis, reduction="update")
+    return [x_grad, no_grad(index), op.gather_elements(output_grad, index, axis=axis)]
+
+
+@gradient("relax.scatter_nd")
+def scatter_nd_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """``x[idx] = v`` (``update``) or ``x[idx] += v`` (``add``): ``v`` gets the gradient read at
+    its places (repeats each get it, as PyTorch's ``index_put`` backward); ``x`` keeps its
+    gradient except where overwritten."""
+    x, index, updates = orig_call.args
+    reduction = str(orig_call.attrs.reduction)
+    if reduction not in ("update", "add"):
+        raise UnsupportedOpError("gradient", f"scatter_nd with reduction {reduction!r}", op="relax.scatter_nd")
+    op = relax.op
+    x_grad = output_grad
+    if reduction == "update":
+        x_grad = op.scatter_nd(output_grad, index, op.zeros_like(updates), reduction="update")
+    return [x_grad, no_grad(index), op.gather_nd(output_grad, index)]

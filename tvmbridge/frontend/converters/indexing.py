@@ -4,7 +4,7 @@ bounds.
 Embeddings and ``gather`` read clipped indices and return a flag that they were all in range
 (``importer.index_checks``: the runtime raises where one is 0); ``take`` and ``x[idx]`` fold theirs
 into one flag (``importer.range_flag``). ``padding_idx`` gets no gradient, as in PyTorch; negative
-indices read from the end where PyTorch reads them so; ``x[mask] = v`` is a ``where``; a
+indices read from the end where PyTorch reads them so; a
 multi-output op's other outputs are refused where the frontend would hand back the first.
 """
 
@@ -95,7 +95,7 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
     from the end where negative and checked against the axis (the embedding's range flag:
     out of range raises like PyTorch), then the frontend's conversion runs on those."""
     args = args_of(node)
-    x, bb, op = importer.env[args[0]], importer.block_builder, relax.op
+    x = importer.env[args[0]]
     saved: dict[torch.fx.Node, relax.Expr] = {}
     for axis, idx_node in enumerate(args[1]):
         val = getattr(idx_node, "meta", {}).get("val")
@@ -107,16 +107,53 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
             or idx_node in saved
         ):
             continue
-        n = relax.const(int(size), "int64")
-        idx = bb.emit(op.astype(importer.env[idx_node], "int64"))
-        importer.range_flag(op.logical_and(op.greater_equal(idx, op.negative(n)), op.less(idx, n)))
         saved[idx_node] = importer.env[idx_node]
-        importer.env[idx_node] = bb.emit(op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx))
+        importer.env[idx_node] = checked_index(importer, importer.env[idx_node], int(size))
     try:
         joint = _joint_index(importer, node, x, list(args[1]))
         return joint if joint is not None else default(node)
     finally:
         importer.env.update(saved)
+
+
+def checked_index(importer: BridgeImporter, index: relax.Expr, size: int, clip: bool = False) -> relax.Expr:
+    """``index`` as int64 read from the end where negative, its range (``-size <= i < size``)
+    folded into the importer's range flag (out of range raises after the call, as PyTorch
+    raises). ``clip``: kept inside the axis too, for writes, which must never land outside it."""
+    bb, op = importer.block_builder, relax.op
+    n = relax.const(size, "int64")
+    idx = bb.emit(op.astype(index, "int64"))
+    importer.range_flag(op.logical_and(op.greater_equal(idx, op.negative(n)), op.less(idx, n)))
+    wrapped = op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx)
+    return bb.emit(op.clip(wrapped, relax.prim_value(0), relax.prim_value(size - 1)) if clip else wrapped)
+
+
+def linear_index(bb: relax.BlockBuilder, indices: list[relax.Expr], sizes: list[int], common: list[int]) -> relax.Expr:
+    """Index tensors over axes of ``sizes``, broadcast to ``common``, as one flat int64 index
+    into those axes flattened (row-major)."""
+    op, linear = relax.op, None
+    for k, index in enumerate(indices):
+        stride = math.prod(sizes[k + 1 :])
+        term = op.broadcast_to(op.astype(index, "int64"), common)
+        term = term if stride == 1 else op.multiply(term, relax.const(stride, "int64"))
+        linear = term if linear is None else op.add(linear, term)
+    assert linear is not None
+    return bb.emit(op.reshape(bb.emit(linear), [-1]))
+
+
+def indexed_layout(axes: list[int], others: list[int], common: int) -> list[int] | None:
+    """Where PyTorch puts ``x[indices]``'s dims, from the layout ``common dims + other axes``:
+    the permutation to apply, or None where that layout is PyTorch's (indexed axes apart, or
+    adjacent from the first axis). Adjacent indexed axes put the common dims where they were."""
+    before = [a for a in others if a < axes[0]]
+    if axes != list(range(axes[0], axes[-1] + 1)) or not before:
+        return None
+    nbefore = len(before)
+    return (
+        list(range(common, common + nbefore))
+        + list(range(common))
+        + list(range(common + nbefore, common + len(others)))
+    )
 
 
 def _joint_index(
@@ -143,24 +180,15 @@ def _joint_index(
         return None
     bb, op = importer.block_builder, relax.op
     common = list(torch.broadcast_shapes(*(tuple(v.shape) for v in vals)))
-    linear: relax.Expr | None = None
-    for k, a in enumerate(axes):
-        stride = math.prod(int(d) for d in sizes[k + 1 :])
-        term = op.broadcast_to(op.astype(importer.env[indices[a]], "int64"), common)
-        term = term if stride == 1 else op.multiply(term, relax.const(stride, "int64"))
-        linear = term if linear is None else op.add(linear, term)
-    assert linear is not None
-    linear = bb.emit(linear)
+    static = [int(d) for d in sizes]
+    linear = linear_index(bb, [importer.env[indices[a]] for a in axes], static, common)
     others = [a for a in range(len(shape)) if a not in axes]
     moved = bb.emit(op.permute_dims(x, axes + others)) if axes + others != list(range(len(shape))) else x
-    rows = math.prod(int(d) for d in sizes)
-    table = bb.emit(op.reshape(moved, [rows] + [shape[a] for a in others]))
-    taken = bb.emit(op.take(table, bb.emit(op.reshape(linear, [-1])), axis=0, mode="clip"))
+    table = bb.emit(op.reshape(moved, [math.prod(static)] + [shape[a] for a in others]))
+    taken = bb.emit(op.take(table, linear, axis=0, mode="clip"))
     out = bb.emit(op.reshape(taken, common + [shape[a] for a in others]))
-    before = [a for a in others if a < axes[0]]
-    if axes == list(range(axes[0], axes[-1] + 1)) and before:  # adjacent: the dims go where the axes were
-        nb, nbefore = len(common), len(before)
-        order = list(range(nb, nb + nbefore)) + list(range(nb)) + list(range(nb + nbefore, nb + len(others)))
+    order = indexed_layout(axes, others, len(common))
+    if order is not None:
         out = bb.emit(op.permute_dims(out, order))
     expected = [int(d) for d in node.meta["val"].shape] if "val" in node.meta else None
     got = [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in out.ty.shape]
@@ -169,34 +197,6 @@ def _joint_index(
             "convert", f"x[indices] came out {got}, PyTorch's is {expected}: please report this", op="index.Tensor"
         )
     return out
-
-
-@converter("index_put.default", wraps_default=True)
-def index_put_mask(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
-    """``x[mask] = v`` with one boolean mask over leading axes and a value that broadcasts over
-    the rest (wav2vec2 writes a learned vector where time steps are masked) as a ``where``:
-    TVM's converter wants integer indices. Each masked place is written once, so
-    ``accumulate`` adds ``v`` there."""
-    args, kwargs = args_of(node), kwargs_of(node)
-    x_arg, indices, value_arg = args[:3]
-    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-    x_val = x_arg.meta["val"]
-    mask = indices[0] if len(indices) == 1 else None
-    m_val = mask.meta["val"] if isinstance(mask, torch.fx.Node) else None
-    v_val = value_arg.meta["val"]
-    if (
-        m_val is None
-        or m_val.dtype != torch.bool
-        or m_val.dim() > x_val.dim()
-        or tuple(map(str, m_val.shape)) != tuple(map(str, x_val.shape[: m_val.dim()]))
-        or v_val.dim() > x_val.dim() - m_val.dim()
-    ):
-        return default(node)
-    x, value = importer.env[x_arg], importer.env[value_arg]
-    rest = x_val.dim() - m_val.dim()
-    cond = relax.op.reshape(importer.env[mask], [importer.prim(d) for d in m_val.shape] + [1] * rest)
-    new = relax.op.add(x, value) if accumulate else value
-    return importer.block_builder.emit(relax.op.where(cond, new, x))
 
 
 @converter("select.int")

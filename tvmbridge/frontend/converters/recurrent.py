@@ -12,7 +12,7 @@ import torch
 from tvm import relax
 
 from ...errors import UnsupportedOpError
-from .registry import args_of, converter
+from .registry import args_of, converter, op_name
 
 if TYPE_CHECKING:
     from ..importer import BridgeImporter
@@ -103,7 +103,7 @@ def recurrent(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``(output, h_n[, c_n])`` for any number of layers, either direction, with or without
     biases and initial states. Refused: LSTM projections (``proj_size``); dropout between layers
     in training is refused before conversion (its masks are drawn inside ATen's kernel)."""
-    kind = node.target.__name__.split(".")[0]  # type: ignore[union-attr]
+    kind = op_name(node).split(".")[0]
     cell, given = CELLS[kind], dict(zip(_ARGS, args_of(node)))
     bb, op = importer.block_builder, relax.op
     layers, directions = int(given["num_layers"]), 2 if given["bidirectional"] else 1
