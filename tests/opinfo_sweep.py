@@ -156,7 +156,7 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, op: str = "
 
 def run_case(info: Any, sample: Any, index: int, dtype: torch.dtype) -> Outcome:
     """One sample in one dtype: float64 with input gradients, float32 forward only."""
-    from tvmbridge import ConversionError, FallbackWarning, add_tvm_dispatch
+    from tvmbridge import ConversionError, FallbackWarning, VerificationWarning, add_tvm_dispatch
 
     name, label = full_name(info), str(dtype).removeprefix("torch.")
     if name in UNINITIALIZED:
@@ -178,6 +178,9 @@ def run_case(info: Any, sample: Any, index: int, dtype: torch.dtype) -> Outcome:
             return Outcome(name, index, label, "refused", first_line(exc))
         except Exception as exc:  # noqa: BLE001
             return Outcome(name, index, label, "crash", f"{type(exc).__name__}: {first_line(exc)}")
+    caught_wrong = [w for w in caught if issubclass(w.category, VerificationWarning)]
+    if caught_wrong:  # the first-call check caught wrong numbers: a bug, though the user got PyTorch's
+        return Outcome(name, index, label, "wrong", f"caught by the first-call check: {first_line(caught_wrong[0].message)}")
     fallbacks = [w for w in caught if issubclass(w.category, FallbackWarning)]
     if fallbacks:
         return Outcome(name, index, label, "refused", first_line(fallbacks[0].message))

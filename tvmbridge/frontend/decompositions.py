@@ -96,6 +96,28 @@ def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) ->
     return torch.where(keep, out, zero)
 
 
+def multilabel_margin_loss(input: torch.Tensor, target: torch.Tensor, reduction: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``multilabel_margin_loss_forward`` as ATen's kernel computes it: the core table's form
+    also counts the positions after a row's first ``-1`` (as label 0), a loss up to twice eager's."""
+    shape = target.shape
+    input, target = torch.atleast_2d(input), torch.atleast_2d(target)
+    dim = input.shape[1]
+    idx = torch.arange(dim, device=target.device)
+    end = torch.amin(torch.where(target == -1, idx, dim), dim=-1, keepdim=True)
+    listed = idx < end  # (batch, k): the k-th label is before the row's end
+    u = torch.gather(input, -1, torch.where(listed, target, 0))
+    is_target = torch.any(idx == torch.where(listed, target, -1).unsqueeze(-1), dim=1)
+    z = ((1.0 - u.T.unsqueeze(-1) + input).clamp_min(0) / dim).to(input.dtype)
+    z = torch.where(is_target | ~listed.T.unsqueeze(-1), 0, z)  # (k, batch, j)
+    if reduction == 1:
+        loss = z.sum(dim=(0, -1)).mean()
+    elif reduction == 2:
+        loss = z.sum()
+    else:
+        loss = z.sum(dim=(0, -1)).reshape(shape[:-1])
+    return loss, is_target.to(input.dtype).reshape(shape)
+
+
 def decomposition_table() -> dict:
     """torch.export's default table without the random ops and detach, with attention as ATen's math."""
     table = torch.export.default_decompositions()
@@ -108,4 +130,5 @@ def decomposition_table() -> dict:
     table[aten.hardswish.default] = hardswish_kinks
     table[aten._safe_softmax.default] = safe_softmax
     table[aten.hardsigmoid.default] = hardsigmoid_kinks
+    table[aten.multilabel_margin_loss_forward.default] = multilabel_margin_loss
     return table
