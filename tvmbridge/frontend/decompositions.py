@@ -96,7 +96,9 @@ def safe_softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) ->
     return torch.where(keep, out, zero)
 
 
-def multilabel_margin_loss(input: torch.Tensor, target: torch.Tensor, reduction: int) -> tuple[torch.Tensor, torch.Tensor]:
+def multilabel_margin_loss(
+    input: torch.Tensor, target: torch.Tensor, reduction: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``multilabel_margin_loss_forward`` as ATen's kernel computes it: the core table's form
     also counts the positions after a row's first ``-1`` (as label 0), a loss up to twice eager's."""
     shape = target.shape
