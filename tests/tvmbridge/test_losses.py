@@ -1,4 +1,4 @@
-"""Training losses as users write them, through ``add_tvm_dispatch`` in float64: the loss and the
+"""Training losses and distances as users write them, through ``add_tvm_dispatch`` in float64: the loss and the
 logits' gradient against PyTorch (targets with ignored classes, weights, smoothing, soft labels).
 ``multilabel_margin_loss`` with a ``-1`` end marker was wrong: torch's own decomposition counts
 the places after the marker (caught only by the first-call check)."""
@@ -47,3 +47,24 @@ def test_loss_and_its_gradient_as_pytorch(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a variant discarded by the first-call check fails
         check(Fn(LOSSES[name]), X.clone())
+
+
+A, B = randn(6, 5), randn(4, 5, seed=2)
+B[1] = A[2]  # an equal pair: distance 0, gradient 0 in ATen (NaN through a plain sqrt)
+
+
+@pytest.mark.parametrize("fn,args", [
+    (lambda a, b: torch.cdist(a, b), (A, B)),
+    (lambda a, b: torch.cdist(a, b, p=1), (A, B)),
+    (lambda a, b: torch.cdist(a, b, p=3.0), (A, B)),
+    (lambda a, b: torch.cdist(a, b, p=0.5), (A, B)),
+    (lambda a, b: torch.cdist(a, b, p=0) * a.sum(), (A, B)),
+    (lambda a, b: torch.cdist(a, a), (A, B)),
+    (lambda a, b: torch.cdist(a.reshape(2, 3, 5), b.reshape(2, 2, 5)), (A, B)),
+    (lambda a, b: torch.cdist(a, b), (randn(30, 5), randn(28, 5, seed=1))),  # ATen's matrix-product form
+], ids=["p2", "p1", "p3", "p_half", "p0", "self", "batched", "matrix_product_form"])
+def test_cdist_and_its_gradient_as_pytorch(fn, args):
+    """``_cdist_forward`` had no converter (metric learning, prototype classifiers)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(Fn(fn), *(t.clone() for t in args))

@@ -1,5 +1,5 @@
 """Reductions the frontend lacks or gets wrong: ``amax``/``amin``, reductions (and
-``index_select``) over a 0-d tensor, ``linalg_vector_norm`` with PyTorch's gradient at zeros."""
+``index_select``) over a 0-d tensor, ``linalg_vector_norm`` and ``cdist`` with PyTorch's gradient at zeros."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from tvm import relax
 from tvm.relax.op.grad import no_grad
 
+from ...errors import UnsupportedOpError
 from .registry import args_of, converter, kwargs_of, out_dtype
 
 if TYPE_CHECKING:
@@ -67,9 +68,17 @@ def vector_norm(importer: BridgeImporter, node: torch.fx.Node, default: Callable
     dim = given.get("dim")
     axis = None if dim is None else ([dim] if isinstance(dim, int) else list(dim) or None)
     keep = bool(given.get("keepdim", False))
-    zero, one = relax.const(0.0, dtype), relax.const(1.0, dtype)
     if p == 0:
+        zero = relax.const(0.0, dtype)
         return bb.emit(op.sum(op.astype(op.not_equal(no_grad(x), zero), dtype), axis, keepdims=keep))
+    return _norm(bb, x, p, axis, keep)
+
+
+def _norm(bb: relax.BlockBuilder, x: relax.Expr, p: float, axis: list[int] | None, keep: bool) -> relax.Expr:
+    """The ``p``-norm (finite ``p > 0``) with zeros masked so the gradient is 0 where PyTorch's
+    is (an all-zero vector; zero entries when ``p < 1``), not NaN."""
+    op, dtype = relax.op, str(x.ty.dtype)
+    zero, one = relax.const(0.0, dtype), relax.const(1.0, dtype)
     a = bb.emit(op.abs(x))
     nonzero = op.not_equal(a, zero)
     powered = (
@@ -82,3 +91,21 @@ def vector_norm(importer: BridgeImporter, node: torch.fx.Node, default: Callable
     safe = op.where(empty, one, s)
     root = op.sqrt(safe) if p == 2 else op.power(safe, relax.const(1.0 / p, dtype))
     return bb.emit(op.where(empty, zero, root))
+
+
+@converter("_cdist_forward.default")
+def cdist(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``torch.cdist`` where ATen computes the differences (small inputs or ``p != 2``; larger
+    ones export as its matrix-product form): the norm of ``x1[i] - x2[j]`` with the zero-safe
+    gradient (0 between equal points, as ATen's ``_cdist_backward``). ``p = inf`` is refused."""
+    args = args_of(node)
+    p = float(args[2])
+    if not 0 <= p < math.inf:
+        raise UnsupportedOpError("convert", f"torch.cdist with p={p}", op="_cdist_forward")
+    bb, op = importer.block_builder, relax.op
+    x1, x2 = importer.env[args[0]], importer.env[args[1]]
+    diff = bb.emit(op.subtract(op.expand_dims(x1, -2), op.expand_dims(x2, -3)))
+    if p == 0:
+        zero = relax.const(0.0, str(diff.ty.dtype))
+        return bb.emit(op.sum(op.astype(op.not_equal(no_grad(diff), zero), str(diff.ty.dtype)), [-1]))
+    return _norm(bb, diff, p, [-1], False)
