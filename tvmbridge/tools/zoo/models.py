@@ -163,6 +163,7 @@ def _text_encoders() -> list[ZooEntry]:
           cls_batch()),
         E("roberta-mlm", "text-encoder", hf("RobertaForMaskedLM", "RobertaConfig", **ROBERTA),
           mlm_batch(pad=1, token_types=False)),
+        E("roformer-mlm", "text-encoder", hf("RoFormerForMaskedLM", "RoFormerConfig", **ENC), mlm_batch()),
         E("xlm-roberta-mlm", "text-encoder", hf("XLMRobertaForMaskedLM", "XLMRobertaConfig", **ROBERTA),
           mlm_batch(pad=1, token_types=False)),
         E("distilbert-mlm", "text-encoder",
@@ -239,6 +240,16 @@ def _decoders() -> list[ZooEntry]:
           hf("MixtralForCausalLM", "MixtralConfig", **DEC, num_local_experts=4, num_experts_per_tok=2), clm,
           prepare_reference=lambda m: m.set_experts_implementation("eager"),
           note="the float64 reference runs the experts eagerly (grouped_mm has no float64)"),
+        E("olmoe", "decoder", hf("OlmoeForCausalLM", "OlmoeConfig", **DEC, num_experts=4, num_experts_per_tok=2), clm,
+          prepare_reference=lambda m: m.set_experts_implementation("eager"),
+          note="experts routed by sort, histc and grouped products (all experts' products, each row's kept)"),
+        E("qwen2-moe", "decoder",
+          hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **DEC, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, shared_expert_intermediate_size=32), clm,
+          prepare_reference=lambda m: m.set_experts_implementation("eager"), note="routed experts and a shared one"),
+        E("gemma3", "decoder", hf("Gemma3ForCausalLM", "Gemma3TextConfig", **DEC, head_dim=8), clm),
+        E("lfm2", "decoder", hf("Lfm2ForCausalLM", "Lfm2Config", **DEC), clm,
+          note="short causal convolutions between attention layers"),
     ]
     # fmt: on
     return decoders
