@@ -40,6 +40,28 @@ class UnsupportedOpError(ConversionError):
     """An operator has no converter or no gradient."""
 
 
+class AttributeWriteError(ConversionError):
+    """The traced forward assigned module attributes (a counter, a cache filled on first use),
+    which compiled code would not do. The trace's assignments are undone; PyTorch runs the call
+    and the next call is traced again from the state it leaves (a cache, once filled, is read)."""
+
+    def __init__(self, names: list[str], every_call: bool = False) -> None:
+        self.names = names
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        if every_call:
+            message = (
+                f"forward assigns module attributes on every call ({shown}), which compiled code would not: "
+                "keep such a value in a buffer (register_buffer: the compiled code updates it) or outside "
+                "forward, or pass fallback=True to keep PyTorch"
+            )
+        else:
+            message = (
+                f"forward assigns module attributes ({shown}), which compiled code would not: PyTorch runs "
+                "this call and the next is traced from the state it leaves"
+            )
+        super().__init__("trace", message)
+
+
 def describe(exc: BaseException) -> str:
     """``Type: first line of the message``: enough to name a failure without TVM's backtrace."""
     text = str(exc).strip()

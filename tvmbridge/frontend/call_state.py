@@ -5,11 +5,100 @@ the autocast in effect."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+MODULE_INTERNALS = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_is_full_backward_hook",
+        "_compiled_call_impl",
+        "forward",
+        "_tvm_dispatch",
+        "remove_tvm_dispatch",
+    }
+)
+
+
+def is_plain(value: Any) -> bool:
+    """A value compared by equality: numbers, strings, dtypes, and short tuples/lists of them."""
+    if isinstance(value, PLAIN):
+        return True
+    if isinstance(value, (tuple, list, frozenset)) and len(value) <= 64:
+        return all(is_plain(v) for v in value)
+    return False
+
+
+Attributes = dict[tuple[int, str], tuple[str, Any, bool]]  # (module id, name) -> (label, value, plain)
+
+
+def module_attributes(module: torch.nn.Module) -> Attributes:
+    """Every attribute a forward may assign on every submodule (past nn.Module's own dicts):
+    plain values copied (compared by value), others by identity (a tensor kept on the module)."""
+    found: Attributes = {}
+    for path, m in module.named_modules():
+        for name, value in vars(m).items():
+            if name not in MODULE_INTERNALS:
+                plain = is_plain(value)
+                found[(id(m), name)] = (
+                    f"{path or type(m).__name__}.{name}",
+                    copy.deepcopy(value) if plain else value,
+                    plain,
+                )
+    return found
+
+
+def _same(was: tuple[str, Any, bool], now: tuple[str, Any, bool]) -> bool:
+    (_, old, plain), new = was, now[1]
+    return old is new or (plain and type(old) is type(new) and old == new)
+
+
+def changed_attributes(module: torch.nn.Module, before: Attributes) -> list[str]:
+    """The labels of attributes assigned, added or deleted since ``before`` that a later call may
+    read: plain values (a counter, a flag), and public objects (``self.last = y``). A private
+    object (``_flat_weights``, which ``nn.LSTM`` rebuilds from its swapped weights) is a cache
+    its module rebuilds itself: it is put back, not reported."""
+    now = module_attributes(module)
+    changed = []
+    for key in before.keys() | now.keys():
+        was, current = before.get(key), now.get(key)
+        if was is not None and current is not None and _same(was, current):
+            continue
+        label, _, plain = was or current  # type: ignore[misc]  # one of them is there
+        if plain or (current is not None and current[2]) or not key[1].startswith("_"):
+            changed.append(label)
+    return sorted(changed)
+
+
+def restore_attributes(module: torch.nn.Module, before: Attributes) -> None:
+    """Put back the attributes :func:`module_attributes` recorded (and drop ones added since)."""
+    modules = {id(m): m for m in module.modules()}
+    for key, m in modules.items():
+        for name in [n for n in vars(m) if n not in MODULE_INTERNALS and (key, n) not in before]:
+            delattr(m, name)
+    for (owner, name), (_, value, plain) in before.items():
+        if owner in modules:
+            object.__setattr__(modules[owner], name, copy.deepcopy(value) if plain else value)
 
 
 @dataclass(frozen=True)
@@ -88,20 +177,32 @@ class ModuleState:
         return sub._parameters.get(leaf) if leaf in sub._parameters else sub._buffers.get(leaf)
 
 
+class Swapped:
+    """The slots :func:`swapped_state` filled: which the block assigned anew (``self.count =
+    self.count + 1`` replaces a buffer rather than writing it)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, str], tuple[dict[str, Any], str, Any, str, Any]] = {}
+
+    def reassigned(self) -> dict[str, torch.Tensor]:
+        """State name -> the tensor now in a slot that no longer holds what was swapped in."""
+        return {name: table[attr] for table, attr, _, name, put in self.slots.values() if table[attr] is not put}
+
+
 @contextlib.contextmanager
-def swapped_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[None]:
+def swapped_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[Swapped]:
     """``module``'s parameters and buffers named in ``state`` replaced by those tensors for the
     block (at every path holding the same tensor: tied weights, a submodule registered twice),
     each restored once after; names the module lacks are ignored. ``torch.func.functional_call``
     with ``tie_weights`` restores a submodule registered under two paths (timm's CoaT shares its
     position encodings between blocks) to the tensor it swapped in, so a trace left the user's
-    module holding fake tensors."""
+    module holding fake tensors. What the block assigns to a slot is reported, then undone too."""
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     current = dict(named)
     paths_of: dict[int, list[str]] = {}
     for path, tensor in named:
         paths_of.setdefault(id(tensor), []).append(path)
-    slots: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
+    swapped = Swapped()
     for name, value in state.items():
         if name not in current:
             continue
@@ -109,11 +210,21 @@ def swapped_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> It
             prefix, _, attr = path.rpartition(".")
             owner = module.get_submodule(prefix)
             table: dict[str, Any] = owner._parameters if attr in owner._parameters else owner._buffers
-            if (id(owner), attr) not in slots:
-                slots[(id(owner), attr)] = (table, attr, table[attr])
+            if (id(owner), attr) not in swapped.slots:
+                swapped.slots[(id(owner), attr)] = (table, attr, table[attr], name, value)
                 table[attr] = value
     try:
-        yield
+        yield swapped
     finally:
-        for table, attr, original in slots.values():
+        for table, attr, original, _, _ in swapped.slots.values():
             table[attr] = original
+
+
+def replace_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put ``value`` in the slot of buffer ``name`` and every other path holding the same tensor,
+    as a forward that assigns the buffer anew leaves it (its shape may have changed)."""
+    old = ModuleState.lookup_one(module, name)
+    for path, tensor in module.named_buffers(remove_duplicate=False):
+        if tensor is old:
+            prefix, _, attr = path.rpartition(".")
+            module.get_submodule(prefix)._buffers[attr] = value

@@ -24,8 +24,15 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from ..errors import ConversionError, describe
-from .call_state import AutocastState, ModuleState, swapped_state
+from ..errors import AttributeWriteError, ConversionError, describe
+from .call_state import (
+    AutocastState,
+    ModuleState,
+    changed_attributes,
+    module_attributes,
+    restore_attributes,
+    swapped_state,
+)
 from .custom_functions import custom_functions_seen
 from .decompositions import decomposition_table
 from .digest import program_digest
@@ -38,6 +45,7 @@ from .program_facts import (
     inputs_without_grad_path,
     mutations_as_outputs,
     ranges,
+    reassigned_buffers,
     updated_tensors,
     user_input_specs,
 )
@@ -136,6 +144,7 @@ class _Seen:
     module)."""
 
     out_spec: OutputLayout | None = None
+    reassigned: tuple[str, ...] = ()  # buffers the forward assigns anew (``self.n = self.n + 1``)
 
     def __deepcopy__(self, memo: dict) -> _Seen:
         return self
@@ -178,8 +187,11 @@ class FlatCall(torch.nn.Module):
         values = dict(zip(self.state.names, tensors[len(self.slots) :]))
         for name in self.updated:
             values[name] = values[name].clone()
-        with swapped_state(self.inner, values):
+        with swapped_state(self.inner, values) as swapped:
             out = self.inner(*args, **kwargs)
+            reassigned = swapped.reassigned()
+        values.update(reassigned)
+        self.seen.reassigned = tuple(sorted(reassigned))
         out_leaves, self.seen.out_spec = flatten_output(out)
         return (*out_leaves, *(values[n] for n in self.updated), *(user[j] for j in self.updated_inputs))
 
@@ -215,6 +227,20 @@ def _stack_traces(keep: bool) -> Iterator[None]:
             fx_config.do_not_emit_stack_traces = saved
 
 
+@contextlib.contextmanager
+def _no_attribute_writes(module: torch.nn.Module) -> Iterator[None]:
+    """The block (a trace) leaves the module's attributes as they were; assigning any is an
+    :class:`AttributeWriteError` naming them (compiled code would not assign them)."""
+    before = module_attributes(module)
+    try:
+        yield
+    finally:
+        changed = changed_attributes(module, before)
+        restore_attributes(module, before)
+    if changed:
+        raise AttributeWriteError(changed)
+
+
 def _export(
     module: torch.nn.Module,
     flat: FlatCall,
@@ -227,10 +253,12 @@ def _export(
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             # grad on: export marks a no_grad block only where it differs from the mode it traces under
-            with custom_functions_seen() as custom, torch.enable_grad():
+            with custom_functions_seen() as custom, torch.enable_grad(), _no_attribute_writes(module):
                 ep = torch.export.export(
                     flat, args=inputs, strict=False, dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {})
                 )
+        except AttributeWriteError:
+            raise
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
             hint = ""
             if "Cache" in str(exc):  # transformers' key/value caches
@@ -354,9 +382,11 @@ def decompose_call(raw: RawTrace) -> TracedModule:
     module, tensors, state = raw.module, raw.tensors, raw.state
     ep = _decompose(module, raw.exported, raw.stack_traces)
     updated, updated_inputs = updated_tensors(ep, tensors, state)
+    reassigned = reassigned_buffers(raw.flat.seen.reassigned, state)
+    updated = tuple(dict.fromkeys(updated + reassigned))
     if updated or updated_inputs:  # their new values become ordinary outputs
         written = [len(tensors) + state.names.index(n) for n in updated] + list(updated_inputs)
-        rewritten = mutations_as_outputs(ep, written)
+        rewritten = None if reassigned else mutations_as_outputs(ep, written)
         if rewritten is None:  # again, updating clones
             flat = FlatCall(module, raw.in_spec, raw.leaves, state, updated, updated_inputs)
             rewritten = _decompose(

@@ -107,6 +107,15 @@ def user_input_specs(ep: ExportedProgram) -> list:
     return [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
+def reassigned_buffers(names: tuple[str, ...], state: ModuleState) -> tuple[str, ...]:
+    """The state names the forward assigned anew: buffers only (a parameter replaced in forward
+    would leave the optimizer holding the old one)."""
+    params = [n for n in names if state.is_parameter[state.names.index(n)]]
+    if params:
+        raise ConversionError("trace", f"the module assigns its own parameters anew in forward ({', '.join(params)})")
+    return names
+
+
 def updated_tensors(
     ep: ExportedProgram, tensors: tuple[torch.Tensor, ...], state: ModuleState
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:

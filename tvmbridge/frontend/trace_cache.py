@@ -52,6 +52,7 @@ def trace_key(raw: RawTrace) -> str:
                 str(raw.exported.graph_signature),
                 str(raw.in_spec),
                 str(raw.flat.seen.out_spec),
+                raw.flat.seen.reassigned,  # not in the graph: a reassigned buffer's value is no output
                 tuple(t.requires_grad for t in raw.tensors),  # a written input may not require grad
                 raw.state.names,
                 raw.state.is_parameter,  # a written parameter is refused, a written buffer is not

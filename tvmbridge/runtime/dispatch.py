@@ -29,7 +29,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 from analysis.tensors import tensor_leaves
 
 from ..backend.build import release_cached_memory
-from ..errors import ConversionError, FallbackWarning, RecompileWarning, VerificationWarning, caller_stacklevel
+from ..errors import (
+    AttributeWriteError,
+    ConversionError,
+    FallbackWarning,
+    RecompileWarning,
+    VerificationWarning,
+    caller_stacklevel,
+)
+from ..frontend.call_state import replace_buffer
 from ..options import CompileOptions, with_overrides
 from .call_log import CallLog
 from .checked import rng_states, run_checked, set_rng_states
@@ -255,8 +263,11 @@ class Dispatcher:
         check_index_flags(outs[n_user + n_updates :])
         if n_updates:
             with torch.no_grad():
-                for (_, target), new in zip(update_targets(compiled, tensors), outs[n_user : n_user + n_updates]):
-                    target.copy_(new)
+                for (what, target), new in zip(update_targets(compiled, tensors), outs[n_user : n_user + n_updates]):
+                    if new.shape == target.shape and new.dtype == target.dtype:
+                        target.copy_(new)
+                    else:  # a buffer assigned anew with another shape, as the forward leaves it
+                        replace_buffer(self.module, what.removeprefix("buffer "), new.detach())
         return traced.output_of(list(outs))
 
     def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
@@ -338,6 +349,8 @@ def add_tvm_dispatch(
     if sample is not None:
         try:
             dispatcher.compile()
+        except AttributeWriteError:  # the first call compiles, once PyTorch's has set what forward assigns
+            pass
         except ConversionError as exc:
             if not opts.fallback:
                 raise

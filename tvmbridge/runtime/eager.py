@@ -88,9 +88,10 @@ class EagerForward:
             with (
                 TRACING.writing(),
                 AutocastState.entered(None if full_precision else traced.autocast, compiled.device.type),
-                swapped_state(self.module, state),
+                swapped_state(self.module, state) as swapped,
             ):
                 out = self(*args, **kwargs)
+                state.update(swapped.reassigned())
         finally:
             self.local.active = False
         return out, [state[n] for n in traced.updated_buffers] + [user[i] for i in traced.updated_inputs]

@@ -12,7 +12,6 @@ naming what changed; the dispatcher then runs PyTorch instead of stale compiled 
 from __future__ import annotations
 
 import copy
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -21,34 +20,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 
-from ..frontend.call_state import AutocastState, ModuleState
+from ..frontend.call_state import MODULE_INTERNALS, AutocastState, ModuleState, is_plain
 from ..sizes import evaluate_dims
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
-_MODULE_INTERNALS = frozenset(
-    {
-        "_parameters",
-        "_buffers",
-        "_modules",
-        "_non_persistent_buffers_set",
-        "_state_dict_hooks",
-        "_state_dict_pre_hooks",
-        "_load_state_dict_pre_hooks",
-        "_load_state_dict_post_hooks",
-        "_backward_pre_hooks",
-        "_backward_hooks",
-        "_forward_hooks",
-        "_forward_hooks_with_kwargs",
-        "_forward_hooks_always_called",
-        "_forward_pre_hooks",
-        "_forward_pre_hooks_with_kwargs",
-        "_is_full_backward_hook",
-        "_compiled_call_impl",
-        "forward",
-        "_tvm_dispatch",
-        "remove_tvm_dispatch",
-    }
-)
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
@@ -258,29 +232,21 @@ class SymbolicDims:
         return None
 
 
-def _plain(value: Any) -> bool:
-    if isinstance(value, _PLAIN):
-        return True
-    if isinstance(value, (tuple, list, frozenset)) and len(value) <= 64:
-        return all(_plain(v) for v in value)
-    return False
-
-
 def _module_checks(path: str, m: torch.nn.Module) -> list[tuple[str, dict, str, Any, bool]]:
     """``(label, dict holding the value, key, expected value, compare by identity)`` for every
     attribute of ``m`` that the compiled code may depend on."""
     label = path or type(m).__name__
     checks = []
     for name, value in vars(m).items():
-        if name in _MODULE_INTERNALS or isinstance(value, (torch.Tensor, torch.nn.Module)):
+        if name in MODULE_INTERNALS or isinstance(value, (torch.Tensor, torch.nn.Module)):
             continue
-        if _plain(value):  # a copy: an in-place edit of a list must show
+        if is_plain(value):  # a copy: an in-place edit of a list must show
             checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False))
             continue
         checks.append((f"{label}.{name}", vars(m), name, value, True))
         fields = getattr(value, "__dict__", None) or {}
         for sub, v in fields.items():  # a config object's fields
-            if _plain(v):
+            if is_plain(v):
                 checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False))
     for name, child in m._modules.items():
         checks.append((f"{label}.{name} (the submodule)", m._modules, name, child, True))

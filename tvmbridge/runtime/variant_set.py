@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConversionError
+from ..errors import AttributeWriteError, ConversionError
 from ..options import CompileOptions
 from .compiled import CompiledModule, compile_training
 from .guards import Mismatch
@@ -63,6 +63,7 @@ class VariantSet:
         self.module, self.signature, self.options = module, signature, options
         self.variants: tuple[Variant, ...] = ()
         self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed, or its variant was dropped
+        self.deferred: set[tuple] = set()  # call keys whose trace assigned module attributes once
         self.last = 0  # the variant the last compiled call ran: tried first
         self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
         self.failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
@@ -122,6 +123,14 @@ class VariantSet:
             variant = self.compile_variant(
                 args, kwargs, reason.message if reason else "first call", self.dynamic_dims(args, kwargs)
             )
+        except AttributeWriteError as exc:  # once per key: traced again after PyTorch's call
+            if key in self.deferred:
+                again = AttributeWriteError(exc.names, every_call=True)
+                if not self.variants and not self.options.fallback:
+                    raise again from exc
+                return Selection.pytorch(self.remember_failure(key, again))
+            self.deferred.add(key)
+            return Selection.pytorch(Mismatch("attributes assigned", f"compiling deferred: {exc}", recompile=False))
         except ConversionError as exc:
             if not self.variants and not self.options.fallback:
                 raise

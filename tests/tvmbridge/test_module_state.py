@@ -1,0 +1,152 @@
+"""State a forward changes besides its outputs, against PyTorch over several calls with
+``verify=False`` (the first-call check must not be what makes these right): buffers assigned anew
+(``self.n = self.n + 1``, a table rebuilt at another shape), plain attributes (a counter, a cache
+filled on first use) and tensors kept on the module. Before, a trace's assignments stayed on the
+module (fake tensors, a counter one ahead) and compiled calls made none: a buffer counter stayed
+at 0 and every output after the first was wrong."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from tvmbridge import ConversionError, add_tvm_dispatch
+
+
+class Counter(torch.nn.Module):
+    """A step counter kept in a buffer, assigned anew each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + 1
+        return self.lin(x) * self.count
+
+
+class Table(torch.nn.Module):
+    """ConViT's pattern: a buffer rebuilt at the input's size when it differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("table", torch.zeros(1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table.shape[0] != x.shape[0]:
+            self.table = torch.arange(x.shape[0] * 4, dtype=x.dtype).reshape(x.shape[0], 4)
+        return self.lin(x) * self.table
+
+
+class LazyCache(torch.nn.Module):
+    """Rotary tables of older transformers code: filled on first use, grown for longer inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.cached_len = 0
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.cached_len:
+            self.cached_len = x.shape[0]
+            self.table = torch.arange(x.shape[0], dtype=x.dtype) * 2
+        assert self.table is not None
+        return self.lin(x) * self.table[: x.shape[0], None]
+
+
+class PlainCounter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+class KeepsLast(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.last = y.detach()
+        return y
+
+
+def train_side_by_side(make, rows: list[int], sample: bool, fallback: bool = False) -> tuple:
+    """Both copies through the same calls and SGD steps; the dispatched one, and PyTorch's."""
+    torch.manual_seed(0)
+    ref = make()
+    m = add_tvm_dispatch(make(), (torch.randn(rows[0], 4),) if sample else None, verify=False, fallback=fallback)
+    m.load_state_dict(ref.state_dict())
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (m, ref)]
+    for n in rows:
+        x = torch.randn(n, 4)
+        for mod, opt in zip((m, ref), opts):
+            opt.zero_grad()
+            out = mod(x)
+            out.square().sum().backward()
+            opt.step()
+            mod.out = out.detach()
+        torch.testing.assert_close(m.out, ref.out)
+        for (name, a), (_, b) in zip(m.named_buffers(), ref.named_buffers()):
+            torch.testing.assert_close(a, b, msg=name)
+        for a, b in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b)
+    return m, ref
+
+
+@pytest.mark.parametrize("sample", [True, False], ids=["ahead_of_time", "at_first_call"])
+@pytest.mark.parametrize("make", [Counter, Table], ids=["counter", "table"])
+def test_buffers_assigned_anew_are_kept(make, sample):
+    m, _ = train_side_by_side(make, [3, 3, 2, 3], sample)
+    assert re.search(r"calls: 4 compiled, 0 PyTorch", m._tvm_dispatch.explain()), m._tvm_dispatch.explain()
+
+
+@pytest.mark.parametrize("sample", [True, False], ids=["ahead_of_time", "at_first_call"])
+def test_a_cache_filled_in_forward_is_filled_by_pytorch_then_read(sample):
+    with pytest.warns(UserWarning, match=r"assigns module attributes \(LazyCache.cached_len, LazyCache.table\)"):
+        m, ref = train_side_by_side(LazyCache, [3, 3, 2, 5, 5], sample)
+    assert m.cached_len == ref.cached_len == 5
+    assert type(m.table) is torch.Tensor  # never a tracer's fake tensor
+    assert "3 compiled" in m._tvm_dispatch.explain()  # PyTorch at the calls that grow the cache only
+
+
+def test_a_counter_in_forward_is_an_error_that_says_what_to_do():
+    m = add_tvm_dispatch(PlainCounter(), (torch.randn(3, 4),), verify=False)
+    assert m.calls == 0  # the trace's increment undone
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m(torch.randn(3, 4))  # PyTorch's call
+    assert m.calls == 1
+    with pytest.raises(ConversionError, match="on every call .*PlainCounter.calls.*register_buffer"):
+        m(torch.randn(3, 4))
+    m, ref = train_side_by_side(PlainCounter, [3, 3, 3], sample=False, fallback=True)
+    assert m.calls == ref.calls == 3
+
+
+def test_a_tensor_kept_on_the_module_is_never_a_fake_one():
+    m = add_tvm_dispatch(KeepsLast(), (torch.randn(3, 4),), verify=False, fallback=True)
+    assert m.last is None
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            y = m(x)
+            assert type(m.last) is torch.Tensor and torch.equal(m.last, y.detach())
+
+
+def test_lstm_weights_stay_real_after_a_trace():
+    """nn.LSTM rebuilds its private weight list from the tensors swapped in for the trace."""
+    m = add_tvm_dispatch(torch.nn.LSTM(4, 6, batch_first=True), (torch.randn(2, 3, 4),), verify=False)
+    assert all(type(w) is torch.nn.Parameter for w in m._flat_weights)
