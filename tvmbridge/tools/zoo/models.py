@@ -363,6 +363,7 @@ def _timm() -> list[ZooEntry]:
         ("edgenext_xx_small", dict(drop_rate=0.1)),
         ("fastvit_t8", dict(drop_rate=0.1)),
         ("mobilenetv4_conv_small", dict(drop_rate=0.1)),
+        ("convit_tiny", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # a buffer rebuilt in forward at another size
     ]
     specs = [(n, kw, IMAGE) for n, kw in transformers_] + [(n, kw, CNN_IMAGE) for n, kw in cnns]
     return [
