@@ -185,6 +185,19 @@ def test_conv1d_grid():
     check(parts, tuple(inputs), labels)
 
 
+def test_conv3d_grid():
+    """The 3-D convolution's gradients (Relax has none: video models and LambdaNets were refused),
+    strides that do not divide the padded extent included."""
+    parts, inputs, labels = [], [], []
+    combos = [(1, 1, 0, 1, 3), (2, 2, 1, 1, 3), (1, 2, 0, 2, 2), (2, 1, 1, 2, 3), (1, 3, 2, 1, 1), (2, 2, 0, 1, (3, 1, 2))]
+    for i, (groups, stride, padding, dilation, kernel) in enumerate(combos):
+        torch.manual_seed(i)
+        parts.append(nn.Conv3d(4, 2 * (1 + i % 2), kernel, stride, padding, dilation, groups))
+        inputs.append(randn(1 + i % 2, 4, 5 + i % 2, 6, 7 - i % 3, seed=i))
+        labels.append(f"groups={groups} stride={stride} padding={padding} dilation={dilation} kernel={kernel}")
+    check(parts, tuple(inputs), labels)
+
+
 # --- BatchNorm -------------------------------------------------------------------------------
 BN_SHAPES = ((2, 6, 1, 1), (3, 6, 1, 1), (2, 6, 2, 2), (1, 6, 2, 2), (2, 6, 1, 2), (4, 6, 3, 3), (2, 6, 5, 7),
              (1, 6, 1, 3), (4, 6), (2, 6, 5))

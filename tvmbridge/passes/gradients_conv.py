@@ -22,37 +22,40 @@ from .gradients import gradient
 op = relax.op
 
 
-# --- convolutions: written as 2-D convolutions (1-D ones with a unit height) --------------------
+# --- convolutions: 2-D and 3-D (1-D ones as 2-D with a unit height) -------------------------------
 def conv_data_grad(
     g: Expr, w: Expr, x_dims: list[int], strides: list[int], padding: list[int], dilation: list[int], groups: int
 ) -> Expr:
-    """The input gradient of a 2-D convolution (NCHW, OIHW): the transposed convolution of the
-    output gradient, with the output padding that gives back the input's size (Relax's own
+    """The input gradient of a 2-D or 3-D convolution (NC..., OI...): the transposed convolution
+    of the output gradient, with the output padding that gives back the input's size (Relax's own
     ``conv2d`` gradient leaves dilation out of that size)."""
-    g_dims, k_dims = static_dims(g, "relax.nn.conv2d"), static_dims(w, "relax.nn.conv2d")
+    spatial = len(x_dims) - 2
+    g_dims, k_dims = static_dims(g, "relax.nn.conv"), static_dims(w, "relax.nn.conv")
     extra = []
-    for i in range(2):
-        covered = (g_dims[2 + i] - 1) * strides[i] - padding[i] - padding[i + 2] + dilation[i] * (k_dims[2 + i] - 1) + 1
-        extra.append(x_dims[2 + i] - covered)
-    return op.nn.conv2d_transpose(
-        g, w, strides, padding, extra, dilation, groups, kernel_layout="IOHW", out_dtype=dtype_of(g)
-    )
+    for i in range(spatial):
+        covered = (g_dims[2 + i] - 1) * strides[i] - padding[i] - padding[i + spatial]
+        extra.append(x_dims[2 + i] - covered - dilation[i] * (k_dims[2 + i] - 1) - 1)
+    transpose, layout = (op.nn.conv2d_transpose, "IOHW") if spatial == 2 else (op.nn.conv3d_transpose, "IODHW")
+    return transpose(g, w, strides, padding, extra, dilation, groups, kernel_layout=layout, out_dtype=dtype_of(g))
 
 
 def conv_weight_grad(
     x: Expr, g: Expr, k_dims: list[int], strides: list[int], padding: list[int], dilation: list[int], groups: int
 ) -> Expr:
-    """The weight gradient of a 2-D convolution (NCHW, OIHW): a convolution of the input, batch
-    and channels swapped (per group), with the output gradient as kernel; stride and dilation
-    trade places, and the result is cut to the kernel's size."""
-    n, c, h, w = static_dims(x, "relax.nn.conv2d")
+    """The weight gradient of a 2-D or 3-D convolution (NC..., OI...): a convolution of the input,
+    batch and channels swapped (per group), with the output gradient as kernel; stride and
+    dilation trade places, and the result is cut to the kernel's size."""
+    dims = static_dims(x, "relax.nn.conv")
+    n, c, space = dims[0], dims[1], dims[2:]
+    axes = list(range(2, 2 + len(space)))
     per_group = c // groups
-    data = op.reshape(x, (n, groups, per_group, h, w))
-    data = op.reshape(op.permute_dims(data, [2, 1, 0, 3, 4]), (per_group, groups * n, h, w))
-    kernel = op.permute_dims(g, [1, 0, 2, 3])
-    out = op.nn.conv2d(data, kernel, dilation, padding, strides, groups, out_dtype=dtype_of(x))
-    out = op.strided_slice(out, [2, 3], [0, 0], [k_dims[2], k_dims[3]])
-    return op.permute_dims(out, [1, 0, 2, 3])
+    data = op.reshape(x, (n, groups, per_group, *space))
+    data = op.reshape(op.permute_dims(data, [2, 1, 0, *(a + 1 for a in axes)]), (per_group, groups * n, *space))
+    kernel = op.permute_dims(g, [1, 0, *axes])
+    conv = op.nn.conv2d if len(space) == 2 else op.nn.conv3d
+    out = conv(data, kernel, dilation, padding, strides, groups, out_dtype=dtype_of(x))
+    out = op.strided_slice(out, axes, [0] * len(axes), k_dims[2:])
+    return op.permute_dims(out, [1, 0, *axes])
 
 
 def conv2d_attrs(attrs: Attrs) -> tuple[list[int], list[int], list[int], int]:
@@ -103,6 +106,24 @@ def conv2d_transpose_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx:
     dw = conv_weight_grad(
         output_grad, x, static_dims(w, "relax.nn.conv2d_transpose"), strides, padding, dilation, groups
     )
+    return [dx, dw]
+
+
+@gradient("relax.nn.conv3d")
+def conv3d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """Input and weight gradients of a 3-D convolution (video models, LambdaNets' position
+    lambdas), dilation and groups included; Relax has none."""
+    attrs = orig_call.attrs
+    if (str(attrs.data_layout), str(attrs.out_layout), str(attrs.kernel_layout)) != ("NCDHW", "NCDHW", "OIDHW"):
+        raise NotImplementedError(
+            f"the gradient of relax.nn.conv3d in layout {attrs.data_layout}/{attrs.kernel_layout}"
+        )
+    x, w = orig_call.args
+    pad = [int(p) for p in attrs.padding]
+    padding = pad * 2 if len(pad) == 3 else pad
+    strides, dilation, groups = [int(v) for v in attrs.strides], [int(v) for v in attrs.dilation], int(attrs.groups)
+    dx = conv_data_grad(output_grad, w, static_dims(x, "relax.nn.conv3d"), strides, padding, dilation, groups)
+    dw = conv_weight_grad(x, output_grad, static_dims(w, "relax.nn.conv3d"), strides, padding, dilation, groups)
     return [dx, dw]
 
 
