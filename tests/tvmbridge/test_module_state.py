@@ -150,3 +150,40 @@ def test_lstm_weights_stay_real_after_a_trace():
     """nn.LSTM rebuilds its private weight list from the tensors swapped in for the trace."""
     m = add_tvm_dispatch(torch.nn.LSTM(4, 6, batch_first=True), (torch.randn(2, 3, 4),), verify=False)
     assert all(type(w) is torch.nn.Parameter for w in m._flat_weights)
+
+
+class Outputs(torch.nn.Module):
+    """Outputs with and without a gradient path from what requires grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        return self.lin(x), torch.arange(4.0) * 2, x.detach() * 3, y * 2, (self.lin.weight * 0).detach().sum() + y, x * 3
+
+
+@pytest.mark.parametrize("via", ["dispatch", "backend"])
+def test_outputs_without_a_gradient_path_do_not_require_grad(via):
+    """They came back from the compiled autograd Function requiring grad: an output kept across
+    steps (ConViT's buffer under torch.compile) then made the next backward run into a freed graph."""
+    x, y = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    want = [o.requires_grad for o in Outputs()(x, y)]
+    assert want == [True, False, False, False, False, True]
+    m = add_tvm_dispatch(Outputs(), verify=False) if via == "dispatch" else torch.compile(Outputs(), backend="tvmbridge")
+    assert [o.requires_grad for o in m(x, y)] == want
+    assert [o.requires_grad for o in m(x.detach(), y)] == [True, False, False, False, False, False]
+
+
+def test_a_buffer_rebuilt_under_torch_compile_trains():
+    torch._dynamo.reset()
+    m, ref = Table(), Table()
+    ref.load_state_dict(m.state_dict())
+    compiled = torch.compile(m, backend="tvmbridge")
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        compiled(x).sum().backward()
+        ref(x).sum().backward()
+    assert not m.table.requires_grad
+    torch.testing.assert_close(m.table, ref.table)
+    torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad)

@@ -41,6 +41,7 @@ from .outputs import OutputLayout, flatten_output, unflatten_output
 from .program_facts import (
     check_outputs,
     constant_outputs,
+    grad_sources,
     input_dims,
     inputs_without_grad_path,
     mutations_as_outputs,
@@ -113,6 +114,7 @@ class TracedModule:
     input_dims: tuple[tuple[int | str, ...], ...] = ()  # per user tensor: ints, symbols where dynamic
     ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
     autocast: AutocastState | None = None  # the autocast the graph was traced under (its casts are ops)
+    grad_sources: tuple[frozenset[int], ...] = ()  # per user output, the inputs it has a gradient path from
     no_grad_path: frozenset[int] = frozenset()  # inputs no float user output depends on: no gradient
     constant_outputs: frozenset[int] = frozenset()  # user outputs that are copies of a constant
     graph_digest: str = ""  # frontend.digest of the decomposed program
@@ -405,6 +407,7 @@ def decompose_call(raw: RawTrace) -> TracedModule:
             f"module's {len(state.names)} parameters and buffers) and lifted constants, found "
             f"{[s.kind.name for s in ep.graph_signature.input_specs]}",
         )
+    sources = grad_sources(ep, num_user_outputs)
     return raw.traced(
         ep,
         num_user_outputs=num_user_outputs,
@@ -412,7 +415,8 @@ def decompose_call(raw: RawTrace) -> TracedModule:
         updated_inputs=updated_inputs,
         input_dims=input_dims(ep, len(tensors)),
         ranges=ranges(ep),
-        no_grad_path=inputs_without_grad_path(ep, num_user_outputs),
+        grad_sources=sources,
+        no_grad_path=inputs_without_grad_path(sources, len(user_inputs)),
         constant_outputs=constant_outputs(ep, num_user_outputs),
         graph_digest=program_digest(ep),
     )

@@ -51,10 +51,10 @@ def passes_no_gradient(node: torch.fx.Node) -> bool:
     return False
 
 
-def inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
-    """The export's inputs (by position) from which no floating-point user output can be reached
-    through floating-point values: PyTorch leaves their ``.grad`` None (an unused ``mask_token``, a
-    weight that only feeds a comparison), so the compiled backward must not hand back zeros."""
+def grad_sources(ep: ExportedProgram, num_user_outputs: int) -> tuple[frozenset[int], ...]:
+    """Per user output, the export's inputs (by position) it reaches through floating-point values
+    by ops that pass a gradient: an output reaching none that requires grad comes back without
+    ``requires_grad`` (``torch.arange(n) * 2``, ``x.detach() * 3``), as PyTorch returns it."""
     outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
 
     def is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout) carries a tuple
@@ -64,18 +64,29 @@ def inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> froz
             for v in (val if isinstance(val, (tuple, list)) else (val,))
         )
 
-    reached: set[torch.fx.Node] = set()
-    stack = [o for o in outputs if isinstance(o, torch.fx.Node) and is_float(o)]
-    while stack:
-        node = stack.pop()
-        if node in reached:
-            continue
-        reached.add(node)
-        if passes_no_gradient(node):
-            continue
-        stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
     placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
-    return frozenset(i for i, spec in enumerate(user_input_specs(ep)) if placeholders[spec.arg.name] not in reached)
+    position = {placeholders[spec.arg.name]: i for i, spec in enumerate(user_input_specs(ep))}
+    sources = []
+    for out in outputs:
+        reached: set[torch.fx.Node] = set()
+        stack = [out] if isinstance(out, torch.fx.Node) and is_float(out) else []
+        while stack:
+            node = stack.pop()
+            if node in reached:
+                continue
+            reached.add(node)
+            if not passes_no_gradient(node):
+                stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
+        sources.append(frozenset(position[n] for n in reached if n in position))
+    return tuple(sources)
+
+
+def inputs_without_grad_path(sources: tuple[frozenset[int], ...], num_inputs: int) -> frozenset[int]:
+    """The inputs no floating-point user output reaches (:func:`grad_sources`): PyTorch leaves
+    their ``.grad`` None (an unused ``mask_token``, a weight that only feeds a comparison), so
+    the compiled backward must not hand back zeros."""
+    reached = frozenset().union(*sources)
+    return frozenset(i for i in range(num_inputs) if i not in reached)
 
 
 def ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:

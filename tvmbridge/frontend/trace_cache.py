@@ -35,6 +35,7 @@ class TraceFacts:
     updated_inputs: tuple[int, ...]
     input_dims: tuple[tuple[int | str, ...], ...]
     ranges: dict[str, tuple[int, int | None]]
+    grad_sources: tuple[frozenset[int], ...]
     no_grad_path: frozenset[int]
     constant_outputs: frozenset[int]
     graph_digest: str

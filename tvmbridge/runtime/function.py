@@ -99,6 +99,16 @@ def unalias(results: list[_Result], owned: Sequence[torch.Tensor | None] = ()) -
     return out
 
 
+def differentiable(compiled: CompiledModule, tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per output: a float user output with a gradient path from a tensor of this call that
+    requires grad (the others come back without ``requires_grad``, as from PyTorch)."""
+    sources = compiled.traced.grad_sources
+    return [
+        d and (i >= len(sources) or any(tensors[j].requires_grad for j in sources[i]))
+        for i, d in enumerate(compiled.differentiable)
+    ]
+
+
 class CompiledCallError(RuntimeError):
     """The compiled code itself failed (TVM's VM or a kernel), as opposed to PyTorch around it."""
 
@@ -134,7 +144,7 @@ class TVMFunction(torch.autograd.Function):
         ctx.inputs = list(tensors)
         ctx.versions = [t._version for t in tensors]
         ctx.output_meta = [(o.shape, o.dtype) for o in outputs]  # this call's sizes (a variant may be symbolic)
-        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, compiled.differentiable) if not d])
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, differentiable(compiled, tensors)) if not d])
         return tuple(outputs)
 
     @staticmethod
