@@ -407,7 +407,6 @@ def decompose_call(raw: RawTrace) -> TracedModule:
             f"module's {len(state.names)} parameters and buffers) and lifted constants, found "
             f"{[s.kind.name for s in ep.graph_signature.input_specs]}",
         )
-    sources = grad_sources(ep, num_user_outputs)
     return raw.traced(
         ep,
         num_user_outputs=num_user_outputs,
@@ -415,8 +414,8 @@ def decompose_call(raw: RawTrace) -> TracedModule:
         updated_inputs=updated_inputs,
         input_dims=input_dims(ep, len(tensors)),
         ranges=ranges(ep),
-        grad_sources=sources,
-        no_grad_path=inputs_without_grad_path(sources, len(user_inputs)),
+        grad_sources=grad_sources(ep, num_user_outputs),
+        no_grad_path=inputs_without_grad_path(ep, num_user_outputs),
         constant_outputs=constant_outputs(ep, num_user_outputs),
         graph_digest=program_digest(ep),
     )

@@ -54,6 +54,13 @@ class BridgeImporter(ExportedProgramImporter):
         self.symbols: dict[str, tvm.tirx.Var] = {}  # torch's shape symbols as the frontend named them
 
     @staticmethod
+    def _has_assert_async(graph_module: torch.fx.GraphModule) -> bool:
+        """Never: the bridge converts ``_assert_async`` into the range flag (a check after the
+        call), so the function stays one pure dataflow block (the frontend's asserts made it
+        impure, which the later passes refuse: ``F.one_hot`` checks its classes so)."""
+        return False
+
+    @staticmethod
     def _convert_pytorch_tensor_to_tvm(tensor_value: torch.Tensor) -> tvm.runtime.Tensor:
         """A constant of the graph (a lifted tensor constant, a buffer bound in) held on the CPU,
         as TVM's passes expect: a CUDA-resident ``relax.Constant`` cannot be hashed (every

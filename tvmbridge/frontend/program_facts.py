@@ -5,6 +5,7 @@ gradient path. Read once per trace and kept in :class:`~.export.TracedModule`.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -38,55 +39,65 @@ _METADATA_ONLY = frozenset(
 ) | frozenset({"new_zeros.default", "new_ones.default", "new_empty.default", "new_full.default"})
 
 
-def passes_no_gradient(node: torch.fx.Node) -> bool:
-    """Ops whose backward PyTorch leaves undefined for their inputs: ``detach``, the ``*_like``
-    constructors, and ``linalg_vector_norm`` with ``ord=0`` (a count of nonzeros), so an input
-    reached only through them keeps ``.grad`` None."""
+def creates_no_graph(node: torch.fx.Node) -> bool:
+    """Ops whose result PyTorch's autograd does not connect to their inputs: ``detach`` and the
+    ``*_like``/``new_*`` constructors."""
     name = getattr(node.target, "__name__", "")
-    if name == "detach.default" or name in _METADATA_ONLY:
+    return name == "detach.default" or name in _METADATA_ONLY
+
+
+def passes_no_gradient(node: torch.fx.Node) -> bool:
+    """Ops whose backward PyTorch leaves undefined for their inputs: those of
+    :func:`creates_no_graph`, and ``linalg_vector_norm`` with ``ord=0`` (a count of nonzeros:
+    its result has a gradient function, its input gets none), so an input reached only through
+    them keeps ``.grad`` None."""
+    if creates_no_graph(node):
         return True
-    if name == "linalg_vector_norm.default":
+    if getattr(node.target, "__name__", "") == "linalg_vector_norm.default":
         ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
         return isinstance(ord_, (int, float)) and ord_ == 0
     return False
 
 
-def grad_sources(ep: ExportedProgram, num_user_outputs: int) -> tuple[frozenset[int], ...]:
-    """Per user output, the export's inputs (by position) it reaches through floating-point values
-    by ops that pass a gradient: an output reaching none that requires grad comes back without
-    ``requires_grad`` (``torch.arange(n) * 2``, ``x.detach() * 3``), as PyTorch returns it."""
-    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
+def _is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout) carries a tuple
+    val = node.meta.get("val")
+    return any(
+        isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
+        for v in (val if isinstance(val, (tuple, list)) else (val,))
+    )
 
-    def is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout) carries a tuple
-        val = node.meta.get("val")
-        return any(
-            isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
-            for v in (val if isinstance(val, (tuple, list)) else (val,))
-        )
 
+def _inputs_reached(ep: ExportedProgram, start: list, stop: Callable[[torch.fx.Node], bool]) -> frozenset[int]:
+    """The export's inputs (by position) reached back from ``start`` through floating-point
+    values, not past a node where ``stop`` holds."""
+    reached: set[torch.fx.Node] = set()
+    stack = [o for o in start if isinstance(o, torch.fx.Node) and _is_float(o)]
+    while stack:
+        node = stack.pop()
+        if node in reached:
+            continue
+        reached.add(node)
+        if not stop(node):
+            stack.extend(n for n in node.all_input_nodes if _is_float(n) and n not in reached)
     placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
-    position = {placeholders[spec.arg.name]: i for i, spec in enumerate(user_input_specs(ep))}
-    sources = []
-    for out in outputs:
-        reached: set[torch.fx.Node] = set()
-        stack = [out] if isinstance(out, torch.fx.Node) and is_float(out) else []
-        while stack:
-            node = stack.pop()
-            if node in reached:
-                continue
-            reached.add(node)
-            if not passes_no_gradient(node):
-                stack.extend(n for n in node.all_input_nodes if is_float(n) and n not in reached)
-        sources.append(frozenset(position[n] for n in reached if n in position))
-    return tuple(sources)
+    return frozenset(i for i, spec in enumerate(user_input_specs(ep)) if placeholders[spec.arg.name] in reached)
 
 
-def inputs_without_grad_path(sources: tuple[frozenset[int], ...], num_inputs: int) -> frozenset[int]:
-    """The inputs no floating-point user output reaches (:func:`grad_sources`): PyTorch leaves
-    their ``.grad`` None (an unused ``mask_token``, a weight that only feeds a comparison), so
-    the compiled backward must not hand back zeros."""
-    reached = frozenset().union(*sources)
-    return frozenset(i for i in range(num_inputs) if i not in reached)
+def grad_sources(ep: ExportedProgram, num_user_outputs: int) -> tuple[frozenset[int], ...]:
+    """Per user output, the inputs autograd connects it to: an output connected to none that
+    requires grad comes back without ``requires_grad`` (``torch.arange(n) * 2``,
+    ``x.detach() * 3``), as PyTorch returns it."""
+    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
+    return tuple(_inputs_reached(ep, [out], creates_no_graph) for out in outputs)
+
+
+def inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
+    """The export's inputs from which no floating-point user output gets a gradient: PyTorch
+    leaves their ``.grad`` None (an unused ``mask_token``, a weight that only feeds a
+    comparison), so the compiled backward must not hand back zeros."""
+    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
+    reached = _inputs_reached(ep, outputs, passes_no_gradient)
+    return frozenset(i for i in range(len(user_input_specs(ep))) if i not in reached)
 
 
 def ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:

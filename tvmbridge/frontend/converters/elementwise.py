@@ -1,6 +1,6 @@
 """Elementwise ops with PyTorch's gradient at their edges: ``hardtanh`` (and so ``relu6``,
 ``hardswish``, ``hardsigmoid``), ``clamp`` with number or tensor bounds, ``elu``; and ``div``
-with a rounding mode and a number, in the dtype PyTorch computes it in."""
+with a rounding mode and a number, in the dtype PyTorch computes it in; ``hypot``."""
 
 from __future__ import annotations
 
@@ -127,3 +127,12 @@ def div_rounding_number(importer: BridgeImporter, node: torch.fx.Node, default: 
     else:
         out = bb.emit(op.divide(x, y))
     return out if compute == dtype else bb.emit(op.astype(out, dtype))
+
+
+@converter("hypot.default")
+def hypot(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``hypot(a, b)`` as ``sqrt(a * a + b * b)`` (the frontend has none); gradient ``a / hypot``."""
+    args = args_of(node)
+    op, dtype = relax.op, out_dtype(node)
+    a, b = (op.astype(importer.env[t], dtype) for t in args[:2])
+    return importer.block_builder.emit(op.sqrt(op.add(op.multiply(a, a), op.multiply(b, b))))

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import tvm
 from tvm import relax
@@ -197,6 +198,42 @@ def _joint_index(
             "convert", f"x[indices] came out {got}, PyTorch's is {expected}: please report this", op="index.Tensor"
         )
     return out
+
+
+@converter("_assert_async.default", "_assert_async.msg")
+def assert_async(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """A data-dependent check a decomposition writes (``F.one_hot``'s class range), folded into
+    the range flag: the call raises after it as PyTorch would (the frontend's ``assert_op``
+    made the function impure)."""
+    condition = importer.env[args_of(node)[0]]
+    importer.range_flag(relax.op.astype(condition, "bool"))
+    return condition
+
+
+@converter("diagonal.default", wraps_default=True)
+def diagonal(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """``x.diagonal(offset, dim1, dim2)`` (``torch.trace``, ``torch.einsum("ii->i")``, a
+    contrastive loss's ``logits.diag()``) as one ``take`` from the two axes flattened, whose
+    gradient is the embedding's: the frontend reads it with a repeated-letter ``einsum``, which
+    has no gradient. A run-time size keeps the frontend's form."""
+    args = args_of(node)
+    given = {**dict(zip(("self", "offset", "dim1", "dim2"), args)), **kwargs_of(node)}
+    x = importer.env[given["self"]]
+    shape = [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in x.ty.shape]
+    ndim = len(shape)
+    offset = int(given.get("offset", 0))
+    dim1, dim2 = int(given.get("dim1", 0)) % ndim, int(given.get("dim2", 1)) % ndim
+    n1, n2 = shape[dim1], shape[dim2]
+    if n1 is None or n2 is None:
+        return default(node)
+    row, col = max(-offset, 0), max(offset, 0)
+    length = max(0, min(n1 - row, n2 - col))
+    others = [a for a in range(ndim) if a not in (dim1, dim2)]
+    bb, op = importer.block_builder, relax.op
+    moved = bb.emit(op.permute_dims(x, others + [dim1, dim2]))
+    flat = bb.emit(op.reshape(moved, [*(x.ty.shape[a] for a in others), n1 * n2]))
+    index = relax.const(np.array([(i + row) * n2 + i + col for i in range(length)], dtype="int64"))
+    return bb.emit(op.take(flat, index, axis=len(others), mode="clip"))
 
 
 @converter("select.int")

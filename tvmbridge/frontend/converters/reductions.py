@@ -1,5 +1,6 @@
-"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, reductions (and
-``index_select``) over a 0-d tensor, ``linalg_vector_norm`` and ``cdist`` with PyTorch's gradient at zeros."""
+"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, ``min.dim``, reductions (and
+``index_select``) over a 0-d tensor, ``linalg_vector_norm`` and ``cdist`` with PyTorch's
+gradient at zeros."""
 
 from __future__ import annotations
 
@@ -39,6 +40,21 @@ def amax(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
 def amin(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``amin``: the frontend has no converter."""
     return _extreme(importer, node, relax.op.min)
+
+
+@converter("min.dim")
+def min_dim(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``x.min(dim)``: values and indices (the frontend converts ``max.dim`` only), as a top-1 of
+    the smallest, whose gradient goes to the place the value was read from."""
+    args, kwargs = args_of(node), kwargs_of(node)
+    x, dim = importer.env[args[0]], int(args[1])
+    keep = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    bb = importer.block_builder
+    both = bb.emit(relax.op.topk(x, k=1, axis=dim, largest=False, ret_type="both", dtype="int64"))
+    values, indices = bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1))
+    if not keep:
+        values, indices = (bb.emit(relax.op.squeeze(t, axis=[dim])) for t in (values, indices))
+    return bb.emit(relax.Tuple([values, indices]))
 
 
 @converter("sum.dim_IntList", "mean.dim", "index_select.default", wraps_default=True)

@@ -1,0 +1,72 @@
+"""Ops training code reaches for (a probe of 70, as users write them), through ``add_tvm_dispatch``
+in float64: outputs and every gradient against PyTorch, with the first-call check's discards an
+error. The last group had no converter or no gradient (``diagonal`` and so ``trace`` and
+``einsum("ii->i")``, ``x.min(dim)``, ``hypot``, ``F.one_hot``, whose class check made the
+function impure)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tvmbridge import add_tvm_dispatch
+
+from ..helpers import Fn
+from .test_gradients_nn import check, randn
+
+X = randn(2, 3, 6, 6)
+V, W = randn(6, 5), randn(6, 5, seed=2)
+
+CASES = {
+    "unfold": (lambda x: F.unfold(x, 3, stride=2, padding=1), X),
+    "fold_overlapping": (lambda x: F.fold(F.unfold(x, 3, padding=1), (6, 6), 3, padding=1), X),
+    "pixel_shuffle": (lambda x: F.pixel_shuffle(x.repeat(1, 4, 1, 1)[:, :12], 2), X),
+    "roll": (lambda x: torch.roll(x, (1, -2), (2, 3)), X),
+    "tril_triu": (lambda v: torch.tril(v, -1) + torch.triu(v, 2), V),
+    "clamp_by_tensors": (lambda v: v.clamp(W - 0.5, W + 0.5), V),
+    "lerp": (lambda v: torch.lerp(v, W, 0.3) + torch.lerp(v, W, torch.sigmoid(v)), V),
+    "normalize": (lambda v: F.normalize(v, dim=1), V),
+    "addcmul_addcdiv": (lambda v: torch.addcmul(v, v, W, value=0.3) + torch.addcdiv(v, v, W.abs() + 1, value=2), V),
+    "quantile": (lambda v: torch.quantile(v, 0.3, dim=1), V),
+    "sort": (lambda v: torch.sort(v, 1, descending=True)[0], V),
+    "masked_fill_softmax": (lambda v: v.masked_fill(W > 0, -1e4).softmax(-1), V),
+    "cross_outer": (lambda v: torch.linalg.cross(v[:, :3], W[:, :3]).sum() + torch.outer(v[:3, 0], W[0, :3]), V),
+    "scatters": (lambda v: torch.slice_scatter(v, W[:, :2], 1, 1, 3) + torch.select_scatter(v, W[0], 0, 2), V),
+    "activations": (lambda v: F.glu(v[:, :4]) + F.mish(v[:, :2]) + F.softplus(v[:, 2:4], beta=2, threshold=1), V),
+    "norms": (lambda x: F.instance_norm(x) + F.rms_norm(x, (6,)) + F.layer_norm(x, (6, 6)), X),
+    "pools": (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False).sum() + F.max_pool2d(x, 3, 2, 1), X),
+    "interpolate": (lambda x: F.interpolate(x, size=(9, 4), mode="bilinear", align_corners=True), X),
+    "pads": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect") + F.pad(x, (1, 2, 2, 1), mode="circular"), X),
+    # had no converter or no gradient
+    "einsum": (lambda v: torch.einsum("ij,kj->ik", v, W) + torch.einsum("ij->i", v).sum() + torch.einsum("ij,j->", v, W[0]), V),
+    "einsum_batched": (lambda x: torch.einsum("bchw,bcxw->bhx", x, x.flip(2)), X),
+    "einsum_outer_sum": (lambda v: torch.einsum("i,j->ij", v[:, 0], W[0]) * torch.einsum("ik,jk->", v, W), V),
+    "diagonal_trace": (lambda v: torch.trace(v[:5]) * v + torch.diagonal(v, 1).sum() + torch.einsum("ii->i", v[:5]).sum(), V),
+    "diagonal_batched": (lambda x: x.diagonal(-1, 1, 3).sum() * x.diagonal(2, -1, -2), X),
+    "contrastive_diag": (lambda v: F.cross_entropy(v @ W.T, torch.arange(6)) - (v @ W.T).diag().mean(), V),
+    "min_max_dim": (lambda v: v.max(1).values + v.min(1).values + v.min(0, keepdim=True).values.sum(), V),
+    "hypot": (lambda v: torch.hypot(v, W), V),
+    "one_hot": (lambda v: F.one_hot(v.argmax(1), 5).to(v.dtype) * v, V),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_op_and_its_gradient_as_pytorch(name):
+    fn, x = CASES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(Fn(fn), x.clone())
+
+
+@pytest.mark.parametrize("bad", [4, -1])
+def test_one_hot_out_of_range_raises_like_pytorch(bad):
+    fn = lambda i, x: F.one_hot(i, 4).to(x.dtype) * x  # noqa: E731
+    m = Fn(fn)
+    add_tvm_dispatch(m, (torch.tensor([0, 3]), randn(2, 4)))
+    with pytest.raises(RuntimeError) as raised:
+        fn(torch.tensor([0, bad]), randn(2, 4))
+    with pytest.raises(raised.type, match=str(raised.value).splitlines()[0][:30]):
+        m(torch.tensor([0, bad]), randn(2, 4))
