@@ -67,36 +67,40 @@ def _is_float(node: torch.fx.Node) -> bool:  # a multi-output op (native_dropout
     )
 
 
-def _inputs_reached(ep: ExportedProgram, start: list, stop: Callable[[torch.fx.Node], bool]) -> frozenset[int]:
-    """The export's inputs (by position) reached back from ``start`` through floating-point
-    values, not past a node where ``stop`` holds."""
-    reached: set[torch.fx.Node] = set()
-    stack = [o for o in start if isinstance(o, torch.fx.Node) and _is_float(o)]
-    while stack:
-        node = stack.pop()
-        if node in reached:
-            continue
-        reached.add(node)
-        if not stop(node):
-            stack.extend(n for n in node.all_input_nodes if _is_float(n) and n not in reached)
-    placeholders = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
-    return frozenset(i for i, spec in enumerate(user_input_specs(ep)) if placeholders[spec.arg.name] in reached)
+def _sources(ep: ExportedProgram, stop: Callable[[torch.fx.Node], bool]) -> list[frozenset[int]]:
+    """Per user output, the export's inputs (by position) it depends on through floating-point
+    values, a node where ``stop`` holds depending on none: one pass in graph order, each node's
+    inputs a bit mask."""
+    position = {spec.arg.name: i for i, spec in enumerate(user_input_specs(ep))}
+    masks: dict[torch.fx.Node, int] = {}
+    for node in ep.graph.nodes:
+        mask = 0
+        if node.op == "placeholder":
+            mask = 1 << position[node.name] if node.name in position else 0
+        elif not stop(node):
+            for n in node.all_input_nodes:
+                mask |= masks.get(n, 0) if _is_float(n) else 0
+        masks[node] = mask
+    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0]
+    found = []
+    for out in outputs:
+        mask = masks[out] if isinstance(out, torch.fx.Node) and _is_float(out) else 0
+        found.append(frozenset(i for i in range(mask.bit_length()) if mask >> i & 1))
+    return found
 
 
 def grad_sources(ep: ExportedProgram, num_user_outputs: int) -> tuple[frozenset[int], ...]:
     """Per user output, the inputs autograd connects it to: an output connected to none that
     requires grad comes back without ``requires_grad`` (``torch.arange(n) * 2``,
     ``x.detach() * 3``), as PyTorch returns it."""
-    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
-    return tuple(_inputs_reached(ep, [out], creates_no_graph) for out in outputs)
+    return tuple(_sources(ep, creates_no_graph)[:num_user_outputs])
 
 
 def inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
     """The export's inputs from which no floating-point user output gets a gradient: PyTorch
     leaves their ``.grad`` None (an unused ``mask_token``, a weight that only feeds a
     comparison), so the compiled backward must not hand back zeros."""
-    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]
-    reached = _inputs_reached(ep, outputs, passes_no_gradient)
+    reached = frozenset().union(*_sources(ep, passes_no_gradient)[:num_user_outputs])
     return frozenset(i for i in range(len(user_input_specs(ep))) if i not in reached)
 
 
