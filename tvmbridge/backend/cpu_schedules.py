@@ -52,6 +52,7 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 from ..ir import first_schedule
+from .flatten_hazard import FlattenSafe
 
 _MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread start-up dominates)
 _BROADCAST_RATIO = 8  # an elementwise block this many times smaller than the kernel's output stays a block
@@ -460,7 +461,7 @@ def cpu_rules() -> list[CPUScheduleRule]:
     """The default CPU rules, first match wins. (dlight's CPU GEMV rule is left out: it asserts on
     scalar reductions, and dense matmuls are offloaded.)"""
     rules = [RowReduction(), SingleOutputReductions(dlight.cpu.Reduction()), Elementwise(), SpatialParallel()]
-    return [Guarded(r) for r in rules]
+    return [Guarded(FlattenSafe(r)) for r in rules]
 
 
 def apply_cpu_schedules(
