@@ -11,7 +11,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from tests.helpers import bert_inputs, bert_layer, clone_module, max_errors, run_step
+from tests.helpers import Fn, bert_inputs, bert_layer, clone_module, max_errors, run_step
 from tvmbridge.backend import build as backend_build
 from tvmbridge.backend import codegen
 from tvmbridge.backend.legalize_memo import MemoizedLegalization
@@ -283,3 +283,39 @@ def test_a_callers_pass_timing_sees_the_whole_build(layer_halves):
         profile = timing.render()
     assert "VMShapeLower" in profile and "LowerTVMBuiltin" in profile, profile[:500]
     assert _checks(exe) > 0  # that context's own code: TVM's checks kept
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_module_llvm_cannot_optimize_still_compiles(dtype):
+    """LLVM's SLP vectorizer emits an invalid module for a row argmax built beside a sum over the
+    same axis at some sizes ("Instruction does not dominate all uses": the compile failed); its
+    kernels are then built one by one, at LLVM's opt level 1 where one still fails."""
+    x = torch.randn(4, 2, 9, dtype=dtype)
+    fn = lambda t: t.argmax(1).to(t.dtype) * t.sum(1)  # noqa: E731
+    m = add_tvm_dispatch(Fn(fn), (x,), verify=False, disk_cache=False)
+    got = m(x)
+    assert "ran the compiled code" in dispatcher_of(m).explain()
+    torch.testing.assert_close(got, fn(x), rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-12)
+
+
+def test_a_kernel_llvm_cannot_optimize_is_built_at_opt_level_1(layer_halves, monkeypatch):
+    kernels = _kernels(backend_build.lower(layer_halves, TARGET))
+    group = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in kernels.items()})
+    victim = sorted(gv.name_hint for gv in group.get_global_vars())[0]
+    real_build, builds = codegen._tir_build, []
+
+    def flaky_build(mod, target):
+        names = [gv.name_hint for gv in mod.get_global_vars()]
+        level = int(target.attrs.get("opt-level", 3))
+        builds.append((len(names), level))
+        if victim in names and level > 1:
+            raise tvm.error.InternalError("LLVM module verification failed with the following errors:")
+        return real_build(mod, target)
+
+    monkeypatch.setattr(codegen, "_tir_build", flaky_build)
+    lib = codegen.build_kernels(group, TARGET)
+    assert builds[0] == (len(group.functions), 3)  # the group first, then each kernel alone
+    assert [b for b in builds if b[1] == 1] == [(1, 1)]  # only the victim at opt level 1
+    for gv in group.get_global_vars():
+        assert lib.get_function(gv.name_hint, query_imports=True) is not None
