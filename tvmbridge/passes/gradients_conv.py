@@ -208,47 +208,33 @@ def window_argmax(xp: Expr, out_hw: list[int], attrs: Attrs, ctx: BlockBuilder) 
     return emit(ctx, op.astype(op.argmax(op.stack(views, axis=2), axis=2), "int32"))
 
 
-def place_strided(t: Expr, offset: list[int], strides: list[int], size: list[int]) -> Expr:
-    """An (N, C, h, w) tensor spread onto an (N, C, *size) zero canvas at ``offset + i*stride``
-    (the adjoint of a strided slice): zeros interleaved by padding a unit axis, then shifted."""
-    n, c, h, w = [int(d) for d in t.ty.shape]
-    (sh, sw), (top, left) = strides, offset
-    spread = op.nn.pad(op.reshape(t, (n, c, h, 1, w, 1)), [0, 0, 0, 0, 0, 0, 0, sh - 1, 0, 0, 0, sw - 1])
-    spread = op.reshape(spread, (n, c, h * sh, w * sw))
-    pads = [0, 0, 0, 0, top, max(0, size[0] - top - h * sh), left, max(0, size[1] - left - w * sw)]
-    return op.strided_slice(op.nn.pad(spread, pads), [2, 3], [0, 0], size)
-
-
 @gradient("relax.nn.max_pool2d")
 def max_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """The gradient goes to the max of each window, as ATen (Relax's own ``max_pool2d_backward``
-    is wrong for some strides and does not build with dilation): each window's argmax offset,
-    the gradient masked per offset and placed back at that offset's strided positions of the
-    -inf-padded input (ceil_mode's partial windows included), the padding cut off."""
+    is wrong for some strides and paddings and does not build with dilation): each window's
+    argmax offset in the -inf-padded input (ceil_mode's partial windows included), its position
+    in the padded plane, every output's gradient added there in output order (ATen's order where
+    windows overlap) by one scatter, the padding cut off."""
     attrs, x = orig_call.attrs, orig_call.args[0]
     if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW":
         raise NotImplementedError(f"the gradient of relax.nn.max_pool2d in layout {attrs.layout}")
-    if all(int(d) == 1 for d in attrs.dilation) and not attrs.ceil_mode and any(int(p) for p in attrs.padding):
-        # padded, undilated: Relax's own. The form below gives NaN gradients there on even sizes
-        # (ResNet's 3x3/stride-2/pad-1 stem pool on 16x16), not yet understood; Relax's own is
-        # wrong on unpadded single windows and (1, 3)/(1, 2) rows, which the form below gets right
-        from tvm.relax.op._op_gradient import max_pool2d_grad as relax_max_pool2d_grad
-
-        return relax_max_pool2d_grad(orig_var, orig_call, output_grad, ctx)
-    h, w = static_dims(x, "relax.nn.max_pool2d")[2:]
+    n, c, h, w = static_dims(x, "relax.nn.max_pool2d")
     out_hw = static_dims(orig_var, "relax.nn.max_pool2d")[2:]
-    (kh, kw), strides, (dh, dw) = ([int(v) for v in a] for a in (attrs.pool_size, attrs.strides, attrs.dilation))
+    (kh, kw), (sh, sw), (dh, dw) = ([int(v) for v in a] for a in (attrs.pool_size, attrs.strides, attrs.dilation))
     pt, pl, pb, pr = [int(p) for p in attrs.padding]
-    reach = [(out_hw[0] - 1) * strides[0] + dh * (kh - 1) + 1, (out_hw[1] - 1) * strides[1] + dw * (kw - 1) + 1]
+    reach = [(out_hw[0] - 1) * sh + dh * (kh - 1) + 1, (out_hw[1] - 1) * sw + dw * (kw - 1) + 1]
     size = [pt + max(h + pb, reach[0] - pt), pl + max(w + pr, reach[1] - pl)]
     xp = emit(ctx, op.nn.pad(x, [0, 0, 0, 0, pt, size[0] - h - pt, pl, size[1] - w - pl], "constant", -math.inf))
     best_k = window_argmax(xp, out_hw, attrs, ctx)
-    total = None
-    for k in range(kh * kw):
-        masked = emit(ctx, op.multiply(output_grad, op.astype(op.equal(best_k, relax.const(k, "int32")), dtype_of(x))))
-        part = place_strided(masked, [(k // kw) * dh, (k % kw) * dw], strides, size)
-        total = part if total is None else op.add(total, part)
-    return [op.strided_slice(total, [2, 3], [pt, pl], [pt + h, pl + w])]
+    offsets = np.array([(k // kw) * dh * size[1] + (k % kw) * dw for k in range(kh * kw)], dtype="int64")
+    rows, cols = np.meshgrid(np.arange(out_hw[0]) * sh, np.arange(out_hw[1]) * sw, indexing="ij")
+    corners = (rows * size[1] + cols).astype("int64").reshape(1, 1, -1)
+    flat = (n, c, out_hw[0] * out_hw[1])
+    where = op.add(op.take(relax.const(offsets), op.reshape(best_k, flat)), relax.const(corners))
+    canvas = op.zeros((n, c, size[0] * size[1]), dtype_of(x))
+    placed = op.scatter_elements(canvas, where, op.reshape(output_grad, flat), axis=2, reduction="add")
+    plane = op.reshape(placed, (n, c, size[0], size[1]))
+    return [op.strided_slice(plane, [2, 3], [pt, pl], [pt + h, pl + w])]
 
 
 def adaptive_bins(size: int, out: int, dtype: str) -> np.ndarray:
