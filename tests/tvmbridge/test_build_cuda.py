@@ -12,6 +12,7 @@ import subprocess
 import pytest
 import torch
 import tvm
+from tvm import relax
 
 from tvmbridge import compile_training, devices
 from tvmbridge.backend import build
@@ -95,12 +96,13 @@ def test_a_rule_that_raises_or_does_not_lower_leaves_the_kernel_to_the_next():
     from tvm.s_tir import dlight
 
     from tvmbridge.backend.gpu_schedules import Guarded, gpu_schedule_rules
+    from tvmbridge.tools.kernel_check import _binds_threads
 
     class Raises(dlight.ScheduleRule):
         def apply(self, func, target, tunable):
             raise AssertionError("a rule's bug")
 
-    class DoesNotLower(dlight.ScheduleRule):  # GeneralReduction's argmax schedule, found in a max pool's backward
+    class DoesNotLower(dlight.ScheduleRule):  # GeneralReduction's schedule of Relax's max-pool backward
         def apply(self, func, target, tunable):
             return dlight.gpu.GeneralReduction().apply(func, target, tunable)
 
@@ -108,16 +110,29 @@ def test_a_rule_that_raises_or_does_not_lower_leaves_the_kernel_to_the_next():
     nn = torch.nn
     stem = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Flatten(), nn.Linear(64, 2)
-    )  # the max pool's backward fused with ReLU's: the argmax reduction GeneralReduction mis-schedules
+    )
     compiled = compile_training(stem, (torch.randn(2, 3, 8, 8),))
-    lowered = build.lower(compiled.stages["split"], target, schedule=False)
-    first, second = Guarded(Raises()), Guarded(DoesNotLower())
-    with target:
-        scheduled = dlight.ApplyDefaultSchedule(first, second, *gpu_schedule_rules())(lowered.clone())
-    funcs = [f for f in scheduled.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert funcs and all("tirx.is_scheduled" in f.attrs for f in funcs)  # every kernel found a rule
-    assert first.refusals and all("a rule's bug" in why for _, why in first.refusals)
-    assert any("cross-thread reduction" in why for _, why in second.refusals)  # refused by the lowering check
+    # Relax's own max-pool backward fused with ReLU's (the bridge's gradient before it had its own):
+    # an argmax reduction GeneralReduction schedules across threads with a combiner TIR cannot lower
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 4, 8, 8), "float32"))
+    g = relax.Var("g", relax.TensorType((2, 4, 4, 4), "float32"))
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            dx = relax.op.grad.max_pool2d_backward(g, x, (3, 3), (2, 2), (1, 1, 1, 1))
+            out = bb.emit_output(relax.op.where(relax.op.greater(x, relax.const(0.0)), dx, relax.const(0.0)))
+        bb.emit_func_output(out)
+    for graph, rules in ((compiled.stages["split"], "raises"), (bb.get(), "does not lower")):
+        lowered = build.lower(graph, target, schedule=False)
+        first, second = Guarded(Raises()), Guarded(DoesNotLower())
+        with target:
+            scheduled = dlight.ApplyDefaultSchedule(first, second, *gpu_schedule_rules())(lowered.clone())
+        funcs = [f for f in scheduled.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+        # every kernel found a rule, but those TOPI wrote for the GPU itself (the max-pool
+        # gradient's scatter)
+        assert funcs and all(_binds_threads(f) for f in funcs), rules
+        assert first.refusals and all("a rule's bug" in why for _, why in first.refusals)
+    assert any("No matched reducer" in why for _, why in second.refusals), second.refusals  # the lowering check
     build.compile_module(compiled.stages["split"], target)  # and the whole graph builds
 
 
