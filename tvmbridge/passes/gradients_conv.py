@@ -230,11 +230,64 @@ def max_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
     rows, cols = np.meshgrid(np.arange(out_hw[0]) * sh, np.arange(out_hw[1]) * sw, indexing="ij")
     corners = (rows * size[1] + cols).astype("int64").reshape(1, 1, -1)
     flat = (n, c, out_hw[0] * out_hw[1])
-    where = op.add(op.take(relax.const(offsets), op.reshape(best_k, flat)), relax.const(corners))
-    canvas = op.zeros((n, c, size[0] * size[1]), dtype_of(x))
-    placed = op.scatter_elements(canvas, where, op.reshape(output_grad, flat), axis=2, reduction="add")
-    plane = op.reshape(placed, (n, c, size[0], size[1]))
+    where = op.add(op.take(relax.const(offsets, "int64"), op.reshape(best_k, flat)), relax.const(corners, "int64"))
+    plane = added_at(op.reshape(output_grad, flat), where, (n, c, *size), dtype_of(x))
     return [op.strided_slice(plane, [2, 3], [pt, pl], [pt + h, pl + w])]
+
+
+def added_at(values: Expr, where: Expr, shape: tuple[int, ...], dtype: str) -> Expr:
+    """An (N, C, *plane) zero tensor with ``values`` (N, C, M) added at the flat plane positions
+    ``where`` (N, C, M), one after another (the order ATen's pooling backward adds in)."""
+    canvas = op.zeros((shape[0], shape[1], math.prod(shape[2:])), dtype)
+    return op.reshape(op.scatter_elements(canvas, where, values, axis=2, reduction="add"), shape)
+
+
+def avg_pool_windows(in_hw: list[int], out_hw: list[int], attrs: Attrs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ATen's average-pooling windows: per output its divisor (the window clipped to the padded
+    input, or to the input itself without ``count_include_pad``), and every (output, input
+    position) pair of the windows clipped to the input, in ATen's loop order."""
+    (kh, kw), (sh, sw) = ([int(v) for v in a] for a in (attrs.pool_size, attrs.strides))
+    pt, pl, pb, pr = [int(p) for p in attrs.padding]
+    if (pt, pl) != (pb, pr) or any(int(d) != 1 for d in attrs.dilation):
+        raise NotImplementedError("the gradient of relax.nn.avg_pool2d with uneven padding or dilation")
+    (h, w), divisors, outputs, positions = in_hw, np.zeros(out_hw), [], []
+    for i, j in np.ndindex(*out_hw):
+        h0, w0 = i * sh - pt, j * sw - pl
+        h1, w1 = min(h0 + kh, h + pt), min(w0 + kw, w + pl)
+        pool = (h1 - h0) * (w1 - w0)
+        h0, w0, h1, w1 = max(h0, 0), max(w0, 0), min(h1, h), min(w1, w)
+        divisors[i, j] = pool if attrs.count_include_pad else (h1 - h0) * (w1 - w0)
+        for r, q in np.ndindex(h1 - h0, w1 - w0):
+            outputs.append(i * out_hw[1] + j)
+            positions.append((h0 + r) * w + w0 + q)
+    return divisors, np.array(outputs, dtype="int64"), np.array(positions, dtype="int64")
+
+
+@gradient("relax.nn.avg_pool2d")
+def avg_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """Each output's gradient divided by its window's divisor and added to every input element
+    of its window, in output order, as ATen (Relax's own is wrong where a ceil_mode window
+    overhangs the padding with ``count_include_pad``; it serves symbolic sizes without
+    ceil_mode)."""
+    attrs, x = orig_call.attrs, orig_call.args[0]
+    if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW":
+        raise NotImplementedError(f"the gradient of relax.nn.avg_pool2d in layout {attrs.layout}")
+    try:
+        n, c, h, w = static_dims(x, "relax.nn.avg_pool2d")
+    except NotImplementedError:
+        if attrs.ceil_mode:
+            raise
+        from tvm.relax.op._op_gradient import avg_pool2d_grad as relax_avg_pool2d_grad
+
+        return relax_avg_pool2d_grad(orig_var, orig_call, output_grad, ctx)  # symbolic: right without ceil_mode
+    out_hw = static_dims(orig_var, "relax.nn.avg_pool2d")[2:]
+    divisors, outputs, positions = avg_pool_windows([h, w], out_hw, attrs)
+    if positions.size == 0:
+        return [op.zeros_like(x)]
+    share = op.divide(output_grad, relax.const(divisors, dtype_of(x)))
+    values = op.take(op.reshape(share, (n, c, out_hw[0] * out_hw[1])), relax.const(outputs, "int64"), axis=2)
+    where = op.broadcast_to(relax.const(positions, "int64"), (n, c, positions.size))
+    return [added_at(values, where, (n, c, h, w), dtype_of(x))]
 
 
 def adaptive_bins(size: int, out: int, dtype: str) -> np.ndarray:
