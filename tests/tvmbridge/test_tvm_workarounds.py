@@ -52,3 +52,12 @@ def test_tvm_take_legalizes_to_fast_mode_and_the_bridge_clips():
     assert "T.min(T.max(" in ours or "T.max(T.min(" in ours, ours
     theirs = relax.transform.LegalizeOps()(_module(body)).script()
     assert "T.min(T.max(" not in theirs and "T.max(T.min(" not in theirs
+
+
+def test_relax_const_narrows_a_numpy_array_unless_given_a_dtype():
+    """``relax.const`` makes a float64 array float32 and an int64 one int32 unless the dtype is
+    passed: every constant the bridge builds from an array passes it."""
+    assert str(relax.const(np.zeros(2, "float64")).ty.dtype) == "float32"
+    assert str(relax.const(np.zeros(2, "int64")).ty.dtype) == "int32"
+    assert str(relax.const(np.zeros(2, "float64"), "float64").ty.dtype) == "float64"
+

@@ -60,7 +60,7 @@ def _non_finite_fill_constant(value: relax.Expr, bound: dict) -> relax.Expr | No
     shape = static_shape(value)
     if fill.size != 1 or shape is None or np.isfinite(fill).all():
         return None
-    return relax.const(np.full(shape, fill.reshape(()), dtype=str(value.ty.dtype)))
+    return relax.const(np.full(shape, fill.reshape(()), dtype=str(value.ty.dtype)), str(value.ty.dtype))
 
 
 def materialize_non_finite_fills() -> tvm.transform.Pass:

@@ -232,7 +232,7 @@ def diagonal(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -
     bb, op = importer.block_builder, relax.op
     moved = bb.emit(op.permute_dims(x, others + [dim1, dim2]))
     flat = bb.emit(op.reshape(moved, [*(x.ty.shape[a] for a in others), n1 * n2]))
-    index = relax.const(np.array([(i + row) * n2 + i + col for i in range(length)], dtype="int64"))
+    index = relax.const(np.array([(i + row) * n2 + i + col for i in range(length)], dtype="int64"), "int64")
     return bb.emit(op.take(flat, index, axis=len(others), mode="clip"))
 
 
