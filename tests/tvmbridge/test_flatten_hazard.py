@@ -48,7 +48,7 @@ def test_shifted_strided_reads_as_pytorch(name):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
 
 
-def test_the_hazard_is_named():
+def _fused():
     from tvm.script import tirx as T
 
     @T.prim_func(private=True, s_tir=True)
@@ -65,6 +65,37 @@ def test_the_hazard_is_named():
             with T.sblock("place"):
                 v0, v1 = T.axis.remap("SS", [i, j])
                 out[v0, v1] = T.if_then_else(1 <= v1, g[v0, (v1 - 1) // 2], T.float64(0))
+
+    return fused, nested
+
+
+def test_a_tuned_schedule_with_the_hazard_is_not_applied(monkeypatch):
+    """A MetaSchedule record whose schedule fuses loops under such an index is left out: the
+    kernel goes to the default rules, as an untuned one."""
+    import tvm
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmbridge.backend import tuning
+
+    fused, nested = _fused()
+    mod = tvm.IRModule({"k": nested})
+
+    class ApplyHazard:
+        def __call__(self, m):
+            out = m.clone()
+            out["k"] = fused.with_attr("tirx.is_scheduled", True)
+            return out
+
+    monkeypatch.setattr(tuning.relax.transform, "MetaScheduleApplyDatabase", ApplyHazard)
+    tuned, missing = tuning.apply_database(mod, tvm.target.Target("llvm"), ms.database.MemoryDatabase())
+    assert missing == ["k"] and tvm_ffi.structural_equal(tuned["k"], nested)
+
+
+def test_the_hazard_is_named():
+    from tvm.script import tirx as T
+
+    fused, nested = _fused()
 
     @T.prim_func(private=True, s_tir=True)
     def aligned(g: T.Buffer((2, 3), "float64"), out: T.Buffer((2, 6), "float64")):

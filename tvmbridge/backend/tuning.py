@@ -31,6 +31,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir import analysis as s_tir_analysis
 
+from .flatten_hazard import flatten_hazard
+
 DATABASE_FILES = ("database_workload.json", "database_tuning_record.json")
 
 
@@ -192,9 +194,14 @@ def records_for(database: Any, target: tvm.target.Target) -> tuple[Any, list[str
 
 def apply_database(mod: tvm.IRModule, target: tvm.target.Target, database: Any) -> tuple[tvm.IRModule, list[str]]:
     """Every kernel of ``mod`` with a record takes its best one (marked scheduled, so the default
-    rules leave it); returns the module and the kernels that had none."""
+    rules leave it), unless TVM's flattening would miscompile that schedule
+    (:func:`~.flatten_hazard.flatten_hazard`: the kernel is left to the default rules); returns the
+    module and the kernels that took no record."""
     with target, database:
         tuned = relax.transform.MetaScheduleApplyDatabase()(mod)
+    for gv, f in list(tuned.functions_items()):
+        if isinstance(f, tvm.tirx.PrimFunc) and f.attrs.get("tirx.is_scheduled", False) and flatten_hazard(f):
+            tuned[gv] = mod[gv.name_hint]
     missing = [
         gv.name_hint
         for gv, f in tuned.functions_items()
