@@ -69,3 +69,42 @@ def test_an_output_cache_is_rebuilt_and_its_tensors_carry_gradients() -> None:
         torch.testing.assert_close(tvm.get_parameter(name).grad, eager.get_parameter(name).grad,
                                    rtol=1e-12, atol=1e-12)
     assert Cache not in pytree.SUPPORTED_NODES
+
+
+class LossIfLabels(torch.nn.Module):
+    """A user's model: ``{"loss": None, ...}`` without labels, a tuple with a constant tag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x, labels=None):
+        logits = self.fc(x)
+        loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits, "extra": (None, 3, "head", 0.5, True)}
+
+
+def test_constant_output_leaves_come_back_as_they_are() -> None:
+    """``loss=None`` in eval (and a tuple of constants) was refused ("output None is not a
+    tensor") and every such call ran PyTorch with a warning."""
+    import warnings
+
+    from tvmbridge import FallbackWarning
+
+    torch.manual_seed(0)
+    m = LossIfLabels()
+    ref = copy.deepcopy(m)
+    x, y = torch.randn(5, 4), torch.tensor([0, 2, 1, 1, 0])
+    add_tvm_dispatch(m, (x,), {"labels": y})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        got, want = m(x, labels=y), ref(x, labels=y)
+        got["loss"].backward()
+        want["loss"].backward()
+        assert torch.allclose(m.fc.weight.grad, ref.fc.weight.grad, atol=1e-6)
+        m.eval(), ref.eval()
+        with torch.no_grad():
+            got, want = m(x), ref(x)
+    assert got["loss"] is None and got["extra"] == (None, 3, "head", 0.5, True)
+    assert torch.allclose(got["logits"], want["logits"], atol=1e-6)
+    assert "ran the compiled code" in m._tvm_dispatch.explain()

@@ -17,6 +17,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+# output leaves returned as they are: immutable, and (not being symbolic) fixed for a compiled
+# variant, whose guards fix everything the forward could compute them from
+_CONSTANTS = (type(None), bool, int, float, str)
+
 
 @dataclass(frozen=True)
 class _Slot:
@@ -115,6 +119,10 @@ def labelled_output_tensors(out: Any) -> tuple[list[tuple[str, torch.Tensor]], O
     templates: dict[int, Any] = {}
     for i, (path, leaf) in enumerate(leaves_with_paths):
         where = "output" + pytree.keystr(path)
+        if type(leaf) in _CONSTANTS:  # ``loss=None`` in eval: the same on every call of the variant
+            templates[i] = leaf
+            counts.append(0)
+            continue
         if isinstance(leaf, torch.Tensor) or not _holds_tensor(leaf, set()):
             flat.append((where, leaf))
             counts.append(1)
@@ -127,7 +135,8 @@ def labelled_output_tensors(out: Any) -> tuple[list[tuple[str, torch.Tensor]], O
 
 
 def flatten_output(out: Any) -> tuple[list[Any], OutputLayout]:
-    """The output's tensors (and non-tensor leaves, which the trace refuses) and its layout."""
+    """The output's tensors (and leaves neither tensors nor constants, which the trace refuses)
+    and its layout."""
     flat, layout = labelled_output_tensors(out)
     return [x for _, x in flat], layout
 
