@@ -265,21 +265,18 @@ def avg_pool_windows(in_hw: list[int], out_hw: list[int], attrs: Attrs) -> tuple
 
 @gradient("relax.nn.avg_pool2d")
 def avg_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
-    """Each output's gradient divided by its window's divisor and added to every input element
-    of its window, in output order, as ATen (Relax's own is wrong where a ceil_mode window
-    overhangs the padding with ``count_include_pad``; it serves symbolic sizes without
-    ceil_mode)."""
+    """With ceil_mode, each output's gradient divided by its window's divisor and added to every
+    input element of its window, in output order, as ATen: Relax's own is wrong where a
+    ceil_mode window overhangs the padding with ``count_include_pad``. Without ceil_mode Relax's
+    own (right there, and it keeps no (N, C, outputs x window) index tensor)."""
     attrs, x = orig_call.attrs, orig_call.args[0]
-    if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW":
-        raise NotImplementedError(f"the gradient of relax.nn.avg_pool2d in layout {attrs.layout}")
-    try:
-        n, c, h, w = static_dims(x, "relax.nn.avg_pool2d")
-    except NotImplementedError:
-        if attrs.ceil_mode:
-            raise
+    if not attrs.ceil_mode:
         from tvm.relax.op._op_gradient import avg_pool2d_grad as relax_avg_pool2d_grad
 
-        return relax_avg_pool2d_grad(orig_var, orig_call, output_grad, ctx)  # symbolic: right without ceil_mode
+        return relax_avg_pool2d_grad(orig_var, orig_call, output_grad, ctx)
+    if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW":
+        raise NotImplementedError(f"the gradient of relax.nn.avg_pool2d in layout {attrs.layout}")
+    n, c, h, w = static_dims(x, "relax.nn.avg_pool2d")
     out_hw = static_dims(orig_var, "relax.nn.avg_pool2d")[2:]
     divisors, outputs, positions = avg_pool_windows([h, w], out_hw, attrs)
     if positions.size == 0:
