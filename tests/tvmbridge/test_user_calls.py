@@ -529,3 +529,18 @@ def test_an_input_read_only_for_its_shape_keeps_grad_none(like) -> None:
         out.sum().backward()
     assert type(out.grad_fn).__name__ == "TVMFunctionBackward"
     assert x.grad is None and torch.equal(y.grad, like(x).detach() + 1)
+
+
+@pytest.mark.parametrize("branch", ["if", "loss_check"])
+def test_a_forward_that_branches_on_values_is_refused_with_what_to_do(branch):
+    """torch.export's data-dependent guard error alone ("Could not guard on data-dependent
+    expression Eq(u0, 1)") does not say what to change."""
+    import torch.nn.functional as F
+
+    from tests.helpers import Fn
+    from tvmbridge import ConversionError
+
+    t = torch.rand(3, 4)
+    fn = (lambda x: x * 2 if x.sum() > 0 else x) if branch == "if" else (lambda x: F.gaussian_nll_loss(x, t, t + 0.5))
+    with pytest.raises(ConversionError, match="branches on a tensor's values.*fallback=True"):
+        add_tvm_dispatch(Fn(fn), (torch.randn(3, 4),))

@@ -265,6 +265,12 @@ def _export(
             hint = ""
             if "Cache" in str(exc):  # transformers' key/value caches
                 hint = "; the model builds a key/value cache: train with use_cache=False"
+            elif "data-dependent" in str(exc):
+                hint = (
+                    "; the forward branches on a tensor's values (a Python `if` on a tensor, `.item()`, a "
+                    "check such as F.gaussian_nll_loss's `torch.any(var < 0)`), which compiled code cannot: "
+                    "move it out of forward, or pass fallback=True to keep PyTorch for this module"
+                )
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"
             ) from exc
