@@ -48,7 +48,10 @@ def test_shifted_strided_reads_as_pytorch(name):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
 
 
-def _fused():
+def _placements():
+    """The same placement over a (2, 6) output three ways: ``fused`` (one loop split into both
+    axes, read at ``(v1 - 1) // 2``: the hazard), ``nested`` (two loops: none) and ``aligned``
+    (fused, but the offset a multiple of the divisor: none)."""
     from tvm.script import tirx as T
 
     @T.prim_func(private=True, s_tir=True)
@@ -66,7 +69,15 @@ def _fused():
                 v0, v1 = T.axis.remap("SS", [i, j])
                 out[v0, v1] = T.if_then_else(1 <= v1, g[v0, (v1 - 1) // 2], T.float64(0))
 
-    return fused, nested
+    @T.prim_func(private=True, s_tir=True)
+    def aligned(g: T.Buffer((2, 3), "float64"), out: T.Buffer((2, 6), "float64")):
+        for f in range(12):
+            with T.sblock("place"):
+                v0 = T.axis.spatial(2, f // 6)
+                v1 = T.axis.spatial(6, f % 6)
+                out[v0, v1] = g[v0, (v1 + 2) // 2 - 1]
+
+    return fused, nested, aligned
 
 
 def test_a_tuned_schedule_with_the_hazard_is_not_applied(monkeypatch):
@@ -78,7 +89,7 @@ def test_a_tuned_schedule_with_the_hazard_is_not_applied(monkeypatch):
 
     from tvmbridge.backend import tuning
 
-    fused, nested = _fused()
+    fused, nested, _ = _placements()
     mod = tvm.IRModule({"k": nested})
 
     class ApplyHazard:
@@ -93,18 +104,7 @@ def test_a_tuned_schedule_with_the_hazard_is_not_applied(monkeypatch):
 
 
 def test_the_hazard_is_named():
-    from tvm.script import tirx as T
-
-    fused, nested = _fused()
-
-    @T.prim_func(private=True, s_tir=True)
-    def aligned(g: T.Buffer((2, 3), "float64"), out: T.Buffer((2, 6), "float64")):
-        for f in range(12):
-            with T.sblock("place"):
-                v0 = T.axis.spatial(2, f // 6)
-                v1 = T.axis.spatial(6, f % 6)
-                out[v0, v1] = g[v0, (v1 + 2) // 2 - 1]
-
+    fused, nested, aligned = _placements()
     assert "divides" in flatten_hazard(fused)
     assert flatten_hazard(nested) is None
     assert flatten_hazard(aligned) is None
