@@ -141,7 +141,7 @@ def test_every_stage_runs_under_its_declarations():
     compiled = compile_training(MLP(), (torch.randn(4, 32),), reuse=True)
     assert set(compiled.stages) == set(STAGE_NAMES) and len(CACHES.compiles) == 1
     again = compile_training(MLP(), (torch.randn(4, 32),), reuse=True)
-    assert again.executable is compiled.executable and again._pool is not compiled._pool
+    assert again.executable is compiled.executable and again._pools is not compiled._pools
     assert "reused" in again.compile_seconds and CACHES.compiles.hits == 1
 
 

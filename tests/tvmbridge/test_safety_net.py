@@ -137,7 +137,7 @@ def test_a_failing_forward_runs_pytorch_for_that_call() -> None:
     x = torch.randn(5, 6)
     _step(tvm, x)  # verified
     (variant,) = tvm._tvm_dispatch.variants
-    variant.compiled._pool[:] = [_BrokenVM()]
+    variant.compiled._pools["train"][:] = [_BrokenVM()]
     with pytest.warns(VerificationWarning, match="simulated TVM runtime failure"):
         got = _step(tvm, x)
     _assert_step_equal(got, _step(eager, x))  # same dropout mask: the generator was rewound
@@ -154,7 +154,7 @@ def test_a_failing_backward_gives_pytorchs_gradients() -> None:
     tvm.zero_grad(set_to_none=True)
     torch.manual_seed(5)
     out = tvm(x)  # forward compiled
-    variant.compiled._pool[:] = [_BrokenVM()]
+    variant.compiled._pools["train"][:] = [_BrokenVM()]
     with pytest.warns(VerificationWarning, match="backward failed"):
         out.sum().backward()
     got = (out.detach(), {n: p.grad.clone() for n, p in tvm.named_parameters()})

@@ -21,6 +21,7 @@ from ..options import CompileOptions
 from ..partition.joint import JointGraph
 from ..partition.split import SplitResult
 from ..passes import GradientResult
+from .parts import TRAIN, Parts
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ class Artifacts:
     split: SplitResult | None = None
     halves: tvm.IRModule | None = None  # names.FORWARD, names.FORWARD_INFER, names.BACKWARD
     gemm_choices: tuple[GemmDecision, ...] = ()  # where each offloaded GEMM runs, and why
-    executable: tvm.runtime.Executable | None = None
-    build_key: str = ""  # the executable's key in the disk cache (backend.executable_cache)
-    executable_loaded: bool = False  # the build found it in the disk cache (backend.executable_cache)
+    first_part: str = TRAIN  # the part (pipeline.parts) the compile builds; the other when first needed
+    parts: Parts | None = None  # the executables by part
+    build_keys: dict[str, str] = field(default_factory=dict)  # part -> its executable's disk-cache key
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,15 @@ from ..partition.split import SplitResult
 from . import stages
 from .artifacts import Artifacts
 from .driver import run_stages
+from .parts import INFER, TRAIN, Parts
 from .result_cache import ResultCache, result_key
 
 
 @dataclass
 class CompileResult:
-    """A module compiled for one call signature: both halves in one executable, and everything
-    needed to call them (``runtime.compiled.CompiledModule`` adds the VMs that call them)."""
+    """A module compiled for one call signature: its executables by part (training: forward and
+    backward; inference: forward only; each built when first needed, ``pipeline.parts``), and
+    everything needed to call them (``runtime.compiled.CompiledModule`` adds the VMs)."""
 
     traced: TracedModule
     device: torch.device
@@ -45,14 +47,34 @@ class CompileResult:
     differentiable: tuple[bool, ...]  # per output
     adjoint: relax.Function = field(repr=False)  # the joint forward+backward, simplified
     split: SplitResult = field(repr=False)
-    executable: tvm.runtime.Executable = field(repr=False)
+    parts: Parts = field(repr=False)
+    first_part: str = TRAIN  # the part the compile built; the other is built when a call first needs it
     compile_seconds: dict[str, float] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict, repr=False)
     sizes: dict[str, int] = field(default_factory=dict)  # symbolic dims at the compiled sample
     gemm_choices: tuple[GemmDecision, ...] = ()
-    executable_loaded: bool = False  # the build loaded it from the disk cache instead of compiling
     result_loaded: bool = False  # the stages between trace and build loaded from the disk cache
     trace_loaded: bool = False  # the decomposition skipped: what it shows loaded from the disk cache
+
+    @property
+    def executable(self) -> tvm.runtime.Executable:
+        """The training part's executable (forward and backward), built now if not yet."""
+        return self.parts.get(TRAIN)
+
+    @property
+    def executable_loaded(self) -> bool:
+        """The compile loaded its part's executable from the disk cache instead of building it."""
+        return self.parts.loaded.get(self.first_part, False)
+
+    def seconds_total(self) -> float:
+        """The compile's seconds and those of a part built later, when a call first needed it."""
+        later = sum(t for part, t in self.parts.seconds.items() if part != self.first_part)
+        return self.compile_seconds.get("total", 0.0) + later
+
+    def parts_built(self) -> str:
+        """Which parts are built: "training and inference parts", "training part only", ..."""
+        built = [p for p in (TRAIN, INFER) if self.parts.built(p)]
+        return " and ".join(f"{p}" for p in built) + (" parts" if len(built) > 1 else " part only")
 
     @property
     def num_outputs(self) -> int:
@@ -93,7 +115,7 @@ class CompileResult:
         return (
             f"{len(self.split.captures)} captured values ({self.captured_bytes() / 2**20:.2f} MiB), "
             f"{len(self.split.recomputed)} recomputed, {len(self.random_sites)} random inputs; "
-            f"compile {t.get('total', 0):.1f}s (build {t.get('build', 0):.1f}s"
+            f"compile {t.get('total', 0):.1f}s (build of the {self.first_part} part {t.get('build', 0):.1f}s"
             f"{', loaded from the disk cache' if self.executable_loaded else ''}"
             f"{'; gradient, split and offload loaded from the disk cache' if self.result_loaded else ''})"
         )
@@ -108,11 +130,15 @@ def compile_result(
     device: torch.device | None = None,
     dynamic: dict[int, frozenset[int]] | None = None,
     reuse: bool = False,
+    first_part: str = TRAIN,
 ) -> CompileResult:
     """Forward and backward of ``module`` compiled for the signature of ``(args, kwargs)``
-    (``dynamic``: dims of the call's tensors, by position among them, to compile symbolically).
+    (``dynamic``: dims of the call's tensors, by position among them, to compile symbolically;
+    ``first_part``: the part built now, ``pipeline.parts``).
     With ``reuse``, a traced graph equal to one compiled before reuses that compile."""
-    start = Artifacts(module=module, args=args, kwargs=kwargs, options=options, device=device, dynamic=dynamic)
+    start = Artifacts(
+        module=module, args=args, kwargs=kwargs, options=options, device=device, dynamic=dynamic, first_part=first_part
+    )
     after_trace, shown, seconds = run_stages(start, stages.STAGES[:2])
     key = graph_fingerprint(after_trace)
     reused = CACHES.compiles.get(key) if reuse else None
@@ -139,6 +165,7 @@ def compile_result(
     seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
     release_program(done.traced)
     assert done.traced is not None and done.device is not None and done.gradient is not None and done.split is not None
+    assert done.parts is not None
     result = CompileResult(
         traced=done.traced,
         device=done.device,
@@ -149,12 +176,12 @@ def compile_result(
         differentiable=done.gradient.differentiable,
         adjoint=done.gradient.adjoint,
         split=done.split,
-        executable=done.executable,
+        parts=done.parts,
+        first_part=done.first_part,
         compile_seconds=seconds,
         stages={**shown, **shown_rest},
         sizes=dict(done.sizes),
         gemm_choices=done.gemm_choices,
-        executable_loaded=done.executable_loaded,
         result_loaded=stored is not None,
         trace_loaded=done.trace_loaded,
     )

@@ -32,7 +32,7 @@ from .artifacts import Artifacts
 
 # what the stages after the trace and before the build write that the compile's result or the
 # build reads (``primal``, ``joint`` and ``captures`` live on in ``gradient`` and ``split``), and
-# the executable's key (the build need not serialize ``halves`` again to find it)
+# the executables' keys (the build need not serialize ``halves`` again to find them)
 STORED = (
     "random_sites",
     "num_index_checks",
@@ -41,7 +41,7 @@ STORED = (
     "split",
     "halves",
     "gemm_choices",
-    "build_key",
+    "build_keys",
 )
 
 

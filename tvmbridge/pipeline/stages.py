@@ -24,7 +24,7 @@ from ..backend.fast_math import FastMathFloat32
 from ..backend.gemm_choice import ChoiceCache, GemmChooser
 from ..backend.offload import ApplyOffloadPlan, gemm_problems, plan_offload
 from ..devices import SUPPORTED, target_for
-from ..errors import ConversionError
+from ..errors import ConversionError, stage_errors
 from ..frontend.export import Deferred, TracedModule, trace
 from ..frontend.importer import to_relax
 from ..frontend.trace_cache import TraceCache, cached_trace
@@ -39,6 +39,7 @@ from ..passes import DecomposeForTraining, Dedup, ExternalizeRandom, Simplify, b
 from ..passes.accumulation import LongSumsInFloat64
 from ..passes.low_precision import Float32Opmath
 from .artifacts import INPUTS, Artifacts, Stage
+from .parts import Parts
 
 
 def _inputs(a: Artifacts) -> Artifacts:
@@ -216,21 +217,24 @@ def _fast_math(a: Artifacts) -> Artifacts:
 
 
 def _build(a: Artifacts) -> Artifacts:
-    assert a.device is not None
-    options = a.options
-    exe, loaded, key = backend_build.compile_or_load(
-        a.halves,
-        target_for(a.device, options.fp_contract),
-        options.cpu_schedules,
-        options.fuse,
-        options.tuning_db,
-        options.disk_cache,
-        key=a.build_key,  # kept with a compile result loaded from the disk cache
-    )
-    if a.device.type == "cpu" and a.random_sites and a.options.mask_kernel:
+    """The part the first call needs (``a.first_part``), built now; the other when first needed."""
+    assert a.device is not None and a.halves is not None
+    device, options = a.device, a.options
+    target = target_for(device, options.fp_contract)
+
+    def build(part: tvm.IRModule, key: str) -> tuple[tvm.runtime.Executable, bool, str]:
+        with stage_errors("build"):  # a part built later, inside a call, fails as the build stage
+            exe, loaded, key = backend_build.compile_or_load(
+                part, target, options.cpu_schedules, options.fuse, options.tuning_db, options.disk_cache, key=key
+            )
+            backend_build.load(exe, device)  # loads in this thread now: a failure is the build stage's
+        return exe, loaded, key
+
+    parts = Parts(a.halves, build, a.build_keys)  # keys kept with a compile result loaded from the disk cache
+    parts.get(a.first_part)
+    if device.type == "cpu" and a.random_sites and options.mask_kernel:
         kernel_works()  # builds and checks the mask kernel now, not on the first call
-    backend_build.load(exe, a.device)  # loads in this thread now: a failure is the build stage's
-    return dataclasses.replace(a, executable=exe, executable_loaded=loaded, build_key=key)
+    return dataclasses.replace(a, parts=parts, build_keys=parts.keys)
 
 
 def _adjoint(a: Artifacts) -> tvm.IRModule:
@@ -282,9 +286,9 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "build",
         _build,
-        lambda a: a.executable,
-        reads=("halves", "device", "options", "random_sites", "build_key"),
-        writes=("executable", "executable_loaded", "build_key"),
+        lambda a: a.parts,
+        reads=("halves", "device", "options", "random_sites", "first_part", "build_keys"),
+        writes=("parts", "build_keys"),
     ),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)

@@ -64,7 +64,7 @@ class CallLog:
         for i, v in enumerate(variants, 1):
             lines.append(
                 f"  variant {i} ({v.label}): {v.calls} calls, compiled in "
-                f"{v.compiled.compile_seconds.get('total', 0):.1f}s because: {v.why}; "
+                f"{v.compiled.seconds_total():.1f}s ({v.compiled.parts_built()}) because: {v.why}; "
                 f"GEMMs: {gemm_summary(list(v.compiled.gemm_choices))}"
             )
         lines += [f"  {n} x PyTorch: {reason}" for reason, n in self.fallback_reasons.most_common()]

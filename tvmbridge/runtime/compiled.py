@@ -19,6 +19,7 @@ from tvm import relax
 from ..backend import build as backend_build
 from ..options import CompileOptions, with_overrides
 from ..pipeline.compile import CompileResult, compile_result
+from ..pipeline.parts import INFER, TRAIN
 
 
 class CompiledModule(CompileResult):
@@ -28,7 +29,7 @@ class CompiledModule(CompileResult):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pool: list[relax.VirtualMachine] = []
+        self._pools: dict[str, list[relax.VirtualMachine]] = {TRAIN: [], INFER: []}
         self._pool_lock = threading.Lock()
         self._instrument: Callable | None = None
 
@@ -37,25 +38,26 @@ class CompiledModule(CompileResult):
         return cls(**{f.name: getattr(result, f.name) for f in dataclasses.fields(result)})
 
     @contextlib.contextmanager
-    def vm(self) -> Iterator[relax.VirtualMachine]:
-        """A VM of this module's executable, for one call."""
+    def vm(self, part: str = TRAIN) -> Iterator[relax.VirtualMachine]:
+        """A VM of ``part``'s executable (built now if no call needed it before), for one call."""
+        pool = self._pools[part]
         with self._pool_lock:
-            vm = self._pool.pop() if self._pool else None
+            vm = pool.pop() if pool else None
         if vm is None:
-            vm = backend_build.load(self.executable, self.device)
+            vm = backend_build.load(self.parts.get(part), self.device)
             if self._instrument is not None:
                 vm.set_instrument(self._instrument)
         try:
             yield vm
         finally:
             with self._pool_lock:
-                self._pool.append(vm)
+                pool.append(vm)
 
     def set_instrument(self, instrument: Callable | None) -> None:
         """``VirtualMachine.set_instrument`` on every VM of this module, now and later (None: off)."""
         self._instrument = instrument
         with self._pool_lock:
-            for vm in self._pool:
+            for vm in (vm for pool in self._pools.values() for vm in pool):
                 vm.set_instrument(instrument if instrument is not None else (lambda *a: 0))
 
 
@@ -68,6 +70,7 @@ def compile_training(
     device: torch.device | None = None,
     dynamic: dict[int, frozenset[int]] | None = None,
     reuse: bool = False,
+    first_part: str = TRAIN,
     **overrides: Any,
 ) -> CompiledModule:
     """Compile forward and backward of ``module`` for the signature of ``(args, kwargs)``.
@@ -76,10 +79,13 @@ def compile_training(
     (``capture="all"``, ``memory_budget=0.3``, ...). ``dynamic`` marks dims of the call's tensors
     (by position among them) to compile symbolically: one executable for every size there.
     With ``reuse``, a module whose traced graph equals one compiled before in this process reuses
-    that compile (``tvmbridge.caches.CACHES.compiles``). Every failure is a ``ConversionError``
-    naming the stage.
+    that compile (``tvmbridge.caches.CACHES.compiles``). ``first_part``: the part built now
+    (``"train"``: forward and backward; ``"infer"``: the no_grad forward); the other is built
+    when a call first needs it. Every failure is a ``ConversionError`` naming the stage.
     """
     opts = with_overrides(options, overrides)
     args = args if isinstance(args, tuple) else (args,)
-    result = compile_result(module, args, dict(kwargs or {}), opts, device=device, dynamic=dynamic, reuse=reuse)
+    result = compile_result(
+        module, args, dict(kwargs or {}), opts, device=device, dynamic=dynamic, reuse=reuse, first_part=first_part
+    )
     return CompiledModule.of(result)

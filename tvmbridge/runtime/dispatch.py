@@ -204,7 +204,9 @@ class Dispatcher:
             release_cached_memory()
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in fitted.tensors)
         if self.options.verify and variant.trust.needed(needs_grad):
-            return run_checked(self, variant, fitted, args, kwargs, needs_grad)
+            with variant.trust.lock:
+                if variant.trust.needed(needs_grad):
+                    return run_checked(self, variant, fitted, args, kwargs, needs_grad)
         rng = rng_states(variant.compiled.device) if variant.compiled.random_sites else None
         try:
             outs = self.execute(variant, fitted, needs_grad, rng, args, kwargs)

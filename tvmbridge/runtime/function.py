@@ -26,6 +26,7 @@ import tvm_ffi
 from .. import names
 from ..devices import on_torch_stream
 from ..errors import describe
+from ..pipeline.parts import PART_OF
 from .compiled import CompiledModule
 from .verify import GradientCheck, own_inputs
 
@@ -116,7 +117,7 @@ class CompiledCallError(RuntimeError):
 def run_vm(compiled: CompiledModule, function: str, args: list[Any]) -> list[Any]:
     """``function`` of the compiled module on ``args``; any failure inside is a ``CompiledCallError``."""
     try:
-        with compiled.vm() as vm, on_torch_stream(compiled.device):
+        with compiled.vm(PART_OF[function]) as vm, on_torch_stream(compiled.device):
             return list(vm[function](*args))
     except Exception as exc:  # noqa: BLE001 - TVM raises many types
         raise CompiledCallError(describe(exc)) from exc

@@ -29,6 +29,7 @@ from ..frontend.export import release_program
 from ..frontend.signature import canonical_call
 from ..options import CompileOptions, with_overrides
 from ..pipeline import STAGE_NAMES, STAGES, Artifacts, Stage, run_stages
+from ..pipeline.parts import INFER
 from .function import to_torch, to_tvm
 from .guards import autocast_mismatch, check_index_flags
 from .variants import input_guard_for
@@ -95,7 +96,7 @@ class InferenceModule:
     """The compiled forward: call it as the model (same signature), get the model's outputs."""
 
     def __init__(self, model: torch.nn.Module, artifacts: Artifacts, seconds: dict[str, float]) -> None:
-        assert artifacts.traced is not None and artifacts.device is not None  # the stages ran
+        assert artifacts.traced is not None and artifacts.device is not None and artifacts.parts is not None
         self.signature = inspect.signature(model.forward)
         self.traced = artifacts.traced
         self.device = artifacts.device
@@ -104,7 +105,7 @@ class InferenceModule:
         self.compile_seconds = seconds
         self.stages = artifacts.halves
         self.guard = input_guard_for(self.signature, artifacts.args, artifacts.kwargs)  # the sample's exact shapes
-        self._vm = relax.VirtualMachine(artifacts.executable, tvm_device(self.device))
+        self._vm = relax.VirtualMachine(artifacts.parts.get(INFER), tvm_device(self.device))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = canonical_call(self.signature, args, kwargs)
@@ -141,7 +142,7 @@ def compile_inference(
     was_training = model.training
     model.eval()
     try:
-        start = Artifacts(module=model, args=args, kwargs=dict(sample_kwargs or {}), options=opts)
+        start = Artifacts(module=model, args=args, kwargs=dict(sample_kwargs or {}), options=opts, first_part=INFER)
         done, _shown, seconds = run_stages(start, INFERENCE_STAGES)
         release_program(done.traced)
     finally:

@@ -15,8 +15,11 @@ from typing import Any
 
 import torch
 
+from analysis.tensors import tensor_leaves
+
 from ..errors import AttributeWriteError, ConversionError
 from ..options import CompileOptions
+from ..pipeline.parts import INFER, TRAIN
 from .compiled import CompiledModule, compile_training
 from .guards import Mismatch
 from .locks import TRACING
@@ -50,6 +53,17 @@ class Selection:
     @classmethod
     def pytorch(cls, reason: Mismatch) -> Selection:
         return cls(Outcome.PYTORCH, reason=reason)
+
+
+def first_part(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """The part (``pipeline.parts``) a call needs: training where it will need gradients (grad
+    mode on and a parameter or an input requiring one, as the dispatcher decides per call),
+    else inference."""
+    if torch.is_grad_enabled() and (
+        any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in tensor_leaves((args, kwargs)))
+    ):
+        return TRAIN
+    return INFER
 
 
 def _dims_key(dims: dict[int, frozenset[int]]) -> frozenset:
@@ -170,16 +184,19 @@ class VariantSet:
         self, args: tuple, kwargs: dict, why: str, dynamic: dict[int, frozenset[int]] | None
     ) -> tuple[CompiledModule, str]:
         compiled = None
+        part = first_part(self.module, args, kwargs)
         if dynamic:
             try:
-                compiled = compile_training(self.module, args, kwargs, self.options, dynamic=dynamic, reuse=True)
+                compiled = compile_training(
+                    self.module, args, kwargs, self.options, dynamic=dynamic, reuse=True, first_part=part
+                )
                 why += f"; symbolic in {describe_dims(compiled.traced)}"
             except ConversionError as exc:  # exact shapes then: slower to cover, never wrong
                 self.dynamic_failure = exc
                 self.failed_dynamic.add(_dims_key(dynamic))
                 why += f"; a symbolic compile failed ({exc}), compiled for this shape"
         if compiled is None:
-            compiled = compile_training(self.module, args, kwargs, self.options, reuse=True)
+            compiled = compile_training(self.module, args, kwargs, self.options, reuse=True, first_part=part)
         if "reused" in compiled.compile_seconds:
             why += "; the compile of an identical graph reused"
         return compiled, why

@@ -19,8 +19,9 @@ input, a wrong gradient formula, an aliased buffer), not a proof of bitwise equa
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -126,14 +127,28 @@ def worst(
 
 @dataclass
 class Trust:
-    """How far a variant has been checked against PyTorch: its outputs (any call), its gradients
-    (a call that needed them, at its first backward)."""
+    """How far a variant has been checked against PyTorch: the outputs of its training part (a
+    call that needs gradients) and their gradients (at its first backward), and the outputs of
+    its inference part (a no_grad call): the two parts are different kernels."""
 
     outputs: bool = False
     gradients: bool = False
+    infer_outputs: bool = False
+    # held while a call is checked: threads making the same first call are checked one after
+    # another (a stateful module's check compares the buffers it writes, which a concurrent
+    # checked call would move), and a call that waited and finds the check done runs as trusted
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def needed(self, needs_grad: bool) -> bool:
-        return not self.outputs or (needs_grad and not self.gradients)
+        if needs_grad:
+            return not self.outputs or not self.gradients
+        return not self.infer_outputs
+
+    def outputs_agreed(self, needs_grad: bool) -> None:
+        if needs_grad:
+            self.outputs = True
+        else:
+            self.infer_outputs = True
 
 
 @dataclass

@@ -426,7 +426,7 @@ def run_case(
     if case is not None and dispatchers:
         variants = [v for d in dispatchers for v in d.variants]
         result.variants = len(variants)
-        result.compile_s = round(sum(v.compiled.compile_seconds.get("total", 0.0) for v in variants), 2)
+        result.compile_s = round(sum(v.compiled.seconds_total() for v in variants), 2)
         result.variant_why = [f"{v.label}: {v.why}" for v in variants]
         step3 = [x for x in case.step3_variant or [] if x is not None]  # Variants, or strings where PyTorch ran
         result.symbolic = any(getattr(x, "symbolic", False) for x in step3) if step3 else None
