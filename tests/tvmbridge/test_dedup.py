@@ -8,7 +8,7 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
-from tvmbridge.passes import Dedup
+from tvmbridge.passes import Dedup, DedupAndSimplify, Simplify
 
 R = relax.op
 N = tirx.Var("n", "int64")
@@ -64,3 +64,23 @@ def test_a_chain_of_four_permutes_is_one():
                   and b.value.op.name == "relax.permute_dims"]
     assert [int(a) for a in permute.attrs.axes] == [0, 2, 1]
     assert permute.args[0].same_as(out["main"].params[0])
+
+
+def test_dedup_and_simplify_under_one_cleanup_is_dedup_then_simplify():
+    """The split stage runs both passes' rules under one clean-up (``DedupAndSimplify``): the
+    same module as ``Dedup`` then ``Simplify``, on permute and reshape chains, neutral elements,
+    ``*_like`` ops and duplicates."""
+    def body(bb, x):
+        p = bb.emit(R.permute_dims(bb.emit(R.permute_dims(x, [2, 0, 1])), [1, 2, 0]))
+        r = bb.emit(R.reshape(bb.emit(R.reshape(p, (6, 4))), (2, 3, 4)))
+        one = bb.emit(R.multiply(r, bb.emit(R.ones_like(r))))
+        a, b = bb.emit(R.exp(one)), bb.emit(R.exp(one))
+        zero = bb.emit(R.zeros_like(x))
+        return R.add(bb.emit(R.add(a, b)), zero)
+
+    mod = _module((2, 3, 4), body)
+    merged = DedupAndSimplify()(mod)
+    tvm.ir.assert_structural_equal(merged, tvm.transform.Sequential([Dedup(), Simplify()])(mod))
+    assert _count(merged, "relax.exp") == 1 and _count(merged, "relax.permute_dims") == 0
+    assert _count(merged, "relax.reshape") == 0 and _count(merged, "relax.zeros_like") == 0
+    assert _count(merged, "relax.multiply") == 0

@@ -11,11 +11,12 @@ from .dedup import Dedup
 from .gradient import GradientResult, build_adjoint
 from .layer_norm import DecomposeForTraining
 from .random import ExternalizeRandom
-from .simplify import Simplify
+from .simplify import DedupAndSimplify, Simplify
 
 __all__ = [
     "DecomposeForTraining",
     "Dedup",
+    "DedupAndSimplify",
     "ExternalizeRandom",
     "GradientResult",
     "Simplify",

@@ -57,13 +57,11 @@ def fold_permutes(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRMo
     return out
 
 
+def dedup_folds() -> list[tvm.transform.Pass]:
+    """Permute chains, then reshape chains, folded."""
+    return [fold_permutes, relax.transform.RemoveRedundantReshape()]
+
+
 def Dedup() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
     """Fold permute and reshape chains, then CSE and dead code."""
-    return tvm.transform.Sequential(
-        [
-            relax.transform.Normalize(),
-            fold_permutes,
-            relax.transform.RemoveRedundantReshape(),
-            *cleanup(),
-        ]
-    )
+    return tvm.transform.Sequential([relax.transform.Normalize(), *dedup_folds(), *cleanup()])

@@ -14,7 +14,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..ir import is_op, rewrite_and_clean, same_tensor_type, static_shape
+from ..ir import RewriteBindings, cleanup, is_op, rewrite_and_clean, same_tensor_type, static_shape
+from .dedup import dedup_folds
 
 
 def constant_value(expr: relax.Expr, bound: dict, depth: int = 0) -> float | None:
@@ -76,3 +77,11 @@ def like_to_shape(value: relax.Expr, bound: dict) -> relax.Expr | None:
 def Simplify() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
     """Neutral elements, ``*_like`` to shapes, same-shape broadcasts; then CSE and dead code."""
     return rewrite_and_clean([identities, like_to_shape])
+
+
+def DedupAndSimplify() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
+    """``Dedup``'s folds, then ``Simplify``'s rules, under one clean-up: each alone ends in the
+    same clean-up passes, which are most of their time on a large module."""
+    return tvm.transform.Sequential(
+        [relax.transform.Normalize(), *dedup_folds(), RewriteBindings([identities, like_to_shape]), *cleanup()]
+    )

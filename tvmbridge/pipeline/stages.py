@@ -35,7 +35,7 @@ from ..kernels.mt19937 import kernel_works
 from ..partition.joint import count_primal_bindings, joint_graph
 from ..partition.policy import choose_captures
 from ..partition.split import split
-from ..passes import DecomposeForTraining, Dedup, ExternalizeRandom, Simplify, build_adjoint
+from ..passes import DecomposeForTraining, Dedup, DedupAndSimplify, ExternalizeRandom, Simplify, build_adjoint
 from ..passes.accumulation import LongSumsInFloat64
 from ..passes.low_precision import Float32Opmath
 from .artifacts import INPUTS, Artifacts, Stage
@@ -161,13 +161,14 @@ def _split(a: Artifacts) -> Artifacts:
     # FORWARD_INFER: the primal function alone (outputs, no captures), for calls that need no
     # gradient (no_grad, or nothing requires grad): nothing is kept for a backward that never comes.
     # One module holds all three; a Relax var may be defined in one function only, and the
-    # halves share the adjoint's vars (the backward recomputes primal values), so each gets its own.
+    # halves share the adjoint's vars (the backward recomputes primal values): the forward and
+    # the inference function get their own, the backward keeps the adjoint's.
     fresh = copy_with_fresh_vars
     infer = fresh(a.primal[names.MAIN]).with_attr("global_symbol", names.FORWARD_INFER)
     mod = tvm.IRModule(
-        {names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer, names.BACKWARD: fresh(halves.backward)}
+        {names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer, names.BACKWARD: halves.backward}
     )
-    mod = tvm.transform.Sequential([Dedup(), Simplify()])(mod)
+    mod = DedupAndSimplify()(mod)
     return dataclasses.replace(a, split=halves, halves=mod)
 
 
