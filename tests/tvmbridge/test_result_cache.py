@@ -103,7 +103,7 @@ def test_stored_objects_come_back_as_one_graph(cache_dir):
         gemm_choices=compiled.gemm_choices,
         gradient=None,
     )
-    back = result_cache.loads(result_cache.dumps(artifacts))
+    back = result_cache.loads(result_cache.dumps(result_cache.entry_of(artifacts)))
     assert tvm_ffi.structural_equal(back["halves"], artifacts.halves)
     split = back["split"]
     assert tvm_ffi.structural_equal(split.forward, compiled.split.forward)

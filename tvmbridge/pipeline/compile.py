@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from . import stages
 from .artifacts import Artifacts
 from .driver import run_stages
 from .parts import INFER, TRAIN, Parts
-from .result_cache import ResultCache, result_key
+from .result_cache import LATE, ResultCache, encode, result_key
 
 
 @dataclass
@@ -159,9 +160,16 @@ def compile_result(
         done, shown_rest, seconds_rest = run_stages(dataclasses.replace(after_trace, **stored), (stages.STAGES[-1],))
         shown_rest = {"fast_math": done.halves, **shown_rest}
     else:
-        done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:])
-        if disk is not None:
-            disk.store(disk_key, done)
+        done, shown_rest, seconds_rest = run_stages(after_trace, stages.STAGES[2:-1])
+        # the entry is encoded while the build runs (TVM serializes outside the GIL), and written,
+        # whole, before the compile returns
+        with ThreadPoolExecutor(1, thread_name_prefix="tvmbridge-result") as pool:
+            encoding = pool.submit(encode, done) if disk is not None else None
+            done, shown_build, seconds_build = run_stages(done, stages.STAGES[-1:])
+            if disk is not None and encoding is not None:
+                disk.store(disk_key, (encoding, {name: getattr(done, name) for name in LATE}))
+        shown_rest = {**shown_rest, **shown_build}
+        seconds_rest = {**seconds_rest, **seconds_build, "total": seconds_rest["total"] + seconds_build["total"]}
     seconds = {**seconds, **seconds_rest, "total": seconds["total"] + seconds_rest["total"]}
     release_program(done.traced)
     assert done.traced is not None and done.device is not None and done.gradient is not None and done.split is not None

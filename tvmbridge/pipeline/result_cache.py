@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import pickle
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -81,23 +82,48 @@ class _Unpickler(pickle.Unpickler):
         return self.objects[pid]
 
 
-def dumps(artifacts: Artifacts) -> bytes:
-    """The :data:`STORED` fields as bytes: a pickle, then the JSON of the TVM objects it names."""
+# written by the build, after the others are encoded (:func:`encode` runs while it builds)
+LATE = ("build_keys",)
+EARLY = tuple(n for n in STORED if n not in LATE)
+
+
+def encode(artifacts: Artifacts) -> bytes:
+    """The :data:`EARLY` fields as bytes: a pickle, then the JSON of the TVM objects it names
+    (serialized outside the GIL: it can run in a thread while the build runs)."""
     buf = io.BytesIO()
     pickler = _Pickler(buf)
-    pickler.dump({name: getattr(artifacts, name) for name in STORED})
+    pickler.dump({name: getattr(artifacts, name) for name in EARLY})
     objects = tvm.ir.save_json(tvm.runtime.convert(pickler.objects)).encode()
     data = buf.getvalue()
     return len(data).to_bytes(8, "little") + data + objects
 
 
+# an entry: the encoded early fields (or their encoding under way) and the late ones
+Entry = tuple[bytes | Future, dict[str, Any]]
+
+
+def dumps(entry: Entry) -> bytes:
+    early, late = entry
+    blob = early.result() if isinstance(early, Future) else early
+    return len(blob).to_bytes(8, "little") + blob + json.dumps(late).encode()
+
+
+def entry_of(artifacts: Artifacts) -> Entry:
+    return encode(artifacts), {name: getattr(artifacts, name) for name in LATE}
+
+
 def loads(blob: bytes) -> dict[str, Any]:
     """The fields :func:`dumps` stored."""
-    n = int.from_bytes(blob[:8], "little")
-    objects = tvm_ffi.serialization.from_json_graph_str(blob[8 + n :].decode())  # written by this version: no upgrade
-    fields = _Unpickler(io.BytesIO(blob[8 : 8 + n]), objects).load()
-    if not isinstance(fields, dict) or set(fields) != set(STORED):
-        raise ValueError(f"an entry of other fields ({sorted(fields) if isinstance(fields, dict) else type(fields)})")
+    m = int.from_bytes(blob[:8], "little")
+    early, late = blob[8 : 8 + m], json.loads(blob[8 + m :].decode())
+    n = int.from_bytes(early[:8], "little")
+    objects = tvm_ffi.serialization.from_json_graph_str(early[8 + n :].decode())  # written by this version: no upgrade
+    fields = _Unpickler(io.BytesIO(early[8 : 8 + n]), objects).load()
+    if not isinstance(fields, dict) or not isinstance(late, dict):
+        raise ValueError(f"an entry of another form ({type(fields)}, {type(late)})")
+    fields.update(late)
+    if set(fields) != set(STORED):
+        raise ValueError(f"an entry of other fields ({sorted(fields)})")
     return fields
 
 
@@ -115,8 +141,8 @@ def result_key(fingerprint: str, artifacts: Artifacts) -> str:
     return h.hexdigest()
 
 
-def _write(artifacts: Artifacts, path: str) -> None:
-    Path(path).write_bytes(dumps(artifacts))
+def _write(entry: Entry, path: str) -> None:
+    Path(path).write_bytes(dumps(entry))
 
 
 def _read(path: Path) -> dict[str, Any]:
