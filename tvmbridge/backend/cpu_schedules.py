@@ -53,6 +53,7 @@ from tvm.target.codegen import llvm_get_vector_width
 
 from ..ir import first_schedule
 from .flatten_hazard import FlattenSafe
+from .rule_filters import Guarded, ReductionKernels
 
 _MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread start-up dominates)
 _BROADCAST_RATIO = 8  # an elementwise block this many times smaller than the kernel's output stays a block
@@ -425,42 +426,15 @@ def _contiguous_spatial_loop(sch: s_tir.Schedule, block, loops: list, kinds: str
     return None
 
 
-class Guarded(CPUScheduleRule):
-    """A rule whose failure leaves the kernel to the next rule (or unscheduled, still correct)
-    instead of aborting the build: dlight's analyses assert on shapes they do not expect, and
-    TVM's schedule errors are RuntimeErrors."""
-
-    def __init__(self, rule: CPUScheduleRule) -> None:
-        self.rule = rule
-
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        try:
-            return self.rule.apply(func, target, tunable)
-        except Exception:  # noqa: BLE001 - any failure of a rule: try the next one
-            return None
-
-
-class SingleOutputReductions(CPUScheduleRule):
-    """``rule`` only for kernels whose blocks each write one buffer: dlight's ``cpu.Reduction``
-    mis-schedules tuple reductions (max-pool's gradient keeps an argmax and a max together) and
-    gives wrong gradients; such kernels go to the next rule."""
-
-    def __init__(self, rule: CPUScheduleRule) -> None:
-        self.rule = rule
-
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc):
-            return None
-        sch = s_tir.Schedule(func)
-        if any(len(sch.get(b).writes) > 1 for b in sch.get_child_blocks(sch.get_sblock("root"))):
-            return None
-        return self.rule.apply(func, target, tunable)
-
-
 def cpu_rules() -> list[CPUScheduleRule]:
     """The default CPU rules, first match wins. (dlight's CPU GEMV rule is left out: it asserts on
     scalar reductions, and dense matmuls are offloaded.)"""
-    rules = [RowReduction(), SingleOutputReductions(dlight.cpu.Reduction()), Elementwise(), SpatialParallel()]
+    rules = [
+        ReductionKernels(RowReduction()),
+        ReductionKernels(dlight.cpu.Reduction(), single_output=True),
+        Elementwise(),
+        SpatialParallel(),
+    ]
     return [Guarded(FlattenSafe(r)) for r in rules]
 
 

@@ -1,0 +1,112 @@
+"""Which kernels the CPU reduction rules may take (``backend/rule_filters.py``): decided from the
+kernel's blocks, without building a schedule, and the same decision the rules make themselves."""
+from __future__ import annotations
+
+import pytest
+import torch
+import tvm
+import tvm_ffi
+from tvm import relax, te, tirx
+from tvm.s_tir import dlight
+
+from tvmbridge import devices
+from tvmbridge.backend import build, cpu_schedules
+from tvmbridge.backend.flatten_hazard import FlattenSafe
+from tvmbridge.backend.rule_filters import Guarded, ReductionKernels, blocks, reduces
+from tvmbridge.ir import first_schedule
+
+TARGET = devices.target_for(torch.device("cpu"))
+R = relax.op
+
+
+class Spy(dlight.cpu.Reduction):
+    """dlight's rule, counting the kernels it is asked about."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def apply(self, func, target, tunable):
+        self.asked += 1
+        return super().apply(func, target, tunable)
+
+
+def _kernels(shape: tuple[int, ...], body) -> list[tirx.PrimFunc]:
+    """The fused, unscheduled kernels of ``body`` over an input of ``shape``."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(x))
+        bb.emit_func_output(out)
+    lowered = build.lower(bb.get(), TARGET, schedule=False)
+    return [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
+
+
+_BODIES = {
+    "gelu-like chain": ((8, 64), lambda x: R.multiply(R.tanh(x), R.add(x, relax.const(1.0)))),
+    "transpose": ((16, 24), lambda x: R.permute_dims(R.exp(x), [1, 0])),
+    "broadcast add": ((8, 64), lambda x: R.add(x, R.sum(x, axis=[0], keepdims=True))),
+    "softmax": ((8, 64), lambda x: R.nn.softmax(x, axis=-1)),
+    "row sum": ((8, 64), lambda x: R.sum(R.exp(x), axis=[1])),
+    "column sum": ((64, 8), lambda x: R.sum(x, axis=[0])),
+    "argmax": ((8, 64), lambda x: R.argmax(x, axis=1)),
+    "layer norm stats": ((8, 64), lambda x: R.subtract(x, R.mean(x, axis=[1], keepdims=True))),
+}
+
+
+@pytest.mark.parametrize("name", list(_BODIES))
+def test_the_filtered_rules_schedule_each_kernel_as_the_rules_alone(name):
+    """The filter only passes on kernels the rules refuse: every kernel gets the schedule the
+    unfiltered rules give it."""
+    shape, body = _BODIES[name]
+    unfiltered = [
+        Guarded(FlattenSafe(r))
+        for r in [
+            cpu_schedules.RowReduction(),
+            ReductionKernels(dlight.cpu.Reduction(), single_output=True).rule,
+            cpu_schedules.Elementwise(),
+            cpu_schedules.SpatialParallel(),
+        ]
+    ]
+    with TARGET:
+        for kernel in _kernels(shape, body):
+            got = first_schedule(cpu_schedules.cpu_rules(), kernel, TARGET)
+            want = first_schedule(unfiltered, kernel, TARGET)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert tvm_ffi.structural_equal(got.mod["main"], want.mod["main"]), kernel.script()
+
+
+def test_an_elementwise_kernel_never_reaches_the_reduction_rule():
+    spy = Spy()
+    (kernel,) = _kernels(*_BODIES["gelu-like chain"])
+    assert not any(reduces(b) for b in blocks(kernel))
+    with TARGET:
+        assert ReductionKernels(spy).apply(kernel, TARGET, False) is None
+    assert spy.asked == 0
+    (row,) = _kernels(*_BODIES["softmax"])[:1]
+    with TARGET:
+        ReductionKernels(spy).apply(row, TARGET, False)
+    assert spy.asked == 1
+
+
+def test_a_reduction_writing_two_buffers_is_passed_on_with_single_output():
+    """max-pool's gradient keeps an argmax and a max in one block: dlight's cpu.Reduction
+    mis-schedules such a block, so it never sees one."""
+    a = te.placeholder((8, 16), name="a")
+    k = te.reduce_axis((0, 16), name="k")
+    argmax = te.comm_reducer(
+        lambda x, y: (tirx.Select(x[1] >= y[1], x[0], y[0]), tirx.Select(x[1] >= y[1], x[1], y[1])),
+        lambda t0, t1: (tirx.const(-1, "int32"), tirx.min_value(t1)),
+        name="argmax",
+    )
+    idx, val = te.compute((8,), lambda i: argmax((k.astype("int32"), a[i, k]), axis=k), name="r")
+    out = te.compute((8,), lambda i: val[i] + idx[i].astype("float32"), name="out")
+    kernel = te.create_prim_func([a, out])
+    assert any(len(b.writes) > 1 for b in blocks(kernel))
+    spy = Spy()
+    with TARGET:
+        assert ReductionKernels(spy, single_output=True).apply(kernel, TARGET, False) is None
+        assert spy.asked == 0
+        ReductionKernels(spy).apply(kernel, TARGET, False)
+    assert spy.asked == 1

@@ -1,0 +1,69 @@
+"""Which kernels a CPU schedule rule may take: wrappers around a rule that pass a kernel on to
+the next rule (or leave it unscheduled, serial and correct) instead of letting the rule fail or
+mis-schedule it.
+
+The reduction rules are tried first on every kernel, and each builds a schedule and normalizes
+the kernel before finding that it has no reduction; a model's kernels are mostly elementwise,
+so :class:`ReductionKernels` looks at the kernel's blocks first (no schedule), which takes a
+fraction of a millisecond where the two refusals took several.
+"""
+
+from __future__ import annotations
+
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
+from tvm.target import Target
+
+
+class Guarded(CPUScheduleRule):
+    """A rule whose failure leaves the kernel to the next rule (or unscheduled, still correct)
+    instead of aborting the build: dlight's analyses assert on shapes they do not expect, and
+    TVM's schedule errors are RuntimeErrors."""
+
+    def __init__(self, rule: CPUScheduleRule) -> None:
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except Exception:  # noqa: BLE001 - any failure of a rule: try the next one
+            return None
+
+
+def blocks(func: tirx.PrimFunc) -> list[s_tir.SBlock]:
+    """Every block of ``func`` (the root block too), found by TVM's own traversal."""
+    found: list[s_tir.SBlock] = []
+
+    def keep(block: s_tir.SBlock) -> s_tir.SBlock:
+        found.append(block)
+        return block
+
+    tvm_ffi.structural_map(func, [(s_tir.SBlock, keep)])
+    return found
+
+
+def reduces(block: s_tir.SBlock) -> bool:
+    """Whether a block iterates over anything but data-parallel axes (dlight's "not injective")."""
+    return any(int(iv.iter_type) != tirx.IterVar.DataPar for iv in block.iter_vars)
+
+
+class ReductionKernels(CPUScheduleRule):
+    """``rule`` only for kernels with a block that reduces (each reduction rule refuses the rest);
+    with ``single_output``, only those whose blocks each write one buffer: dlight's
+    ``cpu.Reduction`` mis-schedules tuple reductions (max-pool's gradient keeps an argmax and a
+    max together) and gives wrong gradients."""
+
+    def __init__(self, rule: CPUScheduleRule, single_output: bool = False) -> None:
+        self.rule = rule
+        self.single_output = single_output
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        found = blocks(func)
+        if not any(reduces(b) for b in found):
+            return None
+        if self.single_output and any(len(b.writes) > 1 for b in found):
+            return None
+        return self.rule.apply(func, target, tunable)
