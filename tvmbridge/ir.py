@@ -9,7 +9,9 @@ is the module pass that applies a rule list, :func:`cleanup` the passes that fol
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import tvm
@@ -251,3 +253,38 @@ def first_schedule(rules: list, func: tvm.tirx.PrimFunc, target: tvm.target.Targ
             if space is not None:
                 return space[0] if isinstance(space, list) else space
     return None
+
+
+def per_function(transform: tvm.transform.Pass, mod: tvm.IRModule) -> tvm.IRModule:
+    """``transform``, a pass local to each Relax function, run on each function of ``mod`` in its
+    own module, the functions in threads: TVM's passes run outside the GIL, so a training module's
+    forward, backward and inference functions take about the time of the largest. In the caller's
+    pass context (a copy in each thread, TVM's current context being per thread); under pass
+    instruments, which expect passes in order, on the whole module in this thread."""
+    caller = tvm.transform.PassContext.current()
+    functions = list(mod.functions_items())
+    relax_only = all(isinstance(f, relax.Function) for _, f in functions)
+    if len(functions) <= 1 or not relax_only or list(caller.instruments) or _cores() <= 1:
+        return transform(mod)
+
+    def run(item: tuple[tvm.ir.GlobalVar, relax.Function]) -> tvm.IRModule:
+        context = tvm.transform.PassContext(
+            opt_level=caller.opt_level,
+            required_pass=list(caller.required_pass),
+            disabled_pass=list(caller.disabled_pass),
+            config=dict(caller.config),
+        )
+        with context:
+            return transform(tvm.IRModule({item[0]: item[1]}, attrs=mod.attrs))
+
+    with ThreadPoolExecutor(min(len(functions), _cores()), thread_name_prefix="tvmbridge-pass") as pool:
+        done = list(pool.map(run, functions))
+    out = mod.clone()
+    for part in done:
+        for gv, func in part.functions_items():
+            out[gv] = func
+    return out
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -8,6 +8,7 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
+from tvmbridge.ir import per_function
 from tvmbridge.passes import Dedup, DedupAndSimplify, Simplify
 
 R = relax.op
@@ -84,3 +85,29 @@ def test_dedup_and_simplify_under_one_cleanup_is_dedup_then_simplify():
     assert _count(merged, "relax.exp") == 1 and _count(merged, "relax.permute_dims") == 0
     assert _count(merged, "relax.reshape") == 0 and _count(merged, "relax.zeros_like") == 0
     assert _count(merged, "relax.multiply") == 0
+
+
+def _two_functions() -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    for name in ("first", "second"):
+        x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
+        with bb.function(name, [x]):
+            with bb.dataflow():
+                p = bb.emit(R.permute_dims(bb.emit(R.permute_dims(x, [2, 0, 1])), [1, 2, 0]))
+                a, b = bb.emit(R.exp(p)), bb.emit(R.exp(p))
+                out = bb.emit_output(R.add(a, b))
+            bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_pass_run_per_function_in_threads_is_the_pass_on_the_module():
+    """``ir.per_function`` (the split stage's clean-up, each function in a thread): the module the
+    pass makes of the whole, in the caller's pass context (a pass it disables stays off)."""
+    mod = _two_functions()
+    got = per_function(DedupAndSimplify(), mod)
+    tvm.ir.assert_structural_equal(got, DedupAndSimplify()(mod))
+    assert all(_count(tvm.IRModule({"main": got[n]}), "relax.exp") == 1 for n in ("first", "second"))
+    assert all(_count(tvm.IRModule({"main": got[n]}), "relax.permute_dims") == 0 for n in ("first", "second"))
+    with tvm.transform.PassContext(disabled_pass=["tvmbridge.FoldPermutes"]):
+        kept = per_function(DedupAndSimplify(), mod)
+    assert all(_count(tvm.IRModule({"main": kept[n]}), "relax.permute_dims") == 2 for n in ("first", "second"))

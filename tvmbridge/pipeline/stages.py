@@ -28,7 +28,7 @@ from ..errors import ConversionError, stage_errors
 from ..frontend.export import Deferred, TracedModule, trace
 from ..frontend.importer import to_relax
 from ..frontend.trace_cache import TraceCache, cached_trace
-from ..ir import copy_with_fresh_vars
+from ..ir import copy_with_fresh_vars, per_function
 from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from ..kernels.mt19937 import kernel_works
@@ -168,7 +168,7 @@ def _split(a: Artifacts) -> Artifacts:
     mod = tvm.IRModule(
         {names.FORWARD: fresh(halves.forward), names.FORWARD_INFER: infer, names.BACKWARD: halves.backward}
     )
-    mod = DedupAndSimplify()(mod)
+    mod = per_function(DedupAndSimplify(), mod)
     return dataclasses.replace(a, split=halves, halves=mod)
 
 
