@@ -23,6 +23,7 @@ from tvmbridge import disk_cache
 from tvmbridge.backend import build as backend_build
 from tvmbridge.backend.executable_cache import ExecutableCache
 from tvmbridge.caches import CACHES
+from tvmbridge.pipeline.parts import INFER, TRAIN
 from tvmbridge.devices import target_for
 from tvmbridge.runtime.compiled import compile_training
 from tvmbridge.runtime.dispatch import add_tvm_dispatch, dispatcher_of
@@ -277,3 +278,25 @@ def test_the_dropout_mask_kernel_is_built_once_per_machine(cache_dir, monkeypatc
     finally:
         mt19937._kernel.cache_clear()
         mt19937.kernel_works.cache_clear()
+
+
+def test_a_part_built_after_the_compile_loads_in_a_later_process_without_lowering(cache_dir, monkeypatch):
+    """The inference part, built by the first no_grad call, is stored; a later process's first
+    no_grad call loads it by the key stored with the compile result, with no lowering (a part
+    whose key was unknown had to be lowered to find it), and gives PyTorch's numbers."""
+    model, x = _model(), torch.randn(4, 16)
+    first, compiled = _dispatched(model, x)
+    assert compiled.first_part == TRAIN and not compiled.parts.built(INFER) and INFER in compiled.parts.keys
+    with torch.no_grad():
+        first(x)
+    assert compiled.parts.built(INFER) and not compiled.parts.loaded[INFER]
+    module, again = _dispatched(model, x)
+    assert again.result_loaded and not again.parts.built(INFER)
+    monkeypatch.setattr(backend_build, "lower", lambda *a, **k: pytest.fail("lowered a stored part"))
+    with torch.no_grad():
+        torch.manual_seed(3)  # the same dropout masks
+        got = module(x)
+        torch.manual_seed(3)
+        want = model(x)
+    assert again.parts.loaded[INFER]
+    torch.testing.assert_close(got, want)

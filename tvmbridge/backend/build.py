@@ -241,6 +241,11 @@ def _note_tuning(message: str) -> None:
     warnings.warn(message, stacklevel=5)
 
 
+def caches_executables(disk_cache: bool) -> bool:
+    """Whether a build with ``disk_cache`` goes through the executable cache."""
+    return disk_cache and executable_cache.enabled()
+
+
 def compile_or_load(
     mod: tvm.IRModule,
     target: tvm.target.Target,
@@ -257,9 +262,8 @@ def compile_or_load(
     A key not yet known is the digest of the module's JSON, which takes a while on a large model:
     it is computed in another thread while the module is lowered (TVM serializes outside the GIL),
     and the cache is looked up once both are done, before code generation."""
-    if not (disk_cache and executable_cache.enabled()):
+    if not caches_executables(disk_cache):
         return _as_library(compile_module(mod, target, schedule, fuse, tuning_db), target), False, ""
-    state = tuning_state(tuning_db) if tuning_db is not None and schedule else None
     cache = executable_cache.ExecutableCache()
     if key:
         exe, loaded = executable_cache.cached_compile(
@@ -267,13 +271,22 @@ def compile_or_load(
         )
         return exe, loaded, key
     with ThreadPoolExecutor(1, thread_name_prefix="tvmbridge-cache-key") as pool:
-        asserts = codegen.kernel_asserts()  # this thread's pass context, which the build runs under
-        pending = pool.submit(executable_cache.cache_key, mod, target, schedule, fuse, state, asserts)
+        pending = pool.submit(executable_key(mod, target, schedule, fuse, tuning_db))
         exe, loaded = _compile(mod, target, schedule, fuse, tuning_db, lambda: cache.load(pending.result()))
         key = pending.result()
     if loaded:
         return exe, True, key
     return executable_cache.stored(key, exe, cache), False, key
+
+
+def executable_key(
+    mod: tvm.IRModule, target: tvm.target.Target, schedule: bool, fuse: bool, tuning_db: str | None
+) -> Callable[[], str]:
+    """What computes ``mod``'s key in the disk cache, in any thread: the build's settings read
+    here, in the caller's thread (its pass context says whether kernels keep their checks)."""
+    state = tuning_state(tuning_db) if tuning_db is not None and schedule else None
+    asserts = codegen.kernel_asserts()
+    return functools.partial(executable_cache.cache_key, mod, target, schedule, fuse, state, asserts)
 
 
 def compile_module(

@@ -8,6 +8,7 @@ changed in place) and declares what it reads and writes (checked by ``pipeline.d
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from ..passes import DecomposeForTraining, Dedup, DedupAndSimplify, ExternalizeR
 from ..passes.accumulation import LongSumsInFloat64
 from ..passes.low_precision import Float32Opmath
 from .artifacts import INPUTS, Artifacts, Stage
-from .parts import Parts
+from .parts import FUNCTIONS, Parts, part_module
 
 
 def _inputs(a: Artifacts) -> Artifacts:
@@ -223,16 +224,25 @@ def _build(a: Artifacts) -> Artifacts:
     device, options = a.device, a.options
     target = target_for(device, options.fp_contract)
 
+    settings = (options.cpu_schedules, options.fuse, options.tuning_db)
+
     def build(part: tvm.IRModule, key: str) -> tuple[tvm.runtime.Executable, bool, str]:
         with stage_errors("build"):  # a part built later, inside a call, fails as the build stage
-            exe, loaded, key = backend_build.compile_or_load(
-                part, target, options.cpu_schedules, options.fuse, options.tuning_db, options.disk_cache, key=key
-            )
+            exe, loaded, key = backend_build.compile_or_load(part, target, *settings, options.disk_cache, key=key)
             backend_build.load(exe, device)  # loads in this thread now: a failure is the build stage's
         return exe, loaded, key
 
     parts = Parts(a.halves, build, a.build_keys)  # keys kept with a compile result loaded from the disk cache
-    parts.get(a.first_part)
+    # the other part's key, computed while this part builds, is stored with the compile result: a
+    # later process builds or loads that part without lowering it first to find its key
+    later = [p for p in FUNCTIONS if p != a.first_part and p not in parts.keys]
+    with ThreadPoolExecutor(1, thread_name_prefix="tvmbridge-part-key") as pool:
+        keys = {
+            p: pool.submit(backend_build.executable_key(part_module(a.halves, p), target, *settings))
+            for p in (later if backend_build.caches_executables(options.disk_cache) else [])
+        }
+        parts.get(a.first_part)
+        parts.keys.update({p: k.result() for p, k in keys.items()})
     if device.type == "cpu" and a.random_sites and options.mask_kernel:
         kernel_works()  # builds and checks the mask kernel now, not on the first call
     return dataclasses.replace(a, parts=parts, build_keys=parts.keys)
