@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import tvm
 import tvm_ffi
 from tvm import relax, te, tirx
 from tvm.s_tir import dlight
@@ -14,6 +13,8 @@ from tvmbridge.backend import build, cpu_schedules
 from tvmbridge.backend.flatten_hazard import FlattenSafe
 from tvmbridge.backend.rule_filters import Guarded, ReductionKernels, blocks, reduces
 from tvmbridge.ir import first_schedule
+
+from .test_cpu_schedules import _module
 
 TARGET = devices.target_for(torch.device("cpu"))
 R = relax.op
@@ -32,13 +33,7 @@ class Spy(dlight.cpu.Reduction):
 
 def _kernels(shape: tuple[int, ...], body) -> list[tirx.PrimFunc]:
     """The fused, unscheduled kernels of ``body`` over an input of ``shape``."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(body(x))
-        bb.emit_func_output(out)
-    lowered = build.lower(bb.get(), TARGET, schedule=False)
+    lowered = build.lower(_module(shape, body), TARGET, schedule=False)
     return [f for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc)]
 
 
