@@ -272,22 +272,48 @@ def test_dynamic_false_compiles_exact_shapes():
         add_tvm_dispatch(Block(), dynamic="yes")
 
 
-def test_a_failing_symbolic_compile_falls_back_to_exact_shapes():
-    """BatchNorm in train mode needs its element count: a symbolic batch is refused, so each
-    size compiles exactly (and a symbolic batch is not tried again)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_norm_in_train_mode_serves_every_batch_size_from_one_symbolic_variant(dtype):
+    """Train-mode BatchNorm divides by its element count, read from the shape at run time where
+    the batch is symbolic: one variant for every later batch size (it was an exact variant per
+    size), its outputs, gradients and running statistics as ATen's."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU()).train()
+    m = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
+                      nn.Linear(6 * 5 * 5, 8), nn.BatchNorm1d(8), nn.ReLU()).to(dtype).train()
     ref = clone_module(m)
-    add_tvm_dispatch(m, (torch.randn(4, 8),))
-    for batch in (5, 6):
-        _same_step(m, ref, (torch.randn(batch, 8),))
+    add_tvm_dispatch(m, (torch.randn(4, 3, 5, 5, dtype=dtype),))
+    for batch in (6, 3, 5, 2):  # conv weight grads sum over batch x pixels: float rounding ~1e-5
+        _same_step(m, ref, (torch.randn(batch, 3, 5, 5, dtype=dtype),), tol=5e-5)
     d = m._tvm_dispatch
-    assert d.dynamic_failure is not None and "batch_norm" in str(d.dynamic_failure)
-    assert len(d.variants) == 3 and not any(v.symbolic for v in d.variants)
-    # the batch's symbolic compile is tried once, not again for the next size
-    assert "a symbolic compile failed" in d.variants[1].why and "symbolic" not in d.variants[2].why
+    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+    assert d.variants[1].calls == 4
     for (name, a), b in zip(m.named_buffers(), ref.buffers()):
-        assert torch.allclose(a.float(), b.float(), atol=1e-6), name
+        assert torch.allclose(a.double(), b.double(), atol=1e-6), name
+
+
+class _PooledConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv(x)).mean((2, 3))
+
+
+def test_a_failing_symbolic_compile_falls_back_to_exact_shapes():
+    """Relax's convolution gradient needs static image sizes: a symbolic height and width are
+    refused, so each size compiles exactly (and those dims are not tried symbolic again)."""
+    torch.manual_seed(0)
+    m = _PooledConv().train()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(2, 3, 6, 6),))
+    for size in (5, 7):
+        _same_step(m, ref, (torch.randn(2, 3, size, size),), tol=5e-5)
+    d = m._tvm_dispatch
+    assert d.dynamic_failure is not None
+    assert len(d.variants) == 3 and not any(v.symbolic for v in d.variants)
+    # the symbolic compile is tried once, not again for the next size
+    assert "a symbolic compile failed" in d.variants[1].why and "symbolic" not in d.variants[2].why
 
 
 @pytest.mark.parametrize("kind", ["drop_path", "randn_like", "dropout2d"])

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import tvm
 from tvm import relax
 from tvm.relax.op.grad import no_grad
 
@@ -110,26 +111,42 @@ def _product(importer: BridgeImporter, c: float, v: relax.Expr) -> relax.Expr:
     return bb.emit(relax.op.call_pure_packed(BARRIER, product, ty_args=product.ty))
 
 
-def _batch_stats(importer: BridgeImporter, x: relax.Expr, eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, int]:
+def _count(count: Any, dtype: str) -> relax.Expr:
+    """A count of elements as a scalar of ``dtype``: a constant, or (over a symbolic batch) read
+    from the shape at run time; the same value either way (counts below 2**24 are exact in
+    float32), so the arithmetic rounds as ATen's does with its integer count."""
+    if isinstance(count, int):
+        return _c(count, dtype)
+    return relax.op.astype(relax.op.reshape(relax.op.shape_to_tensor(relax.ShapeExpr([count])), ()), dtype)
+
+
+def _batch_stats(importer: BridgeImporter, x: relax.Expr, eps: float) -> tuple[relax.Expr, relax.Expr, relax.Expr, Any]:
     """Per channel, as ATen's contiguous CPU kernel: the mean summed in double and rounded
     to float; the squared deviations from that float mean computed in float and summed in
     double, rounded to float; ``invstd = 1/sqrt(var_sum/n + eps)`` in double from the float
-    ``var_sum/n``. Returns ``(mean, var_sum, invstd, n)``."""
+    ``var_sum/n``. Returns ``(mean, var_sum, invstd, n)``, ``n`` an int or, where a size is
+    symbolic (a variant serving every batch size), an expression of the sizes."""
     bb = importer.block_builder
     dtype = str(x.ty.dtype)
-    shape = static_shape(x)
-    if shape is None:
-        raise UnsupportedOpError("convert", "batch_norm in train mode over a dynamic dimension", op="batch_norm")
+    static = static_shape(x)
+    shape = list(static) if static is not None else list(x.ty.shape)
     axes = [0] + list(range(2, len(shape)))
     count = math.prod(shape[a] for a in axes)
+    if static is None and isinstance(count, tvm.tirx.IntImm):
+        count = int(count)
     total = relax.op.sum(relax.op.astype(x, "float64"), axis=axes)  # sum / n: mean() scales by 1/n
-    mean = bb.emit(relax.op.astype(relax.op.divide(total, relax.const(float(count), "float64")), dtype))
+    mean = bb.emit(relax.op.astype(relax.op.divide(total, _count(count, "float64")), dtype))
     dev = bb.emit(relax.op.subtract(x, _channel(importer, mean, len(shape))))
     squares = bb.emit(relax.op.astype(relax.op.multiply(dev, dev), "float64"))
     var_sum = bb.emit(relax.op.astype(relax.op.sum(squares, axis=axes), dtype))
-    var = relax.op.astype(relax.op.divide(var_sum, _c(count, dtype)), "float64")
+    var = relax.op.astype(relax.op.divide(var_sum, _count(count, dtype)), "float64")
     invstd = relax.op.divide(relax.const(1.0, "float64"), relax.op.sqrt(relax.op.add(var, relax.const(eps, "float64"))))
     return mean, var_sum, bb.emit(relax.op.astype(invstd, dtype)), count
+
+
+def _unbiased_count(count: Any) -> Any:
+    """``max(n - 1, 1)``, ATen's divisor of the running variance."""
+    return max(count - 1, 1) if isinstance(count, int) else tvm.tirx.max(count - 1, 1)
 
 
 @converter("_native_batch_norm_legit_functional.default")
@@ -147,13 +164,13 @@ def batch_norm_train(importer: BridgeImporter, node: torch.fx.Node) -> relax.Exp
     if dtype == "float64":
         m, keep = float(momentum), 1.0 - float(momentum)
         new_mean = bb.emit(relax.op.add(_product(importer, m, mean), _product(importer, keep, running_mean)))
-        unbiased = bb.emit(relax.op.divide(var_sum, _c(max(count - 1, 1), dtype)))
+        unbiased = bb.emit(relax.op.divide(var_sum, _count(_unbiased_count(count), dtype)))
         new_var = bb.emit(relax.op.add(_product(importer, m, unbiased), _product(importer, keep, running_var)))
         return bb.emit(relax.Tuple([out, mean, invstd, new_mean, new_var]))
     m = float(np.float32(momentum))
     keep = float(np.float32(1.0) - np.float32(momentum))
     new_mean = bb.emit(relax.op.add(_product(importer, m, mean), _product(importer, keep, running_mean)))
-    unbiased = relax.op.astype(relax.op.divide(var_sum, _c(max(count - 1, 1), dtype)), "float64")
+    unbiased = relax.op.astype(relax.op.divide(var_sum, _count(_unbiased_count(count), dtype)), "float64")
     new_var = bb.emit(
         relax.op.astype(
             relax.op.add(
