@@ -291,6 +291,30 @@ def test_batch_norm_in_train_mode_serves_every_batch_size_from_one_symbolic_vari
         assert torch.allclose(a.double(), b.double(), atol=1e-6), name
 
 
+class _Pools(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.conv(x)), 3, 2, 1)
+        return F.avg_pool2d(h, 3, 2, 1, ceil_mode=True).flatten(1)
+
+
+def test_pooling_gradients_serve_a_symbolic_batch():
+    """The bridge's max-pool and ceil-mode average-pool gradients (a scatter over each image's
+    plane) take a symbolic batch: one variant for the later batch sizes (a ResNet stem's
+    max-pool kept every CNN on exact variants)."""
+    torch.manual_seed(0)
+    m = _Pools().train()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(2, 3, 9, 9),))
+    for batch in (3, 5, 4):
+        _same_step(m, ref, (torch.randn(batch, 3, 9, 9),), tol=5e-5)
+    d = m._tvm_dispatch
+    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+
+
 class _PooledConv(nn.Module):
     def __init__(self) -> None:
         super().__init__()

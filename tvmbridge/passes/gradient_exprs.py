@@ -4,6 +4,9 @@ gradient's fit are read, so the formula modules agree on them."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import tvm
 from tvm import relax
 from tvm.relax import BlockBuilder, Expr
 
@@ -30,6 +33,18 @@ def static_dims(expr: Expr, what: str) -> list[int]:
         return [int(d) for d in expr.ty.shape]
     except (TypeError, ValueError, AttributeError):
         raise NotImplementedError(f"the gradient of {what} needs static shapes; got {expr.ty}") from None
+
+
+def batch_and_static_dims(expr: Expr, what: str) -> tuple[Any, list[int]]:
+    """A tensor's leading (batch) size, an int or symbolic (a variant serving every batch size),
+    and its other sizes, which must be static (a refusal naming the op otherwise)."""
+    shape = list(expr.ty.shape)
+    try:
+        rest = [int(d) for d in shape[1:]]
+    except (TypeError, ValueError):
+        raise NotImplementedError(f"the gradient of {what} needs static sizes after the batch; got {expr.ty}") from None
+    lead = shape[0]
+    return (int(lead) if isinstance(lead, tvm.tirx.IntImm) else lead), rest
 
 
 def fit_shape(grad: Expr, like: Expr) -> Expr:

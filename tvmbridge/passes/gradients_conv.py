@@ -10,13 +10,14 @@ autograd formula; a case a formula does not cover raises, which the gradient sta
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from tvm import relax
 from tvm.ir import Attrs, Call
 from tvm.relax import BlockBuilder, Expr, Var
 
-from .gradient_exprs import const, dtype_of, emit, static_dims
+from .gradient_exprs import batch_and_static_dims, const, dtype_of, emit, static_dims
 from .gradients import gradient
 
 op = relax.op
@@ -218,8 +219,8 @@ def max_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
     attrs, x = orig_call.attrs, orig_call.args[0]
     if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW":
         raise NotImplementedError(f"the gradient of relax.nn.max_pool2d in layout {attrs.layout}")
-    n, c, h, w = static_dims(x, "relax.nn.max_pool2d")
-    out_hw = static_dims(orig_var, "relax.nn.max_pool2d")[2:]
+    n, (c, h, w) = batch_and_static_dims(x, "relax.nn.max_pool2d")
+    out_hw = batch_and_static_dims(orig_var, "relax.nn.max_pool2d")[1][1:]
     (kh, kw), (sh, sw), (dh, dw) = ([int(v) for v in a] for a in (attrs.pool_size, attrs.strides, attrs.dilation))
     pt, pl, pb, pr = [int(p) for p in attrs.padding]
     reach = [(out_hw[0] - 1) * sh + dh * (kh - 1) + 1, (out_hw[1] - 1) * sw + dw * (kw - 1) + 1]
@@ -235,7 +236,7 @@ def max_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
     return [op.strided_slice(plane, [2, 3], [pt, pl], [pt + h, pl + w])]
 
 
-def added_at(values: Expr, where: Expr, shape: tuple[int, ...], dtype: str) -> Expr:
+def added_at(values: Expr, where: Expr, shape: tuple[Any, ...], dtype: str) -> Expr:
     """An (N, C, *plane) zero tensor with ``values`` (N, C, M) added at the flat plane positions
     ``where`` (N, C, M), one after another (the order ATen's pooling backward adds in)."""
     canvas = op.zeros((shape[0], shape[1], math.prod(shape[2:])), dtype)
@@ -276,8 +277,8 @@ def avg_pool2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
         return relax_avg_pool2d_grad(orig_var, orig_call, output_grad, ctx)
     if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW":
         raise NotImplementedError(f"the gradient of relax.nn.avg_pool2d in layout {attrs.layout}")
-    n, c, h, w = static_dims(x, "relax.nn.avg_pool2d")
-    out_hw = static_dims(orig_var, "relax.nn.avg_pool2d")[2:]
+    n, (c, h, w) = batch_and_static_dims(x, "relax.nn.avg_pool2d")
+    out_hw = batch_and_static_dims(orig_var, "relax.nn.avg_pool2d")[1][1:]
     divisors, outputs, positions = avg_pool_windows([h, w], out_hw, attrs)
     if positions.size == 0:
         return [op.zeros_like(x)]
