@@ -315,6 +315,31 @@ def test_pooling_gradients_serve_a_symbolic_batch():
     assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
 
 
+class _PadDrop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4 * 7 * 7, 6)
+        self.drop = nn.Dropout(0.25, inplace=True)  # as MobileNetV2: its mask buffer is empty_permuted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.pad(F.relu(self.conv(x)), (1, 1, 1, 1))  # spatial padding only: the batch stays free
+        return self.fc(self.drop(h.flatten(1)))
+
+
+def test_padding_and_dropout_serve_a_symbolic_batch():
+    """A constant pad's gradient slices only the padded axes, and a dropout's mask buffer
+    (``empty_permuted``) takes a symbolic batch: one variant for later batch sizes (MobileNetV2's
+    symbolic compile failed on both)."""
+    torch.manual_seed(0)
+    m = _PadDrop().train()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(2, 3, 7, 7),))
+    for batch in (3, 5, 4):
+        _same_step(m, ref, (torch.randn(batch, 3, 7, 7),), tol=5e-5)
+    d = m._tvm_dispatch
+    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+
+
 class _PooledConv(nn.Module):
     def __init__(self) -> None:
         super().__init__()

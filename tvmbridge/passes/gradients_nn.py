@@ -269,13 +269,17 @@ def pad_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder
     if mode != "constant":
         raise NotImplementedError(f"the gradient of relax.nn.pad with pad_mode={mode} (only constant)")
     x = orig_call.args[0]
-    dims = static_dims(x, "relax.nn.pad")
+    shape = list(x.ty.shape)
     widths = [int(w) for w in orig_call.attrs.pad_width]
-    before = widths[0::2]
     if any(w < 0 for w in widths):
         raise NotImplementedError("the gradient of relax.nn.pad with negative pad widths")
-    axes = list(range(len(dims)))
-    grad = op.strided_slice(output_grad, axes, before, [b + d for b, d in zip(before, dims)])
+    # only the padded axes are sliced: an axis left alone may be symbolic (a batch)
+    axes = [i for i in range(len(shape)) if widths[2 * i] or widths[2 * i + 1]]
+    try:
+        ends = [widths[2 * i] + int(shape[i]) for i in axes]
+    except (TypeError, ValueError):
+        raise NotImplementedError(f"the gradient of relax.nn.pad needs static padded sizes; got {x.ty}") from None
+    grad = op.strided_slice(output_grad, axes, [widths[2 * i] for i in axes], ends) if axes else output_grad
     return [grad] + [no_grad(a) for a in orig_call.args[1:]]
 
 

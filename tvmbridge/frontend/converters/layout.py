@@ -126,9 +126,10 @@ def arange_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callab
     return importer.block_builder.emit(value if dtype == "int64" else relax.op.astype(value, dtype))
 
 
-@converter("empty.memory_format")
+@converter("empty.memory_format", "empty_permuted.default")
 def empty_traced_shape(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
-    """``empty(sizes)`` at its traced shape (sizes may be symbolic: ``x.new_empty(x.shape[0], 1)``)."""
+    """``empty(sizes)`` at its traced shape (sizes may be symbolic: ``x.new_empty(x.shape[0], 1)``;
+    ``empty_permuted``, a dropout mask's buffer over a symbolic batch, orders only its strides)."""
     val = node.meta["val"]
     shape = [importer.prim(d) for d in val.shape]
     return importer.block_builder.emit(relax.op.zeros(shape, str(val.dtype).removeprefix("torch.")))
