@@ -235,7 +235,8 @@ def _build(a: Artifacts) -> Artifacts:
     parts = Parts(a.halves, build, a.build_keys)  # keys kept with a compile result loaded from the disk cache
     # the other part's key, computed while this part builds, is stored with the compile result: a
     # later process builds or loads that part without lowering it first to find its key
-    later = [p for p in FUNCTIONS if p != a.first_part and p not in parts.keys]
+    present = {gv.name_hint for gv in a.halves.get_global_vars()}
+    later = [p for p, fs in FUNCTIONS.items() if p != a.first_part and p not in parts.keys and present.issuperset(fs)]
     with ThreadPoolExecutor(1, thread_name_prefix="tvmbridge-part-key") as pool:
         keys = {
             p: pool.submit(backend_build.executable_key(part_module(a.halves, p), target, *settings))
