@@ -340,6 +340,20 @@ def test_padding_and_dropout_serve_a_symbolic_batch():
     assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_group_norm_serves_a_symbolic_batch(dtype):
+    """GroupNorm reshapes by the input's own batch size and its gradient needs static sizes after
+    the batch only: one variant for the later batch sizes (it compiled an exact one per size)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Flatten()).to(dtype).train()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(2, 3, 6, 6, dtype=dtype),))
+    for batch in (3, 5, 4):
+        _same_step(m, ref, (torch.randn(batch, 3, 6, 6, dtype=dtype),), tol=5e-5)
+    d = m._tvm_dispatch
+    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+
+
 class _PooledConv(nn.Module):
     def __init__(self) -> None:
         super().__init__()

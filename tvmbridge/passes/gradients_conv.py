@@ -174,11 +174,12 @@ def group_norm_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: Block
     ``dgamma = sum(g * xhat)``, ``dbeta = sum(g)`` over batch and space."""
     x, gamma, _beta = orig_call.args
     attrs = orig_call.attrs
-    dims = static_dims(x, "relax.nn.group_norm")
+    n, rest = batch_and_static_dims(x, "relax.nn.group_norm")  # the batch may be symbolic
+    dims = [n, *rest]
     if int(attrs.channel_axis) != 1 or [int(a) for a in attrs.axes] != list(range(2, len(dims))):
         raise NotImplementedError("the gradient of relax.nn.group_norm over other axes than (N, C, *spatial)")
-    n, c, groups = dims[0], dims[1], int(attrs.num_groups)
-    grouped = (n, groups, math.prod(dims) // (n * groups))
+    c, groups = rest[0], int(attrs.num_groups)
+    grouped = (n, groups, math.prod(rest) // groups)
     xr = op.reshape(x, grouped)
     centered = op.subtract(xr, op.mean(xr, 2, keepdims=True))
     var = op.mean(op.multiply(centered, centered), 2, keepdims=True)

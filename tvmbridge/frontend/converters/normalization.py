@@ -233,10 +233,11 @@ def group_norm(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``native_group_norm`` as ``(out, mean, rstd)`` (the frontend returns ``out`` alone, so
     a use of the statistics would read ``out[1]``); float64 written out in arithmetic (TOPI's
     ``group_norm`` takes float32 and float16 only)."""
-    x_node, w_node, b_node, n, c, _hw, groups, eps = args_of(node)[:8]
+    x_node, w_node, b_node, _n, c, _hw, groups, eps = args_of(node)[:8]
     bb, op = importer.block_builder, relax.op
     x = importer.env[x_node]
     dtype, shape = str(x.ty.dtype), list(x.ty.shape)
+    n = shape[0]  # the input's own batch size: symbolic in a variant serving every batch size
     gamma = importer.env[w_node] if w_node is not None else relax.const(np.ones(c, dtype), dtype)
     beta = importer.env[b_node] if b_node is not None else relax.const(np.zeros(c, dtype), dtype)
     xr = bb.emit(op.reshape(x, [n, groups, -1]))
