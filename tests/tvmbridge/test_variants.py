@@ -272,6 +272,22 @@ def test_dynamic_false_compiles_exact_shapes():
         add_tvm_dispatch(Block(), dynamic="yes")
 
 
+def _one_symbolic_variant(m: nn.Module, image: tuple[int, int, int], batches: tuple[int, ...],
+                          dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``m`` dispatched at batch 2, then stepped at ``batches`` next to a copy in PyTorch (conv
+    weight grads sum over batch x pixels: float rounding ~1e-5); asserts one symbolic variant
+    served every later batch. Returns the PyTorch copy."""
+    torch.manual_seed(0)
+    ref = clone_module(m)
+    add_tvm_dispatch(m, (torch.randn(2, *image, dtype=dtype),))
+    for batch in batches:
+        _same_step(m, ref, (torch.randn(batch, *image, dtype=dtype),), tol=5e-5)
+    d = m._tvm_dispatch
+    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+    assert d.variants[1].calls == len(batches)
+    return ref
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_batch_norm_in_train_mode_serves_every_batch_size_from_one_symbolic_variant(dtype):
     """Train-mode BatchNorm divides by its element count, read from the shape at run time where
@@ -280,13 +296,7 @@ def test_batch_norm_in_train_mode_serves_every_batch_size_from_one_symbolic_vari
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
                       nn.Linear(6 * 5 * 5, 8), nn.BatchNorm1d(8), nn.ReLU()).to(dtype).train()
-    ref = clone_module(m)
-    add_tvm_dispatch(m, (torch.randn(4, 3, 5, 5, dtype=dtype),))
-    for batch in (6, 3, 5, 2):  # conv weight grads sum over batch x pixels: float rounding ~1e-5
-        _same_step(m, ref, (torch.randn(batch, 3, 5, 5, dtype=dtype),), tol=5e-5)
-    d = m._tvm_dispatch
-    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
-    assert d.variants[1].calls == 4
+    ref = _one_symbolic_variant(m, (3, 5, 5), (6, 3, 5, 4), dtype)
     for (name, a), b in zip(m.named_buffers(), ref.buffers()):
         assert torch.allclose(a.double(), b.double(), atol=1e-6), name
 
@@ -306,13 +316,7 @@ def test_pooling_gradients_serve_a_symbolic_batch():
     plane) take a symbolic batch: one variant for the later batch sizes (a ResNet stem's
     max-pool kept every CNN on exact variants)."""
     torch.manual_seed(0)
-    m = _Pools().train()
-    ref = clone_module(m)
-    add_tvm_dispatch(m, (torch.randn(2, 3, 9, 9),))
-    for batch in (3, 5, 4):
-        _same_step(m, ref, (torch.randn(batch, 3, 9, 9),), tol=5e-5)
-    d = m._tvm_dispatch
-    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+    _one_symbolic_variant(_Pools().train(), (3, 9, 9), (3, 5, 4))
 
 
 class _PadDrop(nn.Module):
@@ -331,13 +335,7 @@ def test_padding_and_dropout_serve_a_symbolic_batch():
     (``empty_permuted``) takes a symbolic batch: one variant for later batch sizes (MobileNetV2's
     symbolic compile failed on both)."""
     torch.manual_seed(0)
-    m = _PadDrop().train()
-    ref = clone_module(m)
-    add_tvm_dispatch(m, (torch.randn(2, 3, 7, 7),))
-    for batch in (3, 5, 4):
-        _same_step(m, ref, (torch.randn(batch, 3, 7, 7),), tol=5e-5)
-    d = m._tvm_dispatch
-    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+    _one_symbolic_variant(_PadDrop().train(), (3, 7, 7), (3, 5, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -346,12 +344,7 @@ def test_group_norm_serves_a_symbolic_batch(dtype):
     the batch only: one variant for the later batch sizes (it compiled an exact one per size)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Flatten()).to(dtype).train()
-    ref = clone_module(m)
-    add_tvm_dispatch(m, (torch.randn(2, 3, 6, 6, dtype=dtype),))
-    for batch in (3, 5, 4):
-        _same_step(m, ref, (torch.randn(batch, 3, 6, 6, dtype=dtype),), tol=5e-5)
-    d = m._tvm_dispatch
-    assert d.dynamic_failure is None and len(d.variants) == 2 and d.variants[1].symbolic, d.explain()
+    _one_symbolic_variant(m, (3, 6, 6), (3, 5, 4), dtype)
 
 
 class _PooledConv(nn.Module):
