@@ -111,6 +111,30 @@ def test_per_row_operands_are_computed_inside_the_parallel_row_loop():
     np.testing.assert_array_equal(got, want)
 
 
+def test_a_chain_of_per_row_operands_moves_into_the_row_loop_together():
+    """A per-row operand computed from another per-row value (LayerNorm's backward in
+    MobileViT: a row's scale from its variance): the whole chain moves under the parallel row
+    loop. The producer's shape check once raised inside the rule, which left the kernel
+    unscheduled (serial, every block its own loop) without a word."""
+    rows, n = 64, 256
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((rows, n), "float32"))
+    s = relax.Var("s", relax.TensorType((rows, 1), "float32"))
+    with bb.function("main", [x, s]):
+        with bb.dataflow():
+            var = relax.op.add(relax.op.multiply(s, s), relax.const(1.0, "float32"))
+            scale = relax.op.divide(relax.const(0.5, "float32"), var)
+            out = bb.emit_output(relax.op.multiply(x, scale))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    (body,) = [f for f in _kernels(mod).split("@T.prim_func") if "T_divide" in f]
+    assert "T.parallel" in body and "sblock(\"T_" not in body[: body.index("T.parallel")], body
+    xv, sv = _x((rows, n)), _x((rows, 1), seed=1)
+    vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(sv)).numpy()
+    np.testing.assert_array_equal(got, xv * (np.float32(0.5) / (sv * sv + np.float32(1.0))))
+
+
 def test_a_column_operand_is_computed_once_before_the_row_loop():
     """An operand every row reads whole (a bias cast to float32 under autocast) is not moved
     into the row loop: that would compute it again for every row."""

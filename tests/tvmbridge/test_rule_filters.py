@@ -2,6 +2,8 @@
 kernel's blocks, without building a schedule, and the same decision the rules make themselves."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import tvm_ffi
@@ -11,7 +13,7 @@ from tvm.s_tir import dlight
 from tvmbridge import devices
 from tvmbridge.backend import build, cpu_schedules
 from tvmbridge.backend.flatten_hazard import FlattenSafe
-from tvmbridge.backend.rule_filters import Guarded, ReductionKernels, blocks, reduces
+from tvmbridge.backend.rule_filters import Guarded, ReductionKernels, ScheduleRuleWarning, blocks, reduces
 from tvmbridge.ir import first_schedule
 
 from .test_cpu_schedules import _module
@@ -105,3 +107,26 @@ def test_a_reduction_writing_two_buffers_is_passed_on_with_single_output():
         assert spy.asked == 0
         ReductionKernels(spy).apply(kernel, TARGET, False)
     assert spy.asked == 1
+
+
+class _Raises(cpu_schedules.CPUScheduleRule):
+    """A rule that fails: with a Python mistake inside the bridge's code, or as TVM refuses."""
+
+    def __init__(self, own_bug: bool) -> None:
+        self.own_bug = own_bug
+
+    def apply(self, func, target, tunable):
+        if self.own_bug:
+            return cpu_schedules._same_shape(func, func)  # a PrimFunc has no shape: AttributeError in the bridge
+        raise tvm_ffi.Error("ScheduleError: the block is not a complete block")
+
+
+def test_a_mistake_in_a_rule_of_the_bridge_warns_and_a_refusal_does_not():
+    """``Guarded`` passes a kernel on when a rule fails; a rule's own Python mistake is not a
+    refusal to be swallowed (it once left every LayerNorm-gradient kernel of a model serial)."""
+    (func,) = _kernels((8, 64), _BODIES["gelu-like chain"][1])
+    with pytest.warns(ScheduleRuleWarning, match="_Raises failed on kernel .*AttributeError"):
+        assert Guarded(_Raises(own_bug=True)).apply(func, TARGET, False) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Guarded(_Raises(own_bug=False)).apply(func, TARGET, False) is None

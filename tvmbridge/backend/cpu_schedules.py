@@ -175,7 +175,7 @@ def _read_per_row(stmt: s_tir.SBlock, buffer: tirx.Buffer, lead: list[tirx.Var])
 
 
 def _same_shape(a: tirx.Buffer, b: tirx.Buffer) -> bool:
-    return len(a.shape) == len(b.shape) and all(tvm.ir.structural_equal(x, y) for x, y in zip(a.shape, b.shape))
+    return len(a.shape) == len(b.shape) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
 def _selects(sch: s_tir.Schedule, block) -> bool:

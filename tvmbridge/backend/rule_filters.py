@@ -10,16 +10,41 @@ fraction of a millisecond where the two refusals took several.
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
+_PACKAGE = Path(__file__).resolve().parents[1]
+_BUGS = (AttributeError, NameError, TypeError)  # what a mistake in Python code raises, not a refusal
+
+
+class ScheduleRuleWarning(UserWarning):
+    """A CPU schedule rule of the bridge failed on a mistake in its own code (not a kernel it
+    refuses): the kernel was compiled by the next rule or unscheduled (correct, slower). Please
+    report it; the test suite turns it into an error."""
+
+
+def _own_bug(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Python mistake raised by the bridge's own code (its last frame is in
+    the package), as opposed to dlight's or TVM's refusal of a kernel."""
+    if not isinstance(exc, _BUGS) or exc.__traceback__ is None:
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return _PACKAGE in Path(tb.tb_frame.f_code.co_filename).resolve().parents
+
 
 class Guarded(CPUScheduleRule):
     """A rule whose failure leaves the kernel to the next rule (or unscheduled, still correct)
     instead of aborting the build: dlight's analyses assert on shapes they do not expect, and
-    TVM's schedule errors are RuntimeErrors."""
+    TVM's schedule errors are RuntimeErrors. A failure that is a mistake in the bridge's own rule
+    code is not taken as a refusal silently: it warns (:class:`ScheduleRuleWarning`), since it
+    leaves kernels slow that the rule was written for."""
 
     def __init__(self, rule: CPUScheduleRule) -> None:
         self.rule = rule
@@ -27,8 +52,22 @@ class Guarded(CPUScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         try:
             return self.rule.apply(func, target, tunable)
-        except Exception:  # noqa: BLE001 - any failure of a rule: try the next one
+        except Exception as exc:  # noqa: BLE001 - any failure of a rule: try the next one
+            if _own_bug(exc):
+                name = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs else "?"
+                warnings.warn(
+                    f"tvmbridge: the CPU schedule rule {_name(self.rule)} failed on kernel {name} with "
+                    f"{type(exc).__name__}: {exc}; the kernel is compiled without it (correct, slower). "
+                    "Please report this.",
+                    ScheduleRuleWarning,
+                    stacklevel=2,
+                )
             return None
+
+
+def _name(rule: CPUScheduleRule) -> str:
+    inner = getattr(rule, "rule", None)
+    return _name(inner) if isinstance(inner, CPUScheduleRule) else type(rule).__name__
 
 
 def blocks(func: tirx.PrimFunc) -> list[s_tir.SBlock]:
