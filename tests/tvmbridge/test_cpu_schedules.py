@@ -12,7 +12,7 @@ import tvm
 from tvm import relax, tirx
 
 from tvmbridge import devices
-from tvmbridge.backend import build
+from tvmbridge.backend import build, cpu_schedules
 
 TARGET = devices.target_for(torch.device("cpu"))
 
@@ -311,3 +311,90 @@ def test_a_low_precision_cast_that_varies_along_the_row_stays_vectorized():
             out = bb.emit_output(relax.op.astype(relax.op.multiply(x, relax.const(2.0)), "bfloat16"))
         bb.emit_func_output(out)
     assert "T.vectorized" in _kernels(bb.get())
+
+
+def _run_many(mod: tvm.IRModule, *args: np.ndarray):
+    vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in args])
+    return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
+
+
+def _function(params: dict[str, tuple[tuple[int, ...], str]], body) -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    vs = [relax.Var(n, relax.TensorType(shape, dtype)) for n, (shape, dtype) in params.items()]
+    with bb.function("main", vs):
+        with bb.dataflow():
+            out = bb.emit_output(body(*vs))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_a_kernel_with_several_outputs_gets_a_parallel_vectorized_loop_per_output():
+    """A fused ``split`` (GhostNet's, LeViT's attention heads) writes several outputs: the rule
+    once refused it whole, and it ran serial, every block its own loop."""
+    mod = _function(
+        {"x": ((64, 384), "float32")},
+        lambda x: relax.op.split(relax.op.multiply(relax.op.exp(x), relax.const(0.5, "float32")), [128], axis=1),
+    )
+    (body,) = [f for f in _kernels(mod).split("@T.prim_func") if "T_split" in f]
+    assert body.count("T.parallel") == 2 and body.count("T.vectorized") == 2, body
+    x = _x((64, 384))
+    got = _run_many(mod, x)
+    want = np.exp(x) * np.float32(0.5)
+    np.testing.assert_allclose(got[0], want[:, :128], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[:, 128:], rtol=1e-6)
+
+
+def test_a_kernel_flatten_would_miscompile_fused_runs_parallel_unfused():
+    """CoaT's class-token concatenation after a reshape and transpose reads ``(v1 - 1) // 2``:
+    fused, ``FlattenBuffer`` would miscompile it, so the fused schedule is refused; the kernel now
+    keeps its loops (outermost parallel, innermost vectorized) instead of running serial."""
+    from tvmbridge.backend.flatten_hazard import flatten_hazard
+
+    def body(x, y):
+        t = relax.op.reshape(relax.op.multiply(x, relax.const(2.0, "float32")), (8, 256, 4))
+        return relax.op.add(relax.op.concat([y, relax.op.permute_dims(t, [0, 2, 1])], axis=1), relax.const(1.0))
+
+    mod = _function({"x": ((8, 256, 2, 2), "float32"), "y": ((8, 1, 256), "float32")}, body)
+    raw = [f for f in build.lower(mod, TARGET, schedule=False).functions.values() if isinstance(f, tirx.PrimFunc)]
+    with TARGET:
+        fused = cpu_schedules.Elementwise().apply(raw[0], TARGET, False)
+    assert fused is not None and flatten_hazard(fused.mod["main"]) is not None  # the case is still a hazard
+    lowered = [f for f in build.lower(mod, TARGET).functions.values() if isinstance(f, tirx.PrimFunc)]
+    assert len(lowered) == 1 and "T.parallel" in lowered[0].script()
+    assert flatten_hazard(lowered[0]) is None
+    x, y = _x((8, 256, 2, 2)), _x((8, 1, 256), seed=1)
+    want = np.concatenate([y, (x * 2).reshape(8, 256, 4).transpose(0, 2, 1)], axis=1) + 1
+    np.testing.assert_array_equal(_run_many(mod, x, y), want)
+
+
+def test_a_batch_norm_chain_is_one_loop_per_channel_operand():
+    """BatchNorm's per-channel scale and shift, computed from the variance in several steps
+    (float64 as ATen, a square root, divisions), inlined into one loop per operand: one loop a
+    step made LLVM vectorize and unroll each (half a second of object code per such kernel of a
+    RepVGG block), for a few hundred channels of work."""
+    c = 48
+
+    def body(x, mean, var, w, b):
+        wide = relax.op.astype(relax.op.add(var, relax.const(1e-5, "float32")), "float64")
+        invstd = relax.op.astype(relax.op.divide(relax.const(1.0, "float64"), relax.op.sqrt(wide)), "float32")
+        scale = relax.op.multiply(w, invstd)
+        shift = relax.op.subtract(b, relax.op.multiply(mean, scale))
+        return relax.op.add(
+            relax.op.multiply(x, relax.op.reshape(scale, (1, c, 1, 1))), relax.op.reshape(shift, (1, c, 1, 1))
+        )
+
+    vec = ((c,), "float32")
+    mod = _function({"x": ((2, c, 16, 16), "float32"), "mean": vec, "var": vec, "w": vec, "b": vec}, body)
+    (kernel,) = [f for f in _kernels(mod).split("@T.prim_func") if "T_add" in f]
+    before = kernel[: kernel.index("T.parallel")]
+    assert before.count("T.sblock(") - before.count("# with T.sblock(") == 2, kernel  # scale and shift
+    rng = np.random.default_rng(0)
+    x = _x((2, c, 16, 16))
+    mean, w, b = (rng.standard_normal(c).astype("float32") for _ in range(3))
+    var = rng.random(c).astype("float32")
+    invstd = (1.0 / np.sqrt((var + np.float32(1e-5)).astype("float64"))).astype("float32")
+    scale = w * invstd
+    shift = b - mean * scale
+    want = x * scale.reshape(1, c, 1, 1) + shift.reshape(1, c, 1, 1)
+    np.testing.assert_array_equal(_run_many(mod, x, mean, var, w, b), want)

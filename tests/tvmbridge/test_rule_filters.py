@@ -11,7 +11,7 @@ from tvm import relax, te, tirx
 from tvm.s_tir import dlight
 
 from tvmbridge import devices
-from tvmbridge.backend import build, cpu_schedules
+from tvmbridge.backend import build, cpu_schedules, elementwise_rule
 from tvmbridge.backend.flatten_hazard import FlattenSafe
 from tvmbridge.backend.rule_filters import Guarded, ReductionKernels, ScheduleRuleWarning, blocks, reduces
 from tvmbridge.ir import first_schedule
@@ -117,7 +117,7 @@ class _Raises(cpu_schedules.CPUScheduleRule):
 
     def apply(self, func, target, tunable):
         if self.own_bug:
-            return cpu_schedules._same_shape(func, func)  # a PrimFunc has no shape: AttributeError in the bridge
+            return elementwise_rule._same_shape(func, func)  # a PrimFunc has no shape: AttributeError in the bridge
         raise tvm_ffi.Error("ScheduleError: the block is not a complete block")
 
 
