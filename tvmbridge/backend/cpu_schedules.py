@@ -50,7 +50,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
 from ..ir import first_schedule
-from .elementwise_rule import Elementwise, _numel, _selects, _vec_lanes
+from .elementwise_rule import Elementwise, selects_between_reads, static_numel, vector_lanes
 from .flatten_hazard import FlattenSafe
 from .rule_filters import Guarded, ReductionKernels
 
@@ -78,7 +78,7 @@ class RowReduction(CPUScheduleRule):
                 return None
             leading.append(len(kinds) - len(kinds.lstrip("S")))
         n_lead = min(leading)
-        lanes = _vec_lanes(target, sch, infos[-1].block_rv)
+        lanes = vector_lanes(target, sch, infos[-1].block_rv)
         ends_in_reduction = not infos[-1].is_injective()
         injective = [i.block_rv for i in infos[:-1] if i.is_injective()]
         partials = []
@@ -148,7 +148,7 @@ def _inline_elementwise_chains(sch: s_tir.Schedule, infos: list) -> bool:
 
 def _vectorize_inner(sch: s_tir.Schedule, block, lanes: int) -> None:
     loops = sch.get_loops(block)
-    if len(loops) <= 1 or _selects(sch, block):
+    if len(loops) <= 1 or selects_between_reads(sch, block):
         return
     extent = get_extent(sch, loops[-1])
     if not isinstance(extent, int):
@@ -185,8 +185,8 @@ class SpatialParallel(CPUScheduleRule):
             return None
         spatial = [lp for lp, k in zip(loops, kinds) if k == "S"]
         reduce = [lp for lp, k in zip(loops, kinds) if k != "S"]
-        n = _numel(sch, spatial)
-        lanes = _vec_lanes(target, sch, info.block_rv)
+        n = static_numel(sch, spatial)
+        lanes = vector_lanes(target, sch, info.block_rv)
         col = _contiguous_spatial_loop(sch, info.block_rv, loops, kinds)
         col_extent = get_extent(sch, col) if col is not None else None
         if col is not None and isinstance(col_extent, int) and col_extent % lanes == 0 and col_extent >= 4 * lanes:

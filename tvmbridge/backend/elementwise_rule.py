@@ -32,7 +32,7 @@ _MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread s
 _BROADCAST_RATIO = 8  # an elementwise block this many times smaller than the kernel's output stays a block
 
 
-def _vec_lanes(target: Target, sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
+def vector_lanes(target: Target, sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
     bits = llvm_get_vector_width(target)
     stmt = sch.get(block)
     dtype_bits = stmt.writes[0].source.dtype.bits if stmt.writes else 32
@@ -46,7 +46,7 @@ def _static_product(extents) -> int | None:
     return math.prod(known) if len(known) == len(values) else None
 
 
-def _numel(sch: s_tir.Schedule, loops: list) -> int | None:
+def static_numel(sch: s_tir.Schedule, loops: list) -> int | None:
     return _static_product(get_extent(sch, loop) for loop in loops)
 
 
@@ -92,13 +92,13 @@ def _inline_into_outputs(sch: s_tir.Schedule, infos: list, outputs: list) -> lis
     """Every other block inlined into its consumers, except broadcast operands (returned, each
     chain of them inlined into its last link); None where a block cannot be inlined."""
     names = {sch.get(o).name_hint for o in outputs}
-    sizes = [_numel(sch, sch.get_loops(o)) for o in outputs]
+    sizes = [static_numel(sch, sch.get_loops(o)) for o in outputs]
     total = max(s for s in sizes if s is not None) if all(s is not None for s in sizes) else None
     broadcasts: list[s_tir.schedule.SBlockRV] = []
     for info in infos:
         if sch.get(info.block_rv).name_hint in names:
             continue
-        size = _numel(sch, sch.get_loops(info.block_rv))
+        size = static_numel(sch, sch.get_loops(info.block_rv))
         if total is not None and size is not None and size * _BROADCAST_RATIO <= total:
             broadcasts.append(info.block_rv)  # a row's log-sum-exp: computed once, not per element
             continue
@@ -113,7 +113,7 @@ def _inline_broadcast_chains(sch: s_tir.Schedule, broadcasts: list) -> list:
     """``broadcasts`` less those read only by other broadcasts of their own size, each inlined
     into its readers (BatchNorm's ``invstd`` into its scale and shift): the per-channel work is
     the same few operations, in a loop per operand instead of a loop per step."""
-    size = {sch.get(b).name_hint: _numel(sch, sch.get_loops(b)) for b in broadcasts}
+    size = {sch.get(b).name_hint: static_numel(sch, sch.get_loops(b)) for b in broadcasts}
     kept = []
     for block in broadcasts:
         own = size[sch.get(block).name_hint]
@@ -136,12 +136,12 @@ def _schedule_output(
     loops = sch.get_loops(block)
     if not loops:
         return False
-    n = _numel(sch, loops)
-    lanes = _vec_lanes(target, sch, block)
+    n = static_numel(sch, loops)
+    lanes = vector_lanes(target, sch, block)
     if not fuse:
         _schedule_unfused(sch, block, loops, n, lanes)
         return True
-    if _selects(sch, block) or _low_precision_broadcast(sch, block):  # parallel, never vectorized
+    if selects_between_reads(sch, block) or _low_precision_broadcast(sch, block):  # parallel, never vectorized
         outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
         if n is None or n >= _MIN_PARALLEL:
             sch.parallel(outer)
@@ -178,7 +178,7 @@ def _schedule_unfused(sch: s_tir.Schedule, block, loops: list, n: int | None, la
     """The outermost loop parallel, the innermost split into vectors where it divides into them
     (no loop fused: a split binds ``outer * lanes + lane``, with no division to flatten)."""
     inner = get_extent(sch, loops[-1])
-    vectorize = not (_selects(sch, block) or _low_precision_broadcast(sch, block))
+    vectorize = not (selects_between_reads(sch, block) or _low_precision_broadcast(sch, block))
     if vectorize and isinstance(inner, int) and inner % lanes == 0 and inner >= 2 * lanes:
         split_outer, vec = sch.split(loops[-1], factors=[None, lanes])
         sch.vectorize(vec)
@@ -229,7 +229,7 @@ def _same_shape(a: tirx.Buffer, b: tirx.Buffer) -> bool:
     return len(a.shape) == len(b.shape) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
-def _selects(sch: s_tir.Schedule, block) -> bool:
+def selects_between_reads(sch: s_tir.Schedule, block) -> bool:
     """Whether ``block`` chooses between reads with ``if_then_else`` (a concatenation, a pad, a
     shifted copy, once inlined). TVM 0.27 vectorizes such a block wrongly when the condition
     varies across the lanes: a RoPE gradient (``split``, ``concatenate``, ``transpose``, 16 lanes
