@@ -398,3 +398,31 @@ def test_a_batch_norm_chain_is_one_loop_per_channel_operand():
     shift = b - mean * scale
     want = x * scale.reshape(1, c, 1, 1) + shift.reshape(1, c, 1, 1)
     np.testing.assert_array_equal(_run_many(mod, x, mean, var, w, b), want)
+
+
+def test_an_output_read_by_another_output_is_written_first():
+    """An output block that a later output reads (a fused function returning a value and one
+    computed from it) cannot be inlined: each output gets its own loop nest, in program order,
+    so the reader sees every element written (here reversed along the row: another thread's)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def two(x: T.Buffer((64, 256), "float32"), a: T.Buffer((64, 256), "float32"), b: T.Buffer((64, 256), "float32")):
+        for i, j in T.grid(64, 256):
+            with T.sblock("a"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                a[vi, vj] = x[vi, vj] * T.float32(3.0)
+        for i, j in T.grid(64, 256):
+            with T.sblock("b"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                b[vi, vj] = a[63 - vi, 255 - vj] + T.float32(1.0)
+
+    with TARGET:
+        sch = cpu_schedules.Elementwise().apply(two, TARGET, False)
+    assert sch is not None and sch.mod["main"].script().count("T.parallel") == 2
+    lib = tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "main")}), target=TARGET)
+    x = _x((64, 256))
+    a, b = tvm.runtime.tensor(np.zeros_like(x)), tvm.runtime.tensor(np.zeros_like(x))
+    lib["main"](tvm.runtime.tensor(x), a, b)
+    np.testing.assert_array_equal(a.numpy(), x * np.float32(3.0))
+    np.testing.assert_array_equal(b.numpy(), (x * np.float32(3.0))[::-1, ::-1] + np.float32(1.0))
