@@ -195,24 +195,18 @@ def _compute_at_rows(
     while they are in cache, instead of a serial loop over all rows before them, which LLVM also
     unrolls in full (most of such a kernel's code generation time). Only operands each row reads
     a part of its own (indexed by every leading axis) move; a column operand (a cast bias, read
-    whole by every row) stays before the loop, computed once. A producer of a moved operand of
-    the same shape moves with it. Consumers first, so each producer finds its consumer under the
-    loop; one that cannot move stays where it was (still correct)."""
-    moved: list[tirx.Buffer] = []
+    whole by every row) stays before the loop, computed once. (A per-row operand's own per-row
+    producers were inlined into it before: :func:`_inline_broadcast_chains`.) One that cannot move
+    stays where it was (still correct)."""
     lead = [iv.var for iv in sch.get(block).iter_vars[:-1]]
-    for producer in reversed(broadcasts):
+    for producer in broadcasts:
         written = sch.get(producer).writes[0].source
-        main = sch.get(block)
-        if any(r.source.same_as(written) for r in main.reads):
-            if not _read_per_row(main, written, lead):
-                continue
-        elif not any(_same_shape(written, m) for m in moved):
+        if not _read_per_row(sch.get(block), written, lead):
             continue
         try:
             sch.compute_at(producer, rows, preserve_unit_loops=False)
         except s_tir.ScheduleError:
             continue
-        moved.append(written)
 
 
 def _read_per_row(stmt: s_tir.SBlock, buffer: tirx.Buffer, lead: list[tirx.Var]) -> bool:
@@ -223,10 +217,6 @@ def _read_per_row(stmt: s_tir.SBlock, buffer: tirx.Buffer, lead: list[tirx.Var])
         all(any(u.same_as(v) for r in region for u in tirx.analysis.undefined_vars(r.min)) for v in lead)
         for region in regions
     )
-
-
-def _same_shape(a: tirx.Buffer, b: tirx.Buffer) -> bool:
-    return len(a.shape) == len(b.shape) and all(tvm_ffi.structural_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
 def selects_between_reads(sch: s_tir.Schedule, block) -> bool:
