@@ -46,6 +46,9 @@ class JointGraph:
     grad_out_params: list[str]
     keys: dict[relax.Var, str] = field(repr=False)  # var -> node key
     output_vars: list[relax.Var] = field(repr=False)  # the primal outputs inside the adjoint
+    # binding var -> the vars its value reads: walked once here (a TVM array walk per binding is
+    # most of a large model's split when every pass over the bindings repeats it)
+    reads: dict[relax.Var, list[relax.Var]] = field(default_factory=dict, repr=False)
 
     def backward_reads(self) -> set[str]:
         """Forward values (primal bindings, not params) that some adjoint binding reads."""
@@ -125,16 +128,18 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str,
     adj = grad.adjoint
     keys = value_keys(adj)
     nodes: dict[str, JointNode] = {}
+    reads: dict[relax.Var, list[relax.Var]] = {}
     for p in adj.params:
         shape, dtype, nbytes = tensor_info(p, sizes)
         nodes[keys[p]] = JointNode(keys[p], "param", [], shape, dtype, nbytes, is_forward=True, is_param=True)
     for i, b in enumerate(adj.body.blocks[0].bindings):
         shape, dtype, nbytes = tensor_info(b.var, sizes)
         k = keys[b.var]
+        reads[b.var] = free_vars(b.value)
         nodes[k] = JointNode(
             k,
             op_name(b.value),
-            [keys[v] for v in free_vars(b.value)],
+            [keys[v] for v in reads[b.var]],
             shape,
             dtype,
             nbytes,
@@ -149,6 +154,7 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str,
         grad_out_params=[keys[p] for p in grad.grad_out_params],
         keys=keys,
         output_vars=outputs,
+        reads=reads,
     )
 
 

@@ -17,7 +17,7 @@ from .. import names
 from ..errors import ConversionError
 from ..ir import rebuild
 from ..passes.gradient import GradientResult
-from .joint import JointGraph, free_vars, result_grads
+from .joint import JointGraph, result_grads
 
 
 @dataclass(frozen=True)
@@ -34,16 +34,17 @@ class SplitResult:
     size_symbols: tuple[str, ...] = ()  # the backward's last parameter: these sizes of the call, as a shape
 
 
-def _closure(needed: set[relax.Var], value_of: dict[relax.Var, relax.Expr], stop: set[relax.Var]) -> set[relax.Var]:
-    """All bound vars needed to compute ``needed`` from ``stop`` values and params."""
+def _closure(needed: set[relax.Var], reads: dict[relax.Var, list[relax.Var]], stop: set[relax.Var]) -> set[relax.Var]:
+    """All bound vars needed to compute ``needed`` from ``stop`` values and params (``reads``:
+    each bound var's inputs, ``JointGraph.reads``)."""
     out: set[relax.Var] = set()
     stack = list(needed)
     while stack:
         v = stack.pop()
-        if v in out or v in stop or v not in value_of:
+        if v in out or v in stop or v not in reads:
             continue
         out.add(v)
-        stack.extend(free_vars(value_of[v]))
+        stack.extend(reads[v])
     return out
 
 
@@ -57,16 +58,16 @@ class _BackwardPart:
 def _backward_part(adj: relax.Function, joint: JointGraph, cap_vars: list[relax.Var]) -> _BackwardPart:
     """The adjoint bindings the grads need, then the primal values they read, recomputed from
     captures (and params) unless captured themselves; unused captures are dropped."""
-    value_of = {b.var: b.value for b in adj.body.blocks[0].bindings}
-    primal_vars = {v for v in value_of if joint.nodes[joint.keys[v]].is_forward}
+    of = joint.reads
+    primal_vars = {v for v in of if joint.nodes[joint.keys[v]].is_forward}
     grad_vars = result_grads(adj)
-    adjoint_part = _closure(set(grad_vars), value_of, stop=primal_vars)
-    reads = {fv for v in adjoint_part for fv in free_vars(value_of[v]) if fv in primal_vars}
+    adjoint_part = _closure(set(grad_vars), of, stop=primal_vars)
+    reads = {fv for v in adjoint_part for fv in of[v] if fv in primal_vars}
     reads |= {g for g in grad_vars if g in primal_vars}
-    recompute = _closure(reads, value_of, stop=set(cap_vars))
+    recompute = _closure(reads, of, stop=set(cap_vars))
     used = set(reads)
     for v in recompute:
-        used.update(free_vars(value_of[v]))
+        used.update(of[v])
     return _BackwardPart(adjoint_part, recompute, [v for v in cap_vars if v in used])
 
 
@@ -80,8 +81,8 @@ def split(grad: GradientResult, joint: JointGraph, captures: list[str]) -> Split
             raise ConversionError("split", f"capture {c!r} is not a primal value")
     part = _backward_part(adj, joint, [var_of[c] for c in captures])
     primal_params = list(adj.params[: grad.num_primal_params])
-    forward = _forward_function(adj, primal_params, list(joint.output_vars), part.captures)
-    backward, bwd_param_idx = _backward_function(adj, grad, primal_params, part)
+    forward = _forward_function(adj, joint, primal_params, part.captures)
+    backward, bwd_param_idx = _backward_function(adj, grad, joint, primal_params, part)
     bindings = adj.body.blocks[0].bindings
     return SplitResult(
         forward=forward,
@@ -96,10 +97,11 @@ def split(grad: GradientResult, joint: JointGraph, captures: list[str]) -> Split
 
 
 def _forward_function(
-    adj: relax.Function, params: list[relax.Var], outs: list[relax.Var], captures: list[relax.Var]
+    adj: relax.Function, joint: JointGraph, params: list[relax.Var], captures: list[relax.Var]
 ) -> relax.Function:
     bindings = list(adj.body.blocks[0].bindings)
-    needed = _closure(set(outs) | set(captures), {b.var: b.value for b in bindings}, stop=set())
+    outs = list(joint.output_vars)
+    needed = _closure(set(outs) | set(captures), joint.reads, stop=set())
     body = [b for b in bindings if b.var in needed]
     fields = outs + captures
     result = relax.Var("forward_result", relax.TupleType([v.ty for v in fields]))
@@ -108,13 +110,13 @@ def _forward_function(
 
 
 def _backward_function(
-    adj: relax.Function, grad: GradientResult, primal_params: list[relax.Var], part: _BackwardPart
+    adj: relax.Function, grad: GradientResult, joint: JointGraph, primal_params: list[relax.Var], part: _BackwardPart
 ) -> tuple[relax.Function, list[int]]:
     """Backward params: captured values, primal params read, output grads."""
     body = [b for b in adj.body.blocks[0].bindings if b.var in part.adjoint or b.var in part.recompute]
     reads: set[relax.Var] = set()
     for b in body:
-        reads.update(free_vars(b.value))
+        reads.update(joint.reads[b.var])
     param_idx = [i for i, p in enumerate(primal_params) if p in reads]
     cap_params = [relax.Var(f"{names.SAVED}{v.name}", v.ty) for v in part.captures]
     bindings: list[relax.Binding] = [relax.VarBinding(v, p) for v, p in zip(part.captures, cap_params)]

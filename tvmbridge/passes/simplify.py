@@ -63,15 +63,16 @@ def identities(value: relax.Expr, bound: dict) -> relax.Expr | None:
 
 
 def like_to_shape(value: relax.Expr, bound: dict) -> relax.Expr | None:
-    shape = static_shape(value) if getattr(value, "ty", None) is not None else None
-    if shape is None:
-        return None
-    dtype = str(value.ty.dtype)
+    """``zeros_like``/``ones_like`` of a static shape: the op first (most bindings are neither),
+    then the shape."""
     if is_op(value, "relax.zeros_like"):
-        return relax.op.zeros(shape, dtype)
-    if is_op(value, "relax.ones_like"):
-        return relax.op.ones(shape, dtype)
-    return None
+        make = relax.op.zeros
+    elif is_op(value, "relax.ones_like"):
+        make = relax.op.ones
+    else:
+        return None
+    shape = static_shape(value) if getattr(value, "ty", None) is not None else None
+    return None if shape is None else make(shape, str(value.ty.dtype))
 
 
 def Simplify() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
