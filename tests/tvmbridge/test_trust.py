@@ -12,8 +12,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tvmbridge import ConversionError, FallbackWarning, UnsupportedOpError, add_tvm_dispatch
+
+from tvmbridge.runtime.function import overlapping
 
 from ..helpers import clone_module, is_tvm, max_errors, relative_errors, run_step
 
@@ -293,6 +297,28 @@ def test_in_place_edit_of_an_output_the_backward_reads_raises():
     y.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), min_size=0, max_size=12),
+       st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), min_size=0, max_size=12))
+def test_which_outputs_share_memory_with_captured_values_is_the_test_of_every_pair(outs, caps):
+    """``overlapping`` (one sort, a binary search per output; the forward's in-place guard) says
+    of each tensor what testing it against every other tensor says: views of one storage at any
+    offsets and lengths (empty ones too), nested, touching, disjoint."""
+    base = torch.zeros(80)
+
+    def views(spans):
+        return [base[start:start + n] for start, n in spans]
+
+    def pair(a, b):
+        if a.numel() == 0 or b.numel() == 0:
+            return False
+        a0, b0 = a.data_ptr(), b.data_ptr()
+        return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+    tensors, others = views(outs), views(caps)
+    assert overlapping(tensors, others) == [any(pair(t, o) for o in others) for t in tensors]
 
 
 # --- ops the frontend got wrong ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ does): higher-order gradients are PyTorch's.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -61,12 +62,36 @@ class Call:
 _Result = TypeVar("_Result", torch.Tensor, torch.Tensor | None)  # forward outputs; gradients (None: none)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two (compact) tensors share memory: TVM may hand out one buffer as two values."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+def overlapping(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor of ``tensors`` (compact): whether it shares memory with one of ``others`` (TVM
+    may hand out one buffer as two values). The others' address ranges sorted and merged once, then
+    a binary search per tensor: a CNN's forward returns hundreds of updated buffers beside hundreds
+    of captured values, and a test of every pair cost more than its compiled forward."""
+    ranges: dict[torch.device, list[tuple[int, int]]] = {}
+    for c in others:
+        if c.numel():
+            ranges.setdefault(c.device, []).append((c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()))
+    merged: dict[torch.device, tuple[list[int], list[int]]] = {}
+    for device, spans in ranges.items():
+        starts: list[int] = []
+        stops: list[int] = []
+        for start, stop in sorted(spans):
+            if stops and start < stops[-1]:
+                stops[-1] = max(stops[-1], stop)
+            else:
+                starts.append(start)
+                stops.append(stop)
+        merged[device] = (starts, stops)
+    out = []
+    for t in tensors:
+        found = merged.get(t.device) if t.numel() else None
+        if found is None:
+            out.append(False)
+            continue
+        start = t.data_ptr()
+        k = bisect.bisect_left(found[0], start + t.numel() * t.element_size()) - 1  # the last range starting before t ends
+        out.append(k >= 0 and found[1][k] > start)
+    return out
 
 
 def unalias(results: list[_Result], owned: Sequence[torch.Tensor | None] = ()) -> list[_Result]:
@@ -137,7 +162,7 @@ class TVMFunction(torch.autograd.Function):
         # reach the input; an output over a captured value's memory is saved too, so that an
         # in-place edit of it fails the version check in backward, as in PyTorch
         outputs = unalias(outputs, tensors)
-        guarded = [o for o in outputs if any(_overlaps(o, c) for c in captured)]
+        guarded = [o for o, shared in zip(outputs, overlapping(outputs, captured)) if shared]
         read = [primal[i] for i in compiled.split.backward_param_indices]
         ctx.save_for_backward(*captured, *read, *guarded)
         ctx.num_saved = len(captured) + len(read)
