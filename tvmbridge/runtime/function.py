@@ -89,7 +89,8 @@ def overlapping(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor])
             out.append(False)
             continue
         start = t.data_ptr()
-        k = bisect.bisect_left(found[0], start + t.numel() * t.element_size()) - 1  # the last range starting before t ends
+        # the last range starting before t ends: the only one that can reach t (they are disjoint)
+        k = bisect.bisect_left(found[0], start + t.numel() * t.element_size()) - 1
         out.append(k >= 0 and found[1][k] > start)
     return out
 
