@@ -270,6 +270,39 @@ def test_a_symbolic_elementwise_kernel_vectorizes_its_trailing_static_axes():
     np.testing.assert_allclose(_run(mod, x), x * x + 1, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "body,reference",
+    [
+        (lambda x, y: relax.op.add(relax.op.multiply(x, x), y), lambda x, y: [x * x + y]),
+        (lambda x, y: relax.op.concat([relax.op.nn.relu(x), y], axis=1),  # a select between reads
+         lambda x, y: [np.concatenate([np.maximum(x, 0), y], 1)]),
+        (lambda x, y: relax.op.split(relax.op.add(x, y), 2, axis=1),  # several outputs
+         lambda x, y: np.split(x + y, 2, axis=1)),
+    ],
+    ids=["arithmetic", "concatenate", "split"],
+)
+def test_a_kernel_of_symbolic_sizes_only_keeps_its_innermost_loop_apart(body, reference):
+    """``(2, c, h, w)`` all symbolic (a kernel shared across a CNN's widths and resolutions):
+    fused whole, each element's indices were divisions and remainders by runtime sizes (a tenth
+    of the speed of memory); the outer loops are fused and parallel, the innermost stays a plain
+    loop indexed by itself, and the values are numpy's at several sizes."""
+    c, h, w = (tirx.Var(v, "int64") for v in "chw")
+    mod = _function({"x": ((2, c, h, w), "float32"), "y": ((2, c, h, w), "float32")}, body)
+    tir = _kernels(mod)
+    inner = re.findall(r"for (ax\d+) in range\(w\):", tir)
+    assert "T.parallel" in tir and inner, tir
+    assert all(f"T.axis.spatial(w, {ax})" in tir for ax in inner), tir
+    vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
+    for shape in [(2, 4, 3, 5), (2, 6, 8, 8), (2, 2, 1, 17)]:
+        x, y = _x(shape, 1), _x(shape, 2)
+        out = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(y))
+        got = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
+        want = reference(x, y)
+        assert len(got) == len(want)
+        for g, r in zip(got, want):
+            np.testing.assert_array_equal(g, r)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "fn",

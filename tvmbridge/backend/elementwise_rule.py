@@ -142,8 +142,11 @@ def _schedule_output(
         _schedule_unfused(sch, block, loops, n, lanes)
         return True
     if selects_between_reads(sch, block) or _low_precision_broadcast(sch, block):  # parallel, never vectorized
+        if n is None:
+            _parallel_rows(sch, loops)
+            return True
         outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-        if n is None or n >= _MIN_PARALLEL:
+        if n >= _MIN_PARALLEL:
             sch.parallel(outer)
         return True
     if n is None:  # a symbolic size: serve every size, parallel over all but a static inner axis
@@ -298,6 +301,19 @@ def _schedule_symbolic_elementwise(sch: s_tir.Schedule, block, loops: list, lane
             _, vec = sch.split(inner, factors=[None, lanes])
             sch.vectorize(vec)
     else:
-        outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+        return _parallel_rows(sch, loops)
+    sch.parallel(outer)
+    return sch
+
+
+def _parallel_rows(sch: s_tir.Schedule, loops: list) -> s_tir.Schedule:
+    """Every loop but the innermost fused and parallel; the innermost, of a symbolic extent, left
+    a plain loop (LLVM vectorizes it with a scalar tail). Fused with the others it would bind its
+    index by a division and a remainder by symbolic sizes at every element: a shared kernel's copy
+    ran at a tenth of the speed of memory."""
+    if len(loops) > 1:
+        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+    else:
+        outer = loops[0]
     sch.parallel(outer)
     return sch
