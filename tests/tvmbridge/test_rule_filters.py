@@ -130,3 +130,31 @@ def test_a_mistake_in_a_rule_of_the_bridge_warns_and_a_refusal_does_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert Guarded(_Raises(own_bug=False)).apply(func, TARGET, False) is None
+
+
+@pytest.mark.parametrize("size", [64, tirx.Var("n", "int64")], ids=["static", "symbolic"])
+def test_a_softmax_over_a_middle_axis_is_not_recomputed_for_every_row(size):
+    """CoaT's factorized attention takes a softmax over the tokens, not the innermost axis: dlight's
+    CPU reduction rule computed the whole maximum and sum again at every output row (a tenth of a
+    second per call at 3k tokens). Its schedule is refused as repeated work (the counts of block
+    runs tell it), the kernel gets one that runs each block about as often as its domain, and the
+    values are numpy's."""
+    import numpy as np
+
+    from tvmbridge.backend.rule_filters import block_runs, repeated_work
+
+    body = lambda x: R.nn.softmax(x, axis=2)  # noqa: E731
+    (kernel,) = _kernels((2, 8, size, 19), body)
+    dlights = dlight.cpu.Reduction().apply(kernel, TARGET, False)
+    assert dlights is not None and "runs" in repeated_work(kernel, dlights.mod["main"])
+    sch = first_schedule(cpu_schedules.cpu_rules(), kernel, TARGET)
+    scheduled = sch.mod["main"] if sch is not None else kernel
+    assert repeated_work(kernel, scheduled) is None
+    base = block_runs(kernel)
+    assert all(times <= 2 * base[name] for name, times in block_runs(scheduled).items() if name in base)
+    mod = _module((2, 8, size, 19), body)
+    vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
+    x = np.random.default_rng(0).standard_normal((2, 8, 64, 19)).astype("float32")
+    e = np.exp(x - x.max(2, keepdims=True))
+    np.testing.assert_allclose(vm["main"](tvm_ffi.from_dlpack(torch.from_numpy(x))).numpy(), e / e.sum(2, keepdims=True),
+                               rtol=1e-5, atol=1e-7)

@@ -52,7 +52,7 @@ from tvm.target import Target
 from ..ir import first_schedule
 from .elementwise_rule import Elementwise, selects_between_reads, static_numel, vector_lanes
 from .flatten_hazard import FlattenSafe
-from .rule_filters import Guarded, ReductionKernels
+from .rule_filters import Guarded, NoRepeatedWork, ReductionKernels
 
 
 class RowReduction(CPUScheduleRule):
@@ -229,7 +229,7 @@ def cpu_rules() -> list[CPUScheduleRule]:
         Elementwise(fuse=False),  # where the fused schedule has a flatten hazard
         SpatialParallel(),
     ]
-    return [Guarded(FlattenSafe(r)) for r in rules]
+    return [Guarded(NoRepeatedWork(FlattenSafe(r))) for r in rules]
 
 
 def apply_cpu_schedules(

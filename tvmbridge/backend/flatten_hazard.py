@@ -27,7 +27,7 @@ from tvm.target import Target
 _SKIPPED_FIELDS = frozenset({"span", "buffer", "alloc_buffers", "match_buffers", "reads", "writes", "annotations"})
 
 
-def _children(node: Any) -> Iterator[Any]:
+def children(node: Any) -> Iterator[Any]:
     """Every statement or expression directly under ``node``, by TVM's own field reflection."""
     if isinstance(node, (list, tuple, tvm_ffi.Array)):
         yield from node
@@ -47,7 +47,7 @@ def _nodes(root: Any) -> Iterator[Any]:
     while stack:
         node = stack.pop()
         yield node
-        stack.extend(_children(node))
+        stack.extend(children(node))
 
 
 def _has_division(expr: tvm.ir.Expr) -> bool:

@@ -18,6 +18,9 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
+from ..sizes import evaluate_dim
+from .flatten_hazard import children
+
 _PACKAGE = Path(__file__).resolve().parents[1]
 _BUGS = (AttributeError, NameError, TypeError)  # what a mistake in Python code raises, not a refusal
 
@@ -106,3 +109,61 @@ class ReductionKernels(CPUScheduleRule):
         if self.single_output and any(len(b.writes) > 1 for b in found):
             return None
         return self.rule.apply(func, target, tunable)
+
+
+# symbolic sizes are taken at this value to count a block's runs: large enough that work repeated
+# along a symbolic axis stands out from any padding a split adds
+_SYMBOLIC_SIZE = 256
+# more runs of a block than this many times its iteration domain is repeated work, not padding (a
+# loop split into vectors pads a row at most to one vector, 32 lanes of 16 bits)
+_MAX_REPEAT = 32
+
+
+def block_runs(func: tirx.PrimFunc) -> dict[str, int]:
+    """Per block (by name, the root left out): how many times its body runs, the product of the
+    extents of the loops around it, every symbolic size at ``_SYMBOLIC_SIZE``."""
+    runs: dict[str, int] = {}
+    stack: list[tuple[object, int]] = [(func.body, 1)]
+    while stack:
+        node, times = stack.pop()
+        if isinstance(node, tirx.For):
+            sizes = {v.name: _SYMBOLIC_SIZE for v in tirx.analysis.undefined_vars(node.extent)}
+            stack.append((node.body, times * evaluate_dim(node.extent, sizes)))
+            continue
+        if isinstance(node, s_tir.SBlockRealize):
+            if node.block.iter_vars or node.block.name_hint != "root":
+                runs[node.block.name_hint] = runs.get(node.block.name_hint, 0) + times
+            stack.append((node.block.body, times))
+            continue
+        stack.extend((child, times) for child in children(node) if isinstance(child, (tirx.Stmt, tvm_ffi.Array)))
+    return runs
+
+
+def repeated_work(before: tirx.PrimFunc, after: tirx.PrimFunc) -> str | None:
+    """Which block ``after`` (a schedule of ``before``) runs many times more often than
+    ``before`` does, if one does: a reduction computed at every row of a loop that its result does
+    not vary along (dlight's CPU reduction rule does it to a softmax over a non-innermost axis: the
+    whole reduction again for every output row)."""
+    try:
+        base, scheduled = block_runs(before), block_runs(after)
+    except ValueError:  # a loop extent this cannot evaluate: no judgment
+        return None
+    for name, times in scheduled.items():
+        if name in base and times > _MAX_REPEAT * base[name]:
+            return f"block {name!r} runs {times // base[name]}x as often as its iteration domain"
+    return None
+
+
+class NoRepeatedWork(CPUScheduleRule):
+    """``rule``'s schedule, unless it repeats a block's work (:func:`repeated_work`): then the
+    next rule's."""
+
+    def __init__(self, rule: CPUScheduleRule) -> None:
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        space = self.rule.apply(func, target, tunable)
+        sch = space[0] if isinstance(space, list) and space else space
+        if sch is not None and repeated_work(func, sch.mod["main"]) is not None:
+            return None
+        return space
