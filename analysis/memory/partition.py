@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
 
 
 @dataclass
@@ -85,7 +86,9 @@ def min_cut(graph: PartitionGraph, banned: set[str] | None = None) -> Partition:
     if "sink" not in g:
         return Partition([], [], 0, 0.0)
     try:
-        _, (reachable, non_reachable) = nx.minimum_cut(g, "source", "sink")
+        # Boykov-Kolmogorov: the same cut (the source side reachable in the residual graph is
+        # the same for every maximum flow), in about two thirds of preflow-push's time here
+        _, (reachable, non_reachable) = nx.minimum_cut(g, "source", "sink", flow_func=boykov_kolmogorov)
     except nx.NetworkXUnbounded:
         raise ValueError("no finite cut: a value the backward needs can neither be kept nor recomputed") from None
     saved = [
