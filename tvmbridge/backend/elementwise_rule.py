@@ -311,9 +311,6 @@ def _parallel_rows(sch: s_tir.Schedule, loops: list) -> s_tir.Schedule:
     a plain loop (LLVM vectorizes it with a scalar tail). Fused with the others it would bind its
     index by a division and a remainder by symbolic sizes at every element: a shared kernel's copy
     ran at a tenth of the speed of memory."""
-    if len(loops) > 1:
-        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-    else:
-        outer = loops[0]
+    outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
     sch.parallel(outer)
     return sch

@@ -131,7 +131,7 @@ def block_runs(func: tirx.PrimFunc) -> dict[str, int]:
             stack.append((node.body, times * evaluate_dim(node.extent, sizes)))
             continue
         if isinstance(node, s_tir.SBlockRealize):
-            if node.block.iter_vars or node.block.name_hint != "root":
+            if node.block.name_hint != "root":
                 runs[node.block.name_hint] = runs.get(node.block.name_hint, 0) + times
             stack.append((node.block.body, times))
             continue

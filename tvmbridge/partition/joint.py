@@ -48,7 +48,7 @@ class JointGraph:
     output_vars: list[relax.Var] = field(repr=False)  # the primal outputs inside the adjoint
     # binding var -> the vars its value reads: walked once here (a TVM array walk per binding is
     # most of a large model's split when every pass over the bindings repeats it)
-    reads: dict[relax.Var, list[relax.Var]] = field(default_factory=dict, repr=False)
+    reads: dict[relax.Var, list[relax.Var]] = field(repr=False)
 
     def backward_reads(self) -> set[str]:
         """Forward values (primal bindings, not params) that some adjoint binding reads."""
