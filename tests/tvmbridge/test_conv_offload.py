@@ -75,23 +75,38 @@ class Separable(torch.nn.Module):
         return self.head(self.grouped(x).mean((2, 3)))
 
 
+def _calls(func: relax.Function, name: str) -> int:
+    """How many bindings of ``func`` call the packed function ``name``."""
+    return sum(
+        1
+        for block in func.body.blocks
+        for b in block.bindings
+        if isinstance(b.value, relax.Call)
+        and b.value.op.name == "relax.call_pure_packed"
+        and str(b.value.args[0].global_symbol) == name
+    )
+
+
 @pytest.mark.parametrize(
-    "make, shape, forward, backward",
+    "make, shape, forward, backward, pairs",
     [
-        (ConvNet, (3, 3, 33, 33), 5, 9),  # backward: input and weight gradients (not the stem's input)
-        (Separable, (2, 3, 21, 21), None, None),  # depthwise and grouped weight gradients too
+        # backward: the stem's, down's and point's two gradients as one call each; the dilated
+        # grouped convolution's weight gradient is a plain grouped convolution (not paired), the
+        # transposed convolution's gradients a convolution and a weight gradient
+        (ConvNet, (3, 3, 33, 33), 5, 7, 3),
+        (Separable, (2, 3, 21, 21), 5, 5, 5),  # depthwise and grouped: every one paired
     ],
     ids=["convnet", "separable"],
 )
-def test_every_convolution_of_a_training_step_runs_in_the_library(make, shape, forward, backward):
+def test_every_convolution_of_a_training_step_runs_in_the_library(make, shape, forward, backward, pairs):
     torch.manual_seed(0)
     model, x = make(), torch.randn(*shape)
     module, compiled = _dispatched(model, x)
     halves = compiled.stages["fast_math"]
     assert _conv_ops(halves) == 0, halves["backward"].script()
-    if forward is not None:
-        assert offloaded_convs(halves["forward"]) == forward
-        assert offloaded_convs(halves["backward"]) >= backward
+    assert offloaded_convs(halves["forward"]) == forward
+    assert offloaded_convs(halves["backward"]) == backward
+    assert _calls(halves["backward"], conv_kernels.CONV2D_BACKWARD) == pairs
     errs = max_errors(run_step(module, (x,)), run_step(clone_module(model), (x,)))
     assert max(errs.values()) < 2e-5, errs
 
@@ -112,6 +127,7 @@ def test_a_symbolic_batch_runs_on_the_library():
     module = add_tvm_dispatch(clone_module(model), (torch.randn(2, 3, 12, 12),), dynamic={"input": {0: "batch"}})
     compiled = dispatcher_of(module).variants[0].compiled
     assert compiled.traced.symbolic and offloaded_convs(compiled.stages["fast_math"]["forward"]) == 2
+    assert _calls(compiled.stages["fast_math"]["backward"], conv_kernels.CONV2D_BACKWARD) == 2
     for n in (2, 5):
         x = torch.randn(n, 3, 12, 12)
         got = run_step(module, (x,))
@@ -197,3 +213,61 @@ def test_the_weight_gradient_is_aten_s(groups, kernel, stride, padding, dilation
     got = conv_kernels.conv2d_weight_grad(tvm_ffi.from_dlpack(data), tvm_ffi.from_dlpack(kern), attrs)
     got = torch.from_dlpack(got)
     torch.testing.assert_close(got[:, :, :kernel, :kernel], want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "groups,kernel,stride,padding,dilation,size",
+    [
+        (1, 3, 1, 1, 1, (9, 8)),
+        (1, 7, 2, 3, 1, (33, 33)),  # the stride does not divide the padded extent
+        (4, 3, 1, 1, 1, (10, 7)),  # depthwise
+        (4, 5, 2, 2, 1, (11, 12)),  # depthwise, strided: the weight gradient's extent computed larger
+        (2, 3, 1, 2, 2, (9, 9)),  # grouped, dilated
+    ],
+)
+def test_both_gradients_in_one_call_are_eager_s(groups, kernel, stride, padding, dilation, size):
+    """The joint call is ATen's ``convolution_backward`` for both gradients, the call eager's
+    autograd makes: bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 4, *size, generator=gen), torch.randn(8, 4 // groups, kernel, kernel, generator=gen)
+    y = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+    g = torch.randn(y.shape, generator=gen)
+    want = torch.ops.aten.convolution_backward(
+        g, x, w, None, (stride,) * 2, (padding,) * 2, (dilation,) * 2, False, (0, 0), groups, (True, True, False)
+    )
+    attrs = tvm_ffi.Shape((stride, stride, padding, padding, dilation, dilation, groups, 0, 0))
+    dx, dw = conv_kernels.conv2d_backward(*(tvm_ffi.from_dlpack(t) for t in (g, x, w)), attrs)
+    assert torch.equal(torch.from_dlpack(dx), want[0]) and torch.equal(torch.from_dlpack(dw), want[1])
+
+
+class _Frozen(torch.nn.Module):
+    """A frozen convolution (its input gradient alone) between two trained ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.frozen = torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8).requires_grad_(False)
+        self.last = torch.nn.Conv2d(8, 4, 3, padding=1, groups=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.frozen(torch.relu(self.first(x))))).mean((2, 3))
+
+
+def test_a_gradient_the_step_does_not_need_stays_unwritten():
+    """Only convolutions whose two gradients are both written are paired: the frozen one computes
+    its input gradient alone (the compiled step writes the input's gradient too: the first is
+    paired); every gradient as eager's, none for the frozen weight."""
+    torch.manual_seed(0)
+    model, x = _Frozen(), torch.randn(2, 3, 12, 12)
+    module = add_tvm_dispatch(clone_module(model), (x,))
+    compiled = dispatcher_of(module).variants[0].compiled
+    backward = compiled.stages["fast_math"]["backward"]
+    names = [conv_kernels.CONV2D_BACKWARD, conv_kernels.CONV2D_TRANSPOSE, conv_kernels.CONV2D_WEIGHT_GRAD]
+    assert [_calls(backward, n) for n in names] == [2, 1, 0], backward.script()
+    module(x.clone()).square().sum().backward()
+    ref = clone_module(model)
+    ref(x.clone()).square().sum().backward()
+    for (name, p), (_, q) in zip(module.named_parameters(), ref.named_parameters()):
+        assert (p.grad is None) == (q.grad is None) == (not p.requires_grad), name
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)

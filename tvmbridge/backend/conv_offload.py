@@ -4,7 +4,8 @@ Every ``relax.nn.conv2d`` (NCHW, OIHW) and ``relax.nn.conv2d_transpose`` (NCHW, 
 padding) in float32, bfloat16, float16 or float64 becomes a call of ``kernels/conv.py``'s packed
 functions, the forward's convolution and the two its gradient is written with alike. The
 CNHW/IOHW convolution Relax writes a weight gradient as (any groups) becomes ATen's weight
-gradient, the kernel eager runs for it. A convolution another
+gradient, the kernel eager runs for it; where a step needs both gradients of one convolution,
+one call computes them (``conv_pairs``). A convolution another
 layout, dtype or attribute leaves to TVM stays TVM's. The pass decides nothing by timing: the
 library's kernels beat TVM's untuned CPU convolutions on every shape the zoo has.
 """
@@ -15,9 +16,10 @@ import tvm
 from tvm import relax
 
 from ..ir import RewriteBindings, Rule, is_op
-from ..kernels.conv import CONV2D, CONV2D_TRANSPOSE, CONV2D_WEIGHT_GRAD, DTYPES, weight_grad_extent
+from ..kernels.conv import CONV2D, CONV2D_BACKWARD, CONV2D_TRANSPOSE, CONV2D_WEIGHT_GRAD, DTYPES, weight_grad_extent
+from .conv_pairs import PairConvolutionGradients
 
-_PACKED = (CONV2D, CONV2D_TRANSPOSE, CONV2D_WEIGHT_GRAD)
+_PACKED = (CONV2D, CONV2D_TRANSPOSE, CONV2D_WEIGHT_GRAD, CONV2D_BACKWARD)
 
 
 def _ints(values: object) -> list[int]:
@@ -114,7 +116,8 @@ class OffloadConvolutions:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = relax.transform.Normalize()(mod)
-        return RewriteBindings([_rule()])(mod)  # type: ignore[operator]  # module_pass: unseen by mypy
+        mod = RewriteBindings([_rule()])(mod)  # type: ignore[operator]  # module_pass: unseen by mypy
+        return PairConvolutionGradients()(mod)  # type: ignore[operator]
 
 
 def offloaded_convs(func: relax.Function) -> int:

@@ -5,8 +5,9 @@ TVM's own convolution kernels on a CPU, untuned, are loops the bridge's generic 
 parallelize: a CNN's training step ran 4-30x slower than eager. A convolution (forward, and the
 two that make its gradients: the transposed one for the input, and one over the input for the
 weight) is called here instead, as ``kernels/gemm.py`` calls GEMMs. The attributes travel as a
-shape argument, so three functions serve every convolution: the forward one, the transposed one,
-and the weight gradient as ATen computes it.
+shape argument, so four functions serve every convolution: the forward one, the transposed one,
+the weight gradient as ATen computes it, and both gradients of one convolution in one call
+(``backend/conv_pairs.py`` pairs them where a step needs both).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .gemm import to_tvm_compact
 CONV2D = f"{names.PACKED_PREFIX}conv2d"
 CONV2D_TRANSPOSE = f"{names.PACKED_PREFIX}conv2d_transpose"
 CONV2D_WEIGHT_GRAD = f"{names.PACKED_PREFIX}conv2d_weight_grad"
+CONV2D_BACKWARD = f"{names.PACKED_PREFIX}conv2d_backward"
 # float64 too: the double-precision checks then run the same calls as float32 training does
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the result's dtype travels as its index here
 
@@ -133,9 +135,39 @@ def conv2d_weight_grad(data: Any, g: Any, attrs: Any) -> Any:
     return _result(y, out)
 
 
+# conv2d_backward's attribute vector: the forward convolution's geometry (symmetric padding), then
+# the dtypes (indices in DTYPES) of the input gradient and of the weight gradient
+BACKWARD_ATTRS = (
+    "stride_h",
+    "stride_w",
+    "pad_h",
+    "pad_w",
+    "dilation_h",
+    "dilation_w",
+    "groups",
+    "dx_dtype",
+    "dw_dtype",
+)
+
+
+def conv2d_backward(g: Any, x: Any, w: Any, attrs: Any) -> tuple[Any, Any]:
+    """Both gradients of an NCHW/OIHW convolution from the output gradient ``g``, its input ``x``
+    and weight ``w`` in one call of ATen's ``convolution_backward``, as eager's autograd makes it
+    (one oneDNN backward: the transposed convolution and the weight gradient share its setup, and
+    the input is read as it is, not regrouped)."""
+    sh, sw, ph, pw, dh, dw, groups, out_x, out_w = (int(a) for a in attrs)
+    tg, tx, tw = (_opmath(torch.from_dlpack(t)) for t in (g, x, w))
+    with torch._C._DisableAutocast():
+        dx, dweight, _ = torch.ops.aten.convolution_backward(
+            tg, tx, tw, None, (sh, sw), (ph, pw), (dh, dw), False, (0, 0), groups, (True, True, False)
+        )
+    return _result(dx, out_x), _result(dweight, out_w)
+
+
 @functools.cache
 def register_convs() -> None:
     """Register the packed functions with TVM's FFI (once per process)."""
     tvm_ffi.register_global_func(CONV2D, conv2d, override=True)
     tvm_ffi.register_global_func(CONV2D_TRANSPOSE, conv2d_transpose, override=True)
     tvm_ffi.register_global_func(CONV2D_WEIGHT_GRAD, conv2d_weight_grad, override=True)
+    tvm_ffi.register_global_func(CONV2D_BACKWARD, conv2d_backward, override=True)
