@@ -42,10 +42,10 @@ def target_for(device: torch.device, fp_contract: bool = False) -> tvm.target.Ta
     (``AllowFPOpFusion`` is fixed to ``Fast``, no target option turns it off), so a fused kernel
     rounds ``a * b + c`` once where eager's two ops round twice; without the feature there is
     no instruction to fuse into. (On AVX-512 CPUs that also leaves TVM's own kernels at AVX2's
-    width: AVX-512 implies FMA.)"""
+    width: AVX-512 implies FMA.) Its ``num-cores`` is :func:`cpu_threads`: the CPU schedules
+    make no loop parallel where that is one."""
     if device.type == "cpu":
-        cores = int(os.environ.get("TVMBRIDGE_NUM_CORES", os.cpu_count() or 1))
-        spec: dict = {"kind": "llvm", "mcpu": host_cpu(), "num-cores": cores}
+        spec: dict = {"kind": "llvm", "mcpu": host_cpu(), "num-cores": cpu_threads()}
         if not fp_contract:
             spec["mattr"] = ["-fma"]
         return tvm.target.Target(spec)
@@ -83,6 +83,18 @@ def on_torch_stream(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type != "cuda":
         return contextlib.nullcontext()
     return tvm_ffi.use_raw_stream(tvm_device(device), torch.cuda.current_stream(device).cuda_stream)
+
+
+def cpu_threads() -> int:
+    """The threads a parallel loop of a TVM CPU kernel runs on in this process:
+    ``TVMBRIDGE_NUM_CORES``, else the size of TVM's thread pool (``TVM_NUM_THREADS``, else half the
+    logical CPUs on x86: one on a 2-vCPU machine, where a parallel loop only adds its launch, some
+    6 us, to every call of a kernel)."""
+    value = os.environ.get("TVMBRIDGE_NUM_CORES", "").strip()
+    if value:
+        return max(1, int(value))
+    prepare_cpu_runtime()  # the pool reads its settings when it starts
+    return max(1, int(tvm.get_global_func("runtime.NumThreads")()))
 
 
 @functools.cache

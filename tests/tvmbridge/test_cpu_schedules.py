@@ -14,7 +14,10 @@ from tvm import relax, tirx
 from tvmbridge import devices
 from tvmbridge.backend import build, cpu_schedules
 
-TARGET = devices.target_for(torch.device("cpu"))
+# the rules as they schedule for a TVM thread pool of several threads (a one-thread target, every
+# 2-vCPU machine's, makes no loop parallel: tested apart)
+TARGET = tvm.target.Target({**dict(devices.target_for(torch.device("cpu")).export()), "num-cores": 4})
+ONE_THREAD = tvm.target.Target({**dict(TARGET.export()), "num-cores": 1})
 
 
 def _module(shape: tuple[int, ...], body) -> tvm.IRModule:
@@ -453,3 +456,24 @@ def test_an_output_read_by_another_output_is_written_first():
     lib["main"](tvm.runtime.tensor(x), a, b)
     np.testing.assert_array_equal(a.numpy(), x * np.float32(3.0))
     np.testing.assert_array_equal(b.numpy(), (x * np.float32(3.0))[::-1, ::-1] + np.float32(1.0))
+
+
+def test_a_one_thread_target_makes_no_loop_parallel():
+    """Where TVM's pool has one thread (``devices.cpu_threads``), a parallel loop only adds its
+    launch to each call: every kernel's loops serial, still vectorized, values unchanged."""
+    mod = _module((6, 10, 128), lambda x: relax.op.nn.softmax(relax.op.multiply(x, x), axis=-1))
+    lowered = build.lower(mod, ONE_THREAD)
+    tir = "\n".join(f.script() for f in lowered.functions.values() if isinstance(f, tirx.PrimFunc))
+    assert "T.parallel" not in tir and "T.vectorized" in tir, tir
+    assert "T.parallel" in _kernels(mod)
+    vm = build.load(build.compile_module(mod, ONE_THREAD), torch.device("cpu"))
+    x = _x((6, 10, 128))
+    np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), _softmax(x * x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_target_has_the_threads_of_tvm_s_pool(monkeypatch):
+    monkeypatch.delenv("TVMBRIDGE_NUM_CORES", raising=False)
+    threads = int(tvm.get_global_func("runtime.NumThreads")())
+    assert int(devices.target_for(torch.device("cpu")).attrs["num-cores"]) == threads
+    monkeypatch.setenv("TVMBRIDGE_NUM_CORES", "3")
+    assert int(devices.target_for(torch.device("cpu")).attrs["num-cores"]) == 3

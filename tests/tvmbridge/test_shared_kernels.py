@@ -14,7 +14,7 @@ from tvmbridge.backend import build, shared_kernels
 
 from ..helpers import clone_module, is_tvm, max_errors, run_step
 
-TARGET = devices.target_for(torch.device("cpu"))
+TARGET = tvm.target.Target({**dict(devices.target_for(torch.device("cpu")).export()), "num-cores": 4})
 _BUILDER: list[relax.BlockBuilder] = []
 
 
@@ -180,3 +180,18 @@ def test_a_network_repeating_its_block_at_several_sizes_trains_as_pytorch_does()
     for name, buffer in reference.named_buffers():  # the running statistics, through two steps
         torch.testing.assert_close(dict(module.named_buffers())[name], buffer, rtol=1e-5, atol=1e-6)
 
+
+
+def test_a_family_of_small_kernels_stays_serial_and_a_large_one_parallel():
+    """A shared kernel's sizes are symbolic, but its members' are known: where the largest
+    member's tensors are small (per-channel vectors), the kernel is serial as each member alone
+    would be (a parallel launch costs more than its work); a family of large kernels is parallel."""
+    for shapes, parallel in (([(2, 8), (2, 24), (2, 40)], False), ([(2, 4096), (3, 4096)], True)):
+        mod = _module(shapes, _silu_plus_one)
+        (kernel,) = _kernels(mod)
+        assert not all(isinstance(d, tirx.IntImm) for d in kernel.params[0].shape)  # shared
+        assert int(kernel.attrs[shared_kernels.LARGEST_TENSOR_ATTR]) == max(a * b for a, b in shapes)
+        assert ("T.parallel" in kernel.script()) == parallel, kernel.script()
+        xs = [_x(s, i) for i, s in enumerate(shapes)]
+        for got, x in zip(_run(mod, xs), xs):
+            np.testing.assert_allclose(got, x / (1 + np.exp(-x)) + 1, rtol=1e-5, atol=1e-6)

@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -251,6 +252,7 @@ def scheduled_kernels(mod: tvm.IRModule, target: Target) -> Iterator[tuple[tvm.i
     scheduled before, or that no rule takes, as it is), so that a caller can compile the first
     ones while the later ones are scheduled."""
     rules = cpu_rules()
+    one_thread = int(target.attrs.get("num-cores", 0)) == 1
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc):
             continue
@@ -258,7 +260,20 @@ def scheduled_kernels(mod: tvm.IRModule, target: Target) -> Iterator[tuple[tvm.i
             sch = first_schedule(rules, func, target)
             if sch is not None:
                 func = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-        yield gv, func
+        yield gv, (serial_loops(func) if one_thread else func)
+
+
+def serial_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its parallel loops serial: for a target of one core (``devices.cpu_threads``),
+    where launching a parallel loop costs more than any kernel saves by it (every rule's, dlight's
+    and a tuning record's alike)."""
+
+    def serial(loop: tirx.For) -> tirx.For:
+        if loop.kind != tirx.ForKind.PARALLEL:
+            return loop
+        return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.SERIAL, loop.body, None, loop.annotations)
+
+    return tvm_ffi.structural_map(func, [(tirx.For, serial)])
 
 
 def default_cpu_schedule(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule | None:

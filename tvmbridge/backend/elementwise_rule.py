@@ -28,6 +28,8 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
+from .shared_kernels import largest_tensor
+
 _MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread start-up dominates)
 _BROADCAST_RATIO = 8  # an elementwise block this many times smaller than the kernel's output stays a block
 
@@ -70,10 +72,12 @@ class Elementwise(CPUScheduleRule):
         broadcasts = _inline_into_outputs(sch, infos, outputs)
         if broadcasts is None:
             return None
+        bound = largest_tensor(func)
+        small = bound is not None and bound < _MIN_PARALLEL  # a symbolic size known to be small
         if len(outputs) == 1:
-            return sch if _schedule_output(sch, target, outputs[0], broadcasts, self.fuse) else None
+            return sch if _schedule_output(sch, target, outputs[0], broadcasts, self.fuse, small) else None
         for block in outputs:
-            _schedule_output(sch, target, block, [], self.fuse)
+            _schedule_output(sch, target, block, [], self.fuse, small)
         return sch
 
 
@@ -129,28 +133,35 @@ def _inline_broadcast_chains(sch: s_tir.Schedule, broadcasts: list) -> list:
 
 
 def _schedule_output(
-    sch: s_tir.Schedule, target: Target, block: s_tir.schedule.SBlockRV, broadcasts: list, fuse: bool
+    sch: s_tir.Schedule,
+    target: Target,
+    block: s_tir.schedule.SBlockRV,
+    broadcasts: list,
+    fuse: bool,
+    small: bool = False,
 ) -> bool:
     """One output block's loops parallel and vectorized (fused first with ``fuse``); False if it
-    has no loops."""
+    has no loops. ``small``: sizes symbolic but bounded below :data:`_MIN_PARALLEL` (a shared
+    kernel's members), so serial as a static kernel of that size is: a parallel launch costs a
+    few microseconds, more than such a kernel's work."""
     loops = sch.get_loops(block)
     if not loops:
         return False
     n = static_numel(sch, loops)
     lanes = vector_lanes(target, sch, block)
     if not fuse:
-        _schedule_unfused(sch, block, loops, n, lanes)
+        _schedule_unfused(sch, block, loops, n, lanes, small)
         return True
     if selects_between_reads(sch, block) or _low_precision_broadcast(sch, block):  # parallel, never vectorized
         if n is None:
-            _parallel_rows(sch, loops)
+            _parallel_rows(sch, loops, not small)
             return True
         outer = sch.fuse(*loops) if len(loops) > 1 else loops[0]
         if n >= _MIN_PARALLEL:
             sch.parallel(outer)
         return True
     if n is None:  # a symbolic size: serve every size, parallel over all but a static inner axis
-        _schedule_symbolic_elementwise(sch, block, loops, lanes)
+        _schedule_symbolic_elementwise(sch, block, loops, lanes, not small)
         return True
     inner_extent = get_extent(sch, loops[-1])
     tiled = _tile_transpose(sch, block, loops, lanes)
@@ -177,7 +188,7 @@ def _schedule_output(
     return True
 
 
-def _schedule_unfused(sch: s_tir.Schedule, block, loops: list, n: int | None, lanes: int) -> None:
+def _schedule_unfused(sch: s_tir.Schedule, block, loops: list, n: int | None, lanes: int, small: bool) -> None:
     """The outermost loop parallel, the innermost split into vectors where it divides into them
     (no loop fused: a split binds ``outer * lanes + lane``, with no division to flatten)."""
     inner = get_extent(sch, loops[-1])
@@ -186,7 +197,7 @@ def _schedule_unfused(sch: s_tir.Schedule, block, loops: list, n: int | None, la
         split_outer, vec = sch.split(loops[-1], factors=[None, lanes])
         sch.vectorize(vec)
         loops = [*loops[:-1], split_outer]
-    if n is None or n >= _MIN_PARALLEL:
+    if (n is None and not small) or (n is not None and n >= _MIN_PARALLEL):
         sch.parallel(loops[0])
 
 
@@ -284,8 +295,10 @@ def _tile_transpose(sch: s_tir.Schedule, block, loops: list, lanes: int):
     return sch.fuse(*rest, col_o, row_o)
 
 
-def _schedule_symbolic_elementwise(sch: s_tir.Schedule, block, loops: list, lanes: int) -> s_tir.Schedule:
-    """An elementwise kernel whose size is symbolic (sizes unknown, so always parallel): its
+def _schedule_symbolic_elementwise(
+    sch: s_tir.Schedule, block, loops: list, lanes: int, parallel: bool = True
+) -> s_tir.Schedule:
+    """An elementwise kernel whose size is symbolic (``parallel`` unless known to be small): its
     trailing static axes fused (a shared CNN kernel's ``(2, C, 8, 8)``: 64 elements per channel)
     and vectorized where they divide into vectors."""
     static = 0
@@ -301,16 +314,18 @@ def _schedule_symbolic_elementwise(sch: s_tir.Schedule, block, loops: list, lane
             _, vec = sch.split(inner, factors=[None, lanes])
             sch.vectorize(vec)
     else:
-        return _parallel_rows(sch, loops)
-    sch.parallel(outer)
+        return _parallel_rows(sch, loops, parallel)
+    if parallel:
+        sch.parallel(outer)
     return sch
 
 
-def _parallel_rows(sch: s_tir.Schedule, loops: list) -> s_tir.Schedule:
-    """Every loop but the innermost fused and parallel; the innermost, of a symbolic extent, left
-    a plain loop (LLVM vectorizes it with a scalar tail). Fused with the others it would bind its
-    index by a division and a remainder by symbolic sizes at every element: a shared kernel's copy
-    ran at a tenth of the speed of memory."""
+def _parallel_rows(sch: s_tir.Schedule, loops: list, parallel: bool = True) -> s_tir.Schedule:
+    """Every loop but the innermost fused and parallel (unless not ``parallel``); the innermost, of
+    a symbolic extent, left a plain loop (LLVM vectorizes it with a scalar tail). Fused with the
+    others it would bind its index by a division and a remainder by symbolic sizes at every
+    element: a shared kernel's copy ran at a tenth of the speed of memory."""
     outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-    sch.parallel(outer)
+    if parallel:
+        sch.parallel(outer)
     return sch

@@ -27,6 +27,15 @@ from tvm import relax, s_tir, tirx
 #: the largest tensor (elements) of a kernel that is shared: a kernel past it runs long enough
 #: that its sizes known at compile time (vector tails, per-row operands) are worth its build
 MAX_SHARED_ELEMENTS = 1 << 17
+#: a shared kernel's attribute: the elements of the largest tensor of any of its members, a bound
+#: its CPU schedule reads where its sizes are symbolic (a family of per-channel vectors stays serial)
+LARGEST_TENSOR_ATTR = "tvmbridge.largest_tensor"
+
+
+def largest_tensor(func: tirx.PrimFunc) -> int | None:
+    """The bound :data:`LARGEST_TENSOR_ATTR` gives a shared kernel's tensors, else None."""
+    value = func.attrs.get(LARGEST_TENSOR_ATTR) if func.attrs is not None else None
+    return int(value) if value is not None else None
 
 
 def _dtype(imm: tirx.IntImm) -> str:
@@ -207,7 +216,8 @@ class ShareKernelsAcrossShapes:
                 continue
             kernel = shared_kernel(funcs, tables)
             if kernel is not None:
-                plan.append((members, kernel))
+                bound = max(_largest(f) or 0 for f in funcs)  # every candidate's is known
+                plan.append((members, kernel.with_attr(LARGEST_TENSOR_ATTR, tvm.tirx.IntImm("int64", bound))))
         if not plan:
             return mod
         replaced = {gv.name_hint for members, _ in plan for gv in members}
