@@ -85,6 +85,12 @@ def on_torch_stream(device: torch.device) -> contextlib.AbstractContextManager:
     return tvm_ffi.use_raw_stream(tvm_device(device), torch.cuda.current_stream(device).cuda_stream)
 
 
+def rounds_every_op(target: tvm.target.Target) -> bool:
+    """Whether ``target``'s kernels round every multiply and add apart, as eager's separate ops do:
+    a CPU target without the FMA feature (:func:`target_for` without ``fp_contract``)."""
+    return target.kind.name == "llvm" and "-fma" in [str(a) for a in target.attrs.get("mattr", [])]
+
+
 def cpu_threads() -> int:
     """The threads a parallel loop of a TVM CPU kernel runs on in this process:
     ``TVMBRIDGE_NUM_CORES``, else the size of TVM's thread pool (``TVM_NUM_THREADS``, else half the

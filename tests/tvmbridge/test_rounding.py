@@ -54,3 +54,48 @@ def test_products_feeding_adds_round_as_eager_bit_for_bit() -> None:
 def test_the_cpu_target_has_fma_only_where_contraction_is_asked_for(contract: bool) -> None:
     target = devices.target_for(torch.device("cpu"), fp_contract=contract)
     assert ("-fma" in list(target.attrs.get("mattr", []))) is not contract
+
+
+def _barriers(mod) -> int:
+    from tvm import relax
+
+    from tvmbridge.kernels.barrier import BARRIER
+
+    return sum(
+        1
+        for func in mod.functions.values()
+        if isinstance(func, relax.Function)
+        for block in func.body.blocks
+        for b in block.bindings
+        if isinstance(b.value, relax.Call)
+        and b.value.op.name == "relax.call_pure_packed"
+        and str(b.value.args[0].global_symbol) == BARRIER
+    )
+
+
+@pytest.mark.parametrize("contract", [False, True])
+def test_batchnorm_running_averages_are_eager_s_bit_for_bit(contract: bool) -> None:
+    """BatchNorm's new running statistics (``(1 - m) * old + m * batch``) equal eager's to the bit
+    over several steps: on a target that contracts, through the barriers that keep each product
+    rounded; on one that cannot (the default), with the barriers taken out before fusion."""
+    from tvmbridge.backend import build
+    from tvmbridge.pipeline.parts import TRAIN, part_module
+    from tvmbridge.runtime.dispatch import dispatcher_of
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8, momentum=0.3), torch.nn.ReLU())
+    tvm_model = copy.deepcopy(eager)
+    x = torch.randn(4, 3, 9, 9)
+    add_tvm_dispatch(tvm_model, (x,), verify=False, fp_contract=contract)
+    for step in range(4):
+        xs = torch.randn(4, 3, 9, 9) * (step + 1)
+        tvm_model(xs).sum().backward()
+        eager(xs).sum().backward()
+    assert tvm_model._tvm_dispatch.calls_tvm == 4
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(tvm_model[1], name), getattr(eager[1], name)), name
+    compiled = dispatcher_of(tvm_model).variants[0].compiled
+    part = part_module(compiled.stages["fast_math"], TRAIN)
+    assert _barriers(part) == 2
+    target = devices.target_for(torch.device("cpu"), fp_contract=contract)
+    assert _barriers(build.lower(part, target)) == (2 if contract else 0)

@@ -24,10 +24,10 @@ import tvm_ffi
 from tvm import relax, te
 
 from ..caches import CACHES
-from ..devices import prepare_cpu_runtime, tvm_device
+from ..devices import prepare_cpu_runtime, rounds_every_op, tvm_device
 from ..errors import stage_errors
 from ..ir import RewriteBindings, is_op, static_shape
-from ..kernels.barrier import register_barrier
+from ..kernels.barrier import drop_barriers, register_barrier
 from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from . import codegen, executable_cache
@@ -125,7 +125,8 @@ def lower(
     Relax op: both for measuring what each buys. ``tuning_db``: a MetaSchedule work directory
     whose best records replace the default schedules of the kernels they cover. ``on_kernel``
     (CPU): told each kernel in its final form as soon as it is scheduled."""
-    seq = [
+    seq = [drop_barriers] if rounds_every_op(target) else []  # nothing to contract: nothing to keep apart
+    seq += [
         relax.transform.LegalizeOps(MemoizedLegalization(_LEGALIZE_FIXES).table()),
         drop_scope_pragmas,
         relax.transform.AnnotateTIROpPattern(),

@@ -105,7 +105,8 @@ def _centered_gradient(
 
 def _product(importer: BridgeImporter, c: float, v: relax.Expr) -> relax.Expr:
     """``c * v`` rounded to v's dtype and stored (``kernels.barrier``): fused with the add
-    after it, LLVM could make one FMA of them, one rounding less than ATen's C++."""
+    after it, LLVM could make one FMA of them, one rounding less than ATen's C++ (on a target
+    that contracts: the build takes the barrier out where none can be made)."""
     bb = importer.block_builder
     product = bb.emit(relax.op.multiply(_c(c, str(v.ty.dtype)), v))
     return bb.emit(relax.op.call_pure_packed(BARRIER, product, ty_args=product.ty))
