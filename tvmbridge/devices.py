@@ -106,7 +106,13 @@ def cpu_threads() -> int:
 @functools.cache
 def prepare_cpu_runtime() -> None:
     """TVM's CPU workers must not spin after a parallel kernel: the offloaded GEMMs run on
-    PyTorch's own threads in between, and spinning TVM workers steal their cores. A user's own
-    ``TVM_THREAD_POOL_SPIN_COUNT`` is respected. The pool's size is left to TVM
-    (``TVM_NUM_THREADS``, else half the logical CPUs on x86); the README gives the measurements."""
+    PyTorch's own threads in between, and spinning TVM workers steal their cores. Nor may TVM's
+    pool pin threads to cores: starting, it binds the thread that starts it (the user's main
+    thread, where its pool has one thread) to one core, and every thread or process started from
+    it later inherits that (PyTorch's OpenMP workers, a DataLoader's, the compile's own threads):
+    the process ran on one core of two after its first compiled call. A user's own
+    ``TVM_THREAD_POOL_SPIN_COUNT`` and ``TVM_BIND_THREADS`` are respected. The pool's size is left
+    to TVM (``TVM_NUM_THREADS``, else half the logical CPUs on x86); the README gives the
+    measurements."""
     os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+    os.environ.setdefault("TVM_BIND_THREADS", "0")

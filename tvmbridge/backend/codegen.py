@@ -233,7 +233,8 @@ def build_executable(
     if target.kind.name == "cuda":
         with here, exact_cuda_math():
             return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
-    if target.kind.name != "llvm" or threads <= 1 or list(context.instruments):
+    # on one thread too: the kernels in groups, each through build_kernels (LLVM's verifier failures)
+    if target.kind.name != "llvm" or list(context.instruments):
         with here:
             return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
     with target:
@@ -266,7 +267,8 @@ def build_executable(
             libs, rest = [], dict(tir.functions_items())  # the pipeline rewrote a kernel built already: all again
         tir = tvm.IRModule(rest, attrs=tir.attrs)
     if len(tir.functions):
-        libs += _in_threads(build, kernel_groups(tir, threads * GROUPS_PER_THREAD), threads)
+        groups = threads * GROUPS_PER_THREAD if threads > 1 else 1  # one thread: one module, as tvm.compile
+        libs += _in_threads(build, kernel_groups(tir, groups), threads)
     for lib in libs[1:]:  # one import tree: the VM finds a kernel in any of them
         libs[0].import_module(lib)
     return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, libs[0], [], params))
