@@ -101,10 +101,7 @@ class _Block:
     def __init__(self, block: relax.DataflowBlock, params: list[relax.Var]) -> None:
         self.bound = {b.var: b.value for b in block.bindings}
         self.where = {p: -1 for p in params} | {b.var: i for i, b in enumerate(block.bindings)}
-        self.uses: dict[relax.Var, list[relax.Var]] = {}
-        for b in block.bindings:
-            for v in relax.analysis.free_vars(b.value):
-                self.uses.setdefault(v, []).append(b.var)
+        self.uses = relax.analysis.udchain(block)  # a variable -> the variables bound to its readers
 
     def match(self, t: relax.Var, wg: relax.Var) -> _Pair | None:
         """The joint call for input gradient ``t`` and weight gradient ``wg`` (which read the same
@@ -128,16 +125,19 @@ class _Block:
 
 
 def _pairs(block: relax.DataflowBlock, params: list[relax.Var]) -> list[_Pair]:
-    facts = _Block(block, params)
     transposes: dict[relax.Expr, list[relax.Var]] = {}
+    weight_grads: list[relax.VarBinding] = []
     for b in block.bindings:
         if _packed(b.value, CONV2D_TRANSPOSE):
             transposes.setdefault(b.value.args[1], []).append(b.var)
+        elif _packed(b.value, CONV2D_WEIGHT_GRAD):
+            weight_grads.append(b)
+    if not transposes or not weight_grads:
+        return []  # a block without both (a forward, a model of few convolutions): no reads indexed
+    facts = _Block(block, params)
     found: list[_Pair] = []
     taken: set[relax.Var] = set()
-    for b in block.bindings:
-        if not _packed(b.value, CONV2D_WEIGHT_GRAD):
-            continue
+    for b in weight_grads:
         for t in transposes.get(b.value.args[2], []):
             pair = None if t in taken else facts.match(t, b.var)
             if pair is not None:
@@ -174,14 +174,15 @@ class PairConvolutionGradients:
     """Each convolution's two offloaded gradients as one call (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        out = mod.clone()
+        out, paired = mod.clone(), 0
         for gv, func in mod.functions_items():
             body = func.body if isinstance(func, relax.Function) else None
             if not isinstance(body, relax.SeqExpr) or len(body.blocks) != 1:
                 continue
             block, n = pair_block(body.blocks[0], list(func.params))
             if n:
+                paired += n
                 out[gv] = relax.Function(
                     func.params, relax.SeqExpr([block], body.body), func.ret_ty, func.is_pure, func.attrs
                 )
-        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(out))
+        return relax.transform.DeadCodeElimination()(relax.transform.Normalize()(out)) if paired else mod
