@@ -244,10 +244,28 @@ def test_interpolate_float32_forward_is_atens():
     assert torch.allclose(m(x), want, rtol=0, atol=1e-6)
 
 
-def test_antialiased_interpolation_is_refused():
-    """TVM's frontend converts ``antialias=True`` as plain bilinear: a different picture."""
-    with pytest.raises(UnsupportedOpError, match="antialias"):
-        add_tvm_dispatch(Fn(lambda x: F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True)), (X4,))
+AA_SIZES = [dict(size=(3, 2)), dict(size=(11, 13)), dict(scale_factor=0.4), dict(size=(2, 9), align_corners=True),
+            dict(scale_factor=(1.7, 0.6)), dict(size=(5, 3))]
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("kwargs", AA_SIZES, ids=["down", "up", "scale", "aligned", "up_down", "one_axis"])
+def test_antialiased_interpolation(mode, kwargs):
+    """``antialias=True`` (TVM's frontend would compute plain bilinear: a different picture when
+    downsampling): ATen's filter weights per axis, as matmuls."""
+    check(Fn(lambda x: F.interpolate(x, mode=mode, antialias=True, **kwargs)), X4)
+
+
+def test_antialiased_interpolation_float32_forward():
+    """float32 as ATen's within rounding (ATen's CPU kernel has no bfloat16 to compare with)."""
+    dtype = torch.float32
+    x = X4.to(dtype).requires_grad_()
+    m = Fn(lambda x: F.interpolate(x, size=(3, 11), mode="bicubic", antialias=True))
+    want = m(x)
+    add_tvm_dispatch(m, (x,))
+    got = m(x)
+    assert is_tvm(got) and got.dtype == dtype
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_tvm_frontend_nearest_interpolation_differs_from_pytorch():

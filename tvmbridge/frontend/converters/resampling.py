@@ -1,5 +1,6 @@
-"""Interpolation (``upsample_nearest2d``, ``upsample_bilinear2d``) exactly as ATen's CPU kernels
-compute it; antialiased and bicubic interpolation refused.
+"""Interpolation (``upsample_nearest2d``, ``upsample_bilinear2d``, antialiased bilinear and
+bicubic) as ATen's CPU kernels compute it. (Plain bicubic reaches the bridge decomposed by
+PyTorch into gathers.)
 
 Relax's ``image.resize2d`` (what TVM's frontend makes of ``upsample_*``) rounds nearest
 coordinates with ``half_pixel`` where PyTorch floors ``dst * scale``, and ignores the scale factor
@@ -8,6 +9,15 @@ converts interpolation itself, axis by axis, as gathers (``take``) at the indice
 linear modes, a weighted sum of two gathers; the gradients are then ``take``'s, exact scatter-adds.
 The arithmetic follows ``aten/src/ATen/native/UpSample.h`` in the dtype ATen uses (float for
 nearest; the input's opmath type for linear).
+
+Antialiased interpolation (``antialias=True``; timm resamples its position embeddings so, and
+under ``torch.export`` even at the same size) reads a window per output index whose width grows
+with the downscale (a 224 -> 7 resize reads 65 inputs per output), so each axis is a matmul by a
+constant ``(out, in)`` matrix of ATen's normalized filter weights
+(``_compute_indices_min_size_weights_aa`` in ``aten/src/ATen/native/cpu/UpSampleKernel.cpp``):
+the last axis first, as ATen's separable kernel; an axis that keeps its size is not touched.
+(ATen 2.13's resize of a one-column image along its height returns copies of the first row; the
+matmuls give the column's resize, which the first-call check then reports as a disagreement.)
 """
 
 from __future__ import annotations
@@ -140,7 +150,83 @@ def _refusal(what: str) -> Callable:
     return refuse
 
 
-converter("_upsample_bilinear2d_aa.default")(
-    _refusal("antialiased interpolation (TVM's frontend would convert it as plain bilinear, wrong when downsampling)")
-)
 converter("upsample_bicubic2d.vec")(_refusal("bicubic interpolation (no exact conversion yet)"))
+
+
+# --- antialiased interpolation ------------------------------------------------------------------
+def _triangle(x: np.ndarray) -> np.ndarray:
+    x = np.abs(x)
+    return np.where(x < 1, 1 - x, 0).astype(x.dtype)
+
+
+def _keys_cubic(x: np.ndarray) -> np.ndarray:
+    """Keys' cubic with ``a = -0.5`` (``HelperInterpCubic::aa_filter``; plain bicubic uses -0.75)."""
+    a, x = x.dtype.type(-0.5), np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1, near, np.where(x < 2, far, 0)).astype(x.dtype)
+
+
+AA_FILTERS: dict[str, tuple[int, Callable[[np.ndarray], np.ndarray]]] = {
+    "bilinear": (2, _triangle),
+    "bicubic": (4, _keys_cubic),
+}
+
+
+def antialias_weights(
+    in_size: int, out_size: int, mode: str, align_corners: bool, scale: float | None, dtype: str
+) -> np.ndarray:
+    """The ``(out_size, in_size)`` matrix of ATen's antialiased weights along one axis: per output
+    index, the filter (widened by the downscale) over the inputs its window covers, normalized
+    to sum to one."""
+    interp, fn = AA_FILTERS[mode]
+    t = np.dtype(dtype).type
+    ratio = source_scale(in_size, out_size, align_corners, scale, dtype)
+    support = t(interp * 0.5) * ratio if ratio >= 1 else t(interp * 0.5)
+    invscale = t(1) / ratio if ratio >= 1 else t(1)
+    max_taps = int(np.ceil(support)) * 2 + 1
+    weights = np.zeros((out_size, in_size), dtype=dtype)
+    for i in range(out_size):
+        center = t(ratio * (i + 0.5))
+        lo = max(int(center - support + t(0.5)), 0)
+        size = min(max(min(int(center + support + t(0.5)), in_size) - lo, 0), max_taps)
+        w = fn((np.arange(lo, lo + size).astype(dtype) - center + t(0.5)) * invscale)
+        total = w.sum(dtype=dtype)
+        weights[i, lo : lo + size] = w / total if total != 0 else w
+    return weights
+
+
+@converter(
+    "_upsample_bilinear2d_aa.default",
+    "_upsample_bilinear2d_aa.vec",
+    "_upsample_bicubic2d_aa.default",
+    "_upsample_bicubic2d_aa.vec",
+)
+def upsample_antialiased(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``interpolate(..., antialias=True)``: a matmul per resized axis (module docstring)."""
+    args = args_of(node)
+    name = op_name(node)
+    x = importer.env[args[0]]
+    in_dims, out_dims = static_shape(x), [int(d) for d in node.meta["val"].shape]
+    if in_dims is None:
+        raise UnsupportedOpError("convert", "interpolation over a dynamic dimension", op=name)
+    align = bool(args[2]) if len(args) > 2 else False
+    if name.endswith(".vec"):
+        scales = list(args[3]) if len(args) > 3 and args[3] is not None else [None, None]
+    else:
+        scales = (list(args[3:5]) + [None, None])[:2]
+    mode = "bicubic" if "bicubic" in name else "bilinear"
+    dtype = str(x.ty.dtype)
+    opmath = "float64" if dtype == "float64" else "float32"  # half types: in float, rounded once per axis
+    bb, out = importer.block_builder, x
+    for axis in (3, 2):
+        if in_dims[axis] == out_dims[axis]:
+            continue
+        w = antialias_weights(in_dims[axis], out_dims[axis], mode, align, scales[axis - 2], opmath)
+        src = out if dtype == opmath else bb.emit(relax.op.astype(out, opmath))
+        if axis == 3:  # (..., in) @ (in, out)
+            out = bb.emit(relax.op.matmul(src, relax.const(np.ascontiguousarray(w.T), opmath)))
+        else:  # (out, in) @ (..., in, width)
+            out = bb.emit(relax.op.matmul(relax.const(w, opmath), src))
+        out = out if dtype == opmath else bb.emit(relax.op.astype(out, dtype))
+    return out
