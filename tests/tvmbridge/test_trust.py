@@ -532,6 +532,23 @@ def test_functional_call_with_other_parameters():
     assert params["fc1.weight"].grad is not None and m.fc1.weight.grad is None
 
 
+def test_forward_mode_ad_falls_back_with_its_tangents():
+    """The compiled Function has no ``jvp``: a call with dual tensors (an input's tangent, or a
+    parameter's) runs PyTorch, with a warning; outside the dual level the compiled path again."""
+    import torch.autograd.forward_ad as fwAD
+
+    m = Block()
+    x = torch.randn(4, 16)
+    ref = copy.deepcopy(m)
+    add_tvm_dispatch(m, (x,))
+    tangent = torch.randn_like(x)
+    with fwAD.dual_level(), pytest.warns(FallbackWarning, match="forward-mode AD"):
+        got = fwAD.unpack_dual(m(fwAD.make_dual(x, tangent)))
+        want = fwAD.unpack_dual(ref(fwAD.make_dual(x, tangent)))
+    assert torch.allclose(got.primal, want.primal) and torch.allclose(got.tangent, want.tangent)
+    assert is_tvm(m(x.requires_grad_()))
+
+
 def test_a_flop_counter_or_an_analysis_trace_sees_pytorch_ops():
     from torch.utils.flop_counter import FlopCounterMode
 

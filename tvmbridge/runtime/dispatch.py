@@ -24,6 +24,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensor
 
 from analysis.tensors import tensor_leaves
@@ -63,7 +64,16 @@ def _tracing(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensor_leaves((args, kwargs)))
 
 
-def _unfit_anywhere() -> Mismatch | None:
+def _forward_ad_duals(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor of the call or the module carries a forward-mode tangent (inside
+    ``torch.autograd.forward_ad.dual_level``): the compiled Function has no ``jvp``."""
+    if getattr(fwAD, "_current_level", 0) < 0:  # no dual level is open: no tangents (the usual case)
+        return False
+    tensors = [*tensor_leaves((args, kwargs)), *module.parameters(), *module.buffers()]
+    return any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def _unfit_anywhere(module: torch.nn.Module, args: tuple, kwargs: dict) -> Mismatch | None:
     """What no compiled variant can run, whatever its signature."""
     if torch._C._len_torch_dispatch_stack():
         return Mismatch(
@@ -73,6 +83,8 @@ def _unfit_anywhere() -> Mismatch | None:
         )
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)", recompile=False)
+    if _forward_ad_duals(module, args, kwargs):
+        return Mismatch("forward AD", "called with forward-mode AD tangents (dual tensors)", recompile=False)
     return None
 
 
@@ -169,7 +181,7 @@ class Dispatcher:
         remembered as the first call's would be: calls like it run PyTorch without compiling again
         (the backend's graphs try this first, to split a graph at the ops that failed)."""
         with TRACING.reading():
-            if _unfit_anywhere() or empty_input(self.signature, args, kwargs):
+            if _unfit_anywhere(self.module, args, kwargs) or empty_input(self.signature, args, kwargs):
                 return None  # no variant would run it: the call itself says why
             key = self.variant_set.key(args, kwargs)
         if key in self.failures:
@@ -190,7 +202,7 @@ class Dispatcher:
         if _tracing(args, kwargs):
             return self.eager(*args, **kwargs)
         with TRACING.reading():
-            unfit = _unfit_anywhere()
+            unfit = _unfit_anywhere(self.module, args, kwargs)
             choice = Selection.pytorch(unfit) if unfit is not None else self.variant_set.select(args, kwargs)
         if choice.outcome is Outcome.COMPILE:
             choice = self._compile_for_call(args, kwargs, choice.reason)
