@@ -341,6 +341,8 @@ def _timm() -> list[ZooEntry]:
         ("mixer_s16_224", dict(TIMM_DROP, img_size=IMAGE)),
         ("xcit_nano_12_p16_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=2)),  # arange(d) // 2
         ("cait_xxs24_224", dict(TIMM_DROP, img_size=IMAGE, patch_size=8, depth=2)),
+        # dynamic_img_size: resamples its position embedding (antialiased bicubic) on every call
+        ("test_vit", dict(TIMM_DROP, img_size=IMAGE)),
     ]
     # fmt: on
     cnns: list[tuple[str, dict[str, Any]]] = [  # CNN_IMAGE: see there
