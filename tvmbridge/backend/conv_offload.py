@@ -73,8 +73,11 @@ def _is_weight_grad(value: relax.Call) -> bool:
 def conv_attrs(value: relax.Call) -> tuple[str, list[int]] | None:
     """The packed function and attribute vector (``kernels.conv.ATTRS``) for a convolution the
     library can run, else None."""
+    op = value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else ""
+    if op not in ("relax.nn.conv2d", "relax.nn.conv2d_transpose"):
+        return None  # most bindings: decided on the op's name alone
     attrs = value.attrs
-    if is_op(value, "relax.nn.conv2d"):
+    if op == "relax.nn.conv2d":
         layouts = _layouts(value, "OIHW")
         if layouts is None:
             return None
@@ -83,7 +86,7 @@ def conv_attrs(value: relax.Call) -> tuple[str, list[int]] | None:
         if layouts == (1, 1, 1) and _is_weight_grad(value):
             return CONV2D_WEIGHT_GRAD, vector
         return (CONV2D, vector) if layouts == (0, 0, 0) or int(attrs.groups) == 1 else None
-    if is_op(value, "relax.nn.conv2d_transpose"):
+    if op == "relax.nn.conv2d_transpose":
         if _layouts(value, "IOHW") != (0, 0, 0):
             return None
         top, left, bottom, right = _ints(attrs.padding)
