@@ -50,7 +50,21 @@ CASES = {
     "min_max_dim": (lambda v: v.max(1).values + v.min(1).values + v.min(0, keepdim=True).values.sum(), V),
     "hypot": (lambda v: torch.hypot(v, W), V),
     "one_hot": (lambda v: F.one_hot(v.argmax(1), 5).to(v.dtype) * v, V),
+    # TVM's converter sized a descending arange 34 for 32 (Funnel's relative positions)
+    "arange_descending": (lambda v: v * (torch.arange(3, -3, -1)[:, None] + torch.arange(10, 0, -2)).to(v.dtype), V),
+    "arange_float_step": (lambda v: v * torch.arange(0.0, 1.5, 0.3, dtype=v.dtype), V),
 }
+
+
+def test_arange_of_float_steps_is_atens_bit_for_bit():
+    """ATen accumulates a float arange in double: ``arange(0, 1, 0.3)[3]`` is float32(0.9), where
+    ``0.3f * 3`` is one ulp above."""
+    m = Fn(lambda v: v * torch.arange(0.0, 2.0, 0.3, dtype=v.dtype))
+    v = torch.ones(2, 7, requires_grad=True)
+    want = m(v)
+    add_tvm_dispatch(m, (v,))
+    got = m(v)
+    assert type(got.grad_fn).__name__ == "TVMFunctionBackward" and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -109,13 +109,31 @@ def squeeze_traced(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return importer.block_builder.emit(relax.op.reshape(importer.env[args_of(node)[0]], shape))
 
 
+def _arange_constant(args: list, val: torch.Tensor) -> relax.Expr | None:
+    """``arange`` of numbers as ATen computes it, a constant. TVM's converter sized
+    ``arange(16, -16, -1)`` 34 (its length rule assumes a positive step: Funnel's relative
+    positions) and computes float steps in the result's dtype, where ATen accumulates in
+    double (``arange(0, 1, 0.3)[3]`` one float32 ulp off)."""
+    if not all(type(a) in (int, float) for a in args) or not all(isinstance(d, int) for d in val.shape):
+        return None
+    values = torch.arange(*args, dtype=val.dtype)
+    if values.shape != val.shape:
+        return None
+    if val.dtype == torch.bfloat16:  # numpy has none: its values are exact in float32
+        return relax.op.astype(relax.const(values.float().numpy(), "float32"), "bfloat16")
+    return relax.const(values.numpy(), str(val.dtype).removeprefix("torch."))
+
+
 @converter("arange.default", "arange.start", "arange.start_step", wraps_default=True)
 def arange_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
-    """``arange`` of a symbolic length (``arange(seq)`` for positions and masks) as
-    ``start + step * (cumsum(ones(n)) - 1)``: the length in a shape, which every pass and
-    schedule downstream reads, not in scalar arguments."""
+    """``arange`` of numbers as a constant (:func:`_arange_constant`); of a symbolic length
+    (``arange(seq)`` for positions and masks) as ``start + step * (cumsum(ones(n)) - 1)``: the
+    length in a shape, which every pass and schedule downstream reads, not in scalar arguments."""
     val = node.meta["val"]
     args = list(args_of(node))
+    constant = _arange_constant(args, val) if val.dim() == 1 else None
+    if constant is not None:
+        return importer.block_builder.emit(constant)
     start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
     if val.dim() != 1 or isinstance(val.shape[0], int) or not all(type(v) is int for v in (start, step)):
         return default(node)
