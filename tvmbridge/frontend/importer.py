@@ -24,6 +24,7 @@ from .. import names
 from ..errors import ConversionError, UnsupportedOpError, stage_errors
 from ..ir import end_open_blocks, only_dataflow_block, rebuild
 from ..sizes import sympy_to_tir
+from .bool_ops import BoolsAsIntegers
 from .checks import refuse_unconvertible
 from .converters import bind as bind_converters
 from .converters.random import DROPOUT_OPS, convert_random, is_random
@@ -161,6 +162,7 @@ def to_relax(traced: TracedModule, converters: tuple = (), probe: bool = False) 
         except BaseException:  # the builder TVM's frontend made for this program, left mid-function
             end_open_blocks(importer.block_builder)
             raise
+    mod = BoolsAsIntegers()(mod)  # TVM's code generation has no arithmetic of its bool type
     func = mod[names.MAIN]
     if len(func.params) != traced.num_user_inputs + len(traced.state.names):
         raise ConversionError("convert", f"unexpected Relax parameters {[p.name for p in func.params]}")
