@@ -269,6 +269,10 @@ def _encoder_decoders() -> list[ZooEntry]:
                                    eos_token_id=1, decoder_start_token_id=0), seq2seq_batch()),
         E("marian", "enc-dec", hf("MarianMTModel", "MarianConfig", **S2S, pad_token_id=0, eos_token_id=1,
                                   decoder_start_token_id=0, decoder_vocab_size=VOCAB), seq2seq_batch()),
+        # local attention: its block masks compare and add booleans (`mask > 0`)
+        E("longt5", "enc-dec", hf("LongT5ForConditionalGeneration", "LongT5Config", vocab_size=VOCAB, d_model=32,
+                                  d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                  local_radius=4, pad_token_id=0, decoder_start_token_id=0), seq2seq_batch()),
     ]
     # fmt: on
     return encdec
