@@ -262,6 +262,27 @@ def test_bfloat16_module_without_autocast():
     assert_as_accurate_as_eager(got, want, exact, torch.bfloat16)
 
 
+def test_bfloat16_top_k_values_stay_bfloat16():
+    """``x.max(dim)`` of a bfloat16 tensor (a top-1: values and indices) computed in float32 gives
+    bfloat16 values, as PyTorch's: the values came out float32 (the first-call check discarded
+    the variant), and added to another bfloat16 value the compile failed."""
+
+    class Extremes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones((), dtype=torch.bfloat16))
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return (t * self.w).max(-1, keepdim=True).values + (t * self.w).amin(0)
+
+    m = Extremes()
+    t = torch.randn(4, 6, dtype=torch.bfloat16, requires_grad=True)
+    want = m(t)
+    add_tvm_dispatch(m, (t,))
+    got = m(t)
+    assert is_tvm(got) and got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_inference_compiled_under_autocast():
     torch.manual_seed(0)
     m = Block().eval()

@@ -97,13 +97,21 @@ class _Float32Opmath(relax.PyExprMutator):
             self.rewritten += 1
             wide = self.builder_.emit(relax.op.matmul(args[0], args[1], out_dtype="float32"))
             return relax.op.astype(wide, out)
-        if not low and out not in LOW_PRECISION:
+        fields = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else []
+        low_fields = [getattr(f, "dtype", None) in LOW_PRECISION for f in fields]
+        if not low and out not in LOW_PRECISION and not any(low_fields):
             return call
         new_args = [self._widened(a) if _dtype(a) in LOW_PRECISION else a for a in args]
         wide = self.builder_.normalize(Call(call.op, new_args, call.attrs, call.ty_args, call.span))
         self.rewritten += 1
         if out in LOW_PRECISION:
             return relax.op.astype(self.builder_.emit(wide), out)
+        if any(low_fields):  # a tuple (top-k's values and indices): each low field rounded back
+            both = self.builder_.emit(wide)
+            items = [self.builder_.emit(relax.TupleGetItem(both, i)) for i in range(len(fields))]
+            return relax.Tuple(
+                [relax.op.astype(v, str(f.dtype)) if lo else v for v, f, lo in zip(items, fields, low_fields)]
+            )
         return wide
 
 
