@@ -221,6 +221,21 @@ def extreme_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBui
     return [op.multiply(op.divide(g, count), mask)]
 
 
+@gradient("relax.prod")
+def prod_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
+    """``prod`` over one axis: each element's gradient is the product of the others, as the
+    exclusive running products from both ends (no division: exact where an element is 0, as
+    PyTorch's ``prod_backward``)."""
+    x, axis = orig_call.args[0], orig_call.attrs.axis
+    if axis is None or len(axis) != 1:
+        raise NotImplementedError("prod over several axes at once (the bridge converts one axis at a time)")
+    a = int(axis[0]) % len(x.ty.shape)
+    g = output_grad if orig_call.attrs.keepdims else op.expand_dims(output_grad, a)
+    before = op.cumprod(x, axis=a, exclusive=True)
+    after = op.flip(op.cumprod(op.flip(x, a), axis=a, exclusive=True), a)
+    return [op.multiply(g, op.multiply(before, after))]
+
+
 # --- layout -------------------------------------------------------------------------------------
 @gradient("relax.flip")
 def flip_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:

@@ -86,6 +86,19 @@ def scan_promoted(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return importer.block_builder.emit(out if acc == dtype else relax.op.astype(out, dtype))
 
 
+@converter("prod.dim_int", "prod.default")
+def prod(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``prod`` (the frontend has none) over one axis, or over all elements flattened, in
+    PyTorch's result dtype (integers and bools multiply in int64)."""
+    args, kwargs = args_of(node), kwargs_of(node)
+    x, dtype, bb = importer.env[args[0]], out_dtype(node), importer.block_builder
+    source = x if str(x.ty.dtype) == dtype else relax.op.astype(x, dtype)
+    if op_name(node) == "prod.default":
+        return bb.emit(relax.op.prod(relax.op.reshape(source, [-1]), axis=[0]))
+    keep = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    return bb.emit(relax.op.prod(source, axis=[int(args[1])], keepdims=keep))
+
+
 @converter("sum.dim_IntList", "mean.dim", "index_select.default", wraps_default=True)
 def zero_dim_safe(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
     """Reductions and ``index_select`` over a 0-d tensor (dim 0 or -1 names the value itself),
