@@ -1,7 +1,8 @@
 """Boolean tensors compared, added, reduced, scanned and sorted (``frontend/bool_ops.py``, the
-``cumsum``/``max.dim`` converters): each as PyTorch computes it, outputs and gradients in float64.
-TVM's code generation has no arithmetic of its ``bool`` type: every case but the last two failed
-to compile, and a bool ``cumsum`` came out bool."""
+``cumsum`` converter): each as PyTorch computes it, outputs and gradients in float64.
+TVM's code generation has no arithmetic of its ``bool`` type: all but three cases (``argmax`` of
+an int cast, ``any``/``all``, the logical ops) failed to compile or to run, and a bool ``cumsum``
+came out bool."""
 
 from __future__ import annotations
 

@@ -53,11 +53,12 @@ def _as_integer(args: list[relax.Expr]) -> list[relax.Expr]:
 
 
 def bool_operands(value: relax.Expr, bound: dict) -> relax.Expr | None:
-    """The rule: a comparison, arithmetic op, max/min reduction, arg-extreme or sort reading a boolean tensor."""
+    """The rule: a comparison, arithmetic op, max/min reduction, arg-extreme, sort or top-k
+    (``x.max(dim)``, ``x.min(dim)``) reading a boolean tensor."""
     if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
         return None
     name = value.op.name
-    if name not in COMPARISONS and name not in ARITHMETIC and name not in REDUCTIONS and name not in SCANS:
+    if name not in (*COMPARISONS, *ARITHMETIC, *REDUCTIONS, *SCANS, "relax.topk"):
         return None
     args = list(value.args)
     if not any(_is_bool(a) for a in args):
@@ -65,6 +66,12 @@ def bool_operands(value: relax.Expr, bound: dict) -> relax.Expr | None:
     if name in SCANS:
         again = relax.Call(value.op, _as_integer(args), value.attrs)
         return op.astype(again, "bool") if _is_bool(value) else again
+    if name == "relax.topk":  # values (bool again) and indices, or either alone
+        again = relax.Call(value.op, _as_integer(args), value.attrs)
+        kind = str(value.attrs.ret_type)
+        if kind == "both":
+            return relax.Tuple([op.astype(relax.TupleGetItem(again, 0), "bool"), relax.TupleGetItem(again, 1)])
+        return op.astype(again, "bool") if kind == "values" else again
     if name in REDUCTIONS:
         axis = value.attrs.axis
         reduced = REDUCTIONS[name](_as_integer(args)[0], None if axis is None else list(axis), value.attrs.keepdims)

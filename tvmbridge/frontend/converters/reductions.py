@@ -42,31 +42,16 @@ def amin(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return _extreme(importer, node, relax.op.min)
 
 
-@converter("max.dim", wraps_default=True)
-def max_dim(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
-    """``x.max(dim)`` of a bool tensor as :func:`min_dim` computes the smallest (the frontend's
-    top-k has no bool); any other, the frontend's."""
-    x = importer.env[args_of(node)[0]]
-    return _extreme_dim(importer, node, largest=True) if str(x.ty.dtype) == "bool" else default(node)
-
-
 @converter("min.dim")
 def min_dim(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``x.min(dim)``: values and indices (the frontend converts ``max.dim`` only), as a top-1 of
     the smallest, whose gradient goes to the place the value was read from."""
-    return _extreme_dim(importer, node, largest=False)
-
-
-def _extreme_dim(importer: BridgeImporter, node: torch.fx.Node, largest: bool) -> relax.Expr:
     args, kwargs = args_of(node), kwargs_of(node)
     x, dim = importer.env[args[0]], int(args[1])
     keep = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     bb = importer.block_builder
-    flag = str(x.ty.dtype) == "bool"  # TVM's top-k has no bool: through int32
-    source = bb.emit(relax.op.astype(x, "int32")) if flag else x
-    both = bb.emit(relax.op.topk(source, k=1, axis=dim, largest=largest, ret_type="both", dtype="int64"))
+    both = bb.emit(relax.op.topk(x, k=1, axis=dim, largest=False, ret_type="both", dtype="int64"))
     values, indices = bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1))
-    values = bb.emit(relax.op.astype(values, "bool")) if flag else values
     if not keep:
         values, indices = (bb.emit(relax.op.squeeze(t, axis=[dim])) for t in (values, indices))
     return bb.emit(relax.Tuple([values, indices]))
@@ -76,10 +61,11 @@ def _extreme_dim(importer: BridgeImporter, node: torch.fx.Node, largest: bool) -
 def scan_promoted(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``cumsum``/``cumprod`` as ATen's CPU kernel: in PyTorch's result dtype (integers and bools
     accumulate in int64; the frontend kept the input's, a bool mask's running count came out
-    bool), a float one accumulated in double and each element rounded once."""
+    bool), a float one accumulated in ATen's accumulate type (double for float32 and float64,
+    float for the half types) and each element rounded once."""
     x, dim = importer.env[args_of(node)[0]], int(args_of(node)[1])
     dtype = out_dtype(node)
-    acc = "float64" if "float" in dtype else dtype
+    acc = {"float32": "float64", "bfloat16": "float32", "float16": "float32"}.get(dtype, dtype)
     source = x if str(x.ty.dtype) == acc else relax.op.astype(x, acc)
     scan = relax.op.cumsum if op_name(node).startswith("cumsum") else relax.op.cumprod
     out = scan(source, axis=dim)
