@@ -120,6 +120,11 @@ def multilabel_margin_loss(
     return loss, is_target.to(input.dtype).reshape(shape)
 
 
+# ops whose decomposition here can lay its result out differently from the kernel the trace ran
+# (``traced_layouts`` re-lays them out to the traced strides before decomposing)
+LAYOUT_CHANGING = frozenset({aten.scaled_dot_product_attention.default})
+
+
 def decomposition_table() -> dict:
     """torch.export's default table without the random ops and detach, with attention as ATen's math."""
     table = torch.export.default_decompositions()

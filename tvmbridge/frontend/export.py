@@ -51,6 +51,7 @@ from .program_facts import (
     user_input_specs,
 )
 from .signature import canonical_call
+from .traced_layouts import keep_traced_layouts
 
 
 class Deferred:
@@ -317,6 +318,7 @@ def _decompose(module: torch.nn.Module, ep: ExportedProgram, stack_traces: bool 
     second of a CNN's trace), for a retrace on fake tensors of exactly those sizes, where no
     guard can fail."""
     _detach_no_grad_regions(ep)
+    keep_traced_layouts(ep)
     examples = ep.example_inputs
     ep.example_inputs = None
     with warnings.catch_warnings(), _stack_traces(stack_traces):
