@@ -34,6 +34,7 @@ from .batches import (
     seq2seq_batch,
     whisper_batch,
 )
+from .handwritten import NanoGPT, nanogpt_batch
 
 FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "timm")
 # timm's CNNs downsample 32x: at 32x32 their last stages see 1x1 maps, where train-mode BatchNorm
@@ -250,6 +251,8 @@ def _decoders() -> list[ZooEntry]:
         E("gemma3", "decoder", hf("Gemma3ForCausalLM", "Gemma3TextConfig", **DEC, head_dim=8), clm),
         E("lfm2", "decoder", hf("Lfm2ForCausalLM", "Lfm2Config", **DEC), clm,
           note="short causal convolutions between attention layers"),
+        E("nanogpt", "decoder", NanoGPT, nanogpt_batch(),
+          note="hand-written (nanoGPT's model.py): fused attention at dropout 0, its output view()ed"),
     ]
     # fmt: on
     return decoders
