@@ -77,13 +77,16 @@ def _barriers(mod) -> int:
 def test_batchnorm_running_averages_are_eager_s_bit_for_bit(contract: bool) -> None:
     """BatchNorm's new running statistics (``(1 - m) * old + m * batch``) equal eager's to the bit
     over several steps: on a target that contracts, through the barriers that keep each product
-    rounded; on one that cannot (the default), with the barriers taken out before fusion."""
+    rounded; on one that cannot (the default), with the barriers taken out before fusion. The
+    BatchNorm reads the input itself: a convolution in front made the test depend on TVM's and
+    oneDNN's convolutions agreeing to the bit, which they do on an AVX-512 CPU and not on an AVX2
+    one (one ulp), where the statistics then differ for a reason this test is not about."""
     from tvmbridge.backend import build
     from tvmbridge.pipeline.parts import TRAIN, part_module
     from tvmbridge.runtime.dispatch import dispatcher_of
 
     torch.manual_seed(0)
-    eager = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8, momentum=0.3), torch.nn.ReLU())
+    eager = torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.3), torch.nn.ReLU())
     tvm_model = copy.deepcopy(eager)
     x = torch.randn(4, 3, 9, 9)
     add_tvm_dispatch(tvm_model, (x,), verify=False, fp_contract=contract)
@@ -93,7 +96,7 @@ def test_batchnorm_running_averages_are_eager_s_bit_for_bit(contract: bool) -> N
         eager(xs).sum().backward()
     assert tvm_model._tvm_dispatch.calls_tvm == 4
     for name in ("running_mean", "running_var"):
-        assert torch.equal(getattr(tvm_model[1], name), getattr(eager[1], name)), name
+        assert torch.equal(getattr(tvm_model[0], name), getattr(eager[0], name)), name
     compiled = dispatcher_of(tvm_model).variants[0].compiled
     part = part_module(compiled.stages["fast_math"], TRAIN)
     assert _barriers(part) == 2
