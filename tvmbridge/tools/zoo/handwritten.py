@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .batches import VOCAB, Batch, BatchMaker, _gen
+from .batches import VOCAB, Batch, BatchMaker
 
 
 class LayerNorm(nn.Module):
@@ -134,7 +134,7 @@ def nanogpt_batch() -> BatchMaker:
     document end in the last row's targets is ``-1`` (ignored)."""
 
     def make(b: int, n: int, seed: int) -> Batch:
-        stream = torch.randint(0, VOCAB, (b, n + 1), generator=_gen(seed))
+        stream = torch.randint(0, VOCAB, (b, n + 1), generator=torch.Generator().manual_seed(seed))
         targets = stream[:, 1:].clone()
         targets[-1, -max(1, n // 4) :] = -1
         return {"idx": stream[:, :-1].contiguous(), "targets": targets}

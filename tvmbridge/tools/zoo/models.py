@@ -251,11 +251,17 @@ def _decoders() -> list[ZooEntry]:
         E("gemma3", "decoder", hf("Gemma3ForCausalLM", "Gemma3TextConfig", **DEC, head_dim=8), clm),
         E("lfm2", "decoder", hf("Lfm2ForCausalLM", "Lfm2Config", **DEC), clm,
           note="short causal convolutions between attention layers"),
-        E("nanogpt", "decoder", NanoGPT, nanogpt_batch(),
-          note="hand-written (nanoGPT's model.py): fused attention at dropout 0, its output view()ed"),
     ]
     # fmt: on
     return decoders
+
+
+def _handwritten() -> list[ZooEntry]:
+    """Models written by hand as users write them (``handwritten``), not from a library."""
+    return [
+        ZooEntry("nanogpt", "decoder", NanoGPT, nanogpt_batch(),
+                 note="nanoGPT's model.py: fused attention at dropout 0, its output view()ed"),
+    ]  # fmt: skip
 
 
 def _encoder_decoders() -> list[ZooEntry]:
@@ -291,6 +297,9 @@ def _vision() -> list[ZooEntry]:
         E("deit", "vision", hf("DeiTForImageClassification", "DeiTConfig", **VIT), img),
         E("beit", "vision", hf("BeitForImageClassification", "BeitConfig", **VIT, use_relative_position_bias=True),
           img),
+        E("data2vec-vision", "vision", hf("Data2VecVisionForImageClassification", "Data2VecVisionConfig", **VIT,
+                                          use_relative_position_bias=True), img,
+          note="its eval call ran the CPU flash kernel's layout into a view (attention_probs_dropout_prob 0 there)"),
         E("dinov2", "vision", hf("Dinov2ForImageClassification", "Dinov2Config",
                                  **{k: v for k, v in VIT.items() if k != "intermediate_size"}, mlp_ratio=2), img),
         E("swin", "vision", hf("SwinForImageClassification", "SwinConfig", image_size=IMAGE, patch_size=2,
@@ -389,7 +398,7 @@ def _timm() -> list[ZooEntry]:
 
 
 def _entries() -> list[ZooEntry]:
-    return _text_encoders() + _decoders() + _encoder_decoders() + _vision() + _audio() + _timm()
+    return _text_encoders() + _decoders() + _handwritten() + _encoder_decoders() + _vision() + _audio() + _timm()
 
 
 MODELS: dict[str, ZooEntry] = {e.name: e for e in _entries()}
