@@ -53,6 +53,8 @@ CASES = {
     # TVM's converter sized a descending arange 34 for 32 (Funnel's relative positions)
     "arange_descending": (lambda v: v * (torch.arange(3, -3, -1)[:, None] + torch.arange(10, 0, -2)).to(v.dtype), V),
     "arange_float_step": (lambda v: v * torch.arange(0.0, 1.5, 0.3, dtype=v.dtype), V),
+    # sort.stable had no converter; ties (rounded values) keep their order, descending too
+    "sort_stable_ties": (lambda v: v.round().sort(dim=0, descending=True, stable=True).indices * v + v.sort(dim=1, stable=True).values, V),
     # no converter; its gradient the product of the others, exact at zeros
     "prod": (lambda v: v.prod(-1) + v.prod(0, keepdim=True).sum() + v.prod() + (v > 0).prod(-1), V),
     "prod_with_zeros": (lambda v: torch.where(v.abs() < 0.5, 0.0, v).prod(-1), V),

@@ -7,6 +7,8 @@ asserts a float type, or fails LLVM's verifier, or has no ``min_value`` for a re
 identity): the whole compile failed. Here every such call reads its boolean operands cast to
 ``int32`` (or to the other operand's integer type) and, where PyTorch's result is boolean
 (``mask + mask``, ``mask.max()``), casts the result back: the same values PyTorch computes.
+Sorts, top-k and arg-extremes of 8- and 16-bit integers failed the same way (TVM's sort kernels
+compare no narrower integer than int32): they read int32 too, their values cast back.
 """
 
 from __future__ import annotations
@@ -37,11 +39,32 @@ ARITHMETIC: dict[str, Callable] = {
 REDUCTIONS: dict[str, Callable] = {"relax.max": op.max, "relax.min": op.min}
 # one input, attributes kept: the call again over int32 (the result cast back where it was bool)
 SCANS = ("relax.argmax", "relax.argmin", "relax.sort", "relax.argsort")
+# integer types TVM's sort and top-k kernels have no comparison for (``sort(int8)``): read as int32 too
+NARROW = ("int8", "uint8", "int16", "uint16")
 
 
 def _is_bool(expr: relax.Expr) -> bool:
     ty = getattr(expr, "ty", None)
     return isinstance(ty, relax.TensorType) and str(ty.dtype) == "bool"
+
+
+def _is_narrow(expr: relax.Expr) -> bool:
+    ty = getattr(expr, "ty", None)
+    return isinstance(ty, relax.TensorType) and str(ty.dtype) in ("bool", *NARROW)
+
+
+def _ordered_as_int32(value: relax.Call) -> relax.Expr:
+    """A sort, arg-extreme or top-k of a bool or narrow integer tensor over int32, its values
+    cast back to the input's type."""
+    source = value.args[0]
+    again = relax.Call(value.op, [op.astype(source, "int32"), *value.args[1:]], value.attrs)
+    dtype = str(source.ty.dtype)
+    if value.op.name != "relax.topk":
+        return op.astype(again, dtype) if str(value.ty.dtype) == dtype else again
+    kind = str(value.attrs.ret_type)  # values and indices, or either alone
+    if kind == "both":
+        return relax.Tuple([op.astype(relax.TupleGetItem(again, 0), dtype), relax.TupleGetItem(again, 1)])
+    return op.astype(again, dtype) if kind == "values" else again
 
 
 def _as_integer(args: list[relax.Expr]) -> list[relax.Expr]:
@@ -53,25 +76,19 @@ def _as_integer(args: list[relax.Expr]) -> list[relax.Expr]:
 
 
 def bool_operands(value: relax.Expr, bound: dict) -> relax.Expr | None:
-    """The rule: a comparison, arithmetic op, max/min reduction, arg-extreme, sort or top-k
-    (``x.max(dim)``, ``x.min(dim)``) reading a boolean tensor."""
+    """The rule: a comparison, arithmetic op or max/min reduction reading a boolean tensor; an
+    arg-extreme, sort or top-k (``x.max(dim)``, ``x.min(dim)``) reading a boolean or narrow
+    integer one."""
     if not isinstance(value, relax.Call) or not isinstance(value.op, tvm.ir.Op):
         return None
     name = value.op.name
     if name not in (*COMPARISONS, *ARITHMETIC, *REDUCTIONS, *SCANS, "relax.topk"):
         return None
     args = list(value.args)
+    if name in (*SCANS, "relax.topk"):
+        return _ordered_as_int32(value) if _is_narrow(args[0]) else None
     if not any(_is_bool(a) for a in args):
         return None
-    if name in SCANS:
-        again = relax.Call(value.op, _as_integer(args), value.attrs)
-        return op.astype(again, "bool") if _is_bool(value) else again
-    if name == "relax.topk":  # values (bool again) and indices, or either alone
-        again = relax.Call(value.op, _as_integer(args), value.attrs)
-        kind = str(value.attrs.ret_type)
-        if kind == "both":
-            return relax.Tuple([op.astype(relax.TupleGetItem(again, 0), "bool"), relax.TupleGetItem(again, 1)])
-        return op.astype(again, "bool") if kind == "values" else again
     if name in REDUCTIONS:
         axis = value.attrs.axis
         reduced = REDUCTIONS[name](_as_integer(args)[0], None if axis is None else list(axis), value.attrs.keepdims)
@@ -85,5 +102,6 @@ def bool_operands(value: relax.Expr, bound: dict) -> relax.Expr | None:
 
 
 def BoolsAsIntegers() -> tvm.transform.Pass:  # noqa: N802 - TVM's convention for pass constructors
-    """Every boolean comparison, arithmetic op, reduction and sort through ``int32``."""
+    """Every boolean comparison, arithmetic op, reduction and sort, and every sort of a narrow
+    integer, through ``int32``."""
     return RewriteBindings([bool_operands])

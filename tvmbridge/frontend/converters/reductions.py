@@ -1,4 +1,4 @@
-"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, ``min.dim``, reductions (and
+"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, ``min.dim``, stable ``sort``, reductions (and
 ``index_select``) over a 0-d tensor, ``linalg_vector_norm`` and ``cdist`` with PyTorch's
 gradient at zeros."""
 
@@ -54,6 +54,19 @@ def min_dim(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     values, indices = bb.emit(relax.TupleGetItem(both, 0)), bb.emit(relax.TupleGetItem(both, 1))
     if not keep:
         values, indices = (bb.emit(relax.op.squeeze(t, axis=[dim])) for t in (values, indices))
+    return bb.emit(relax.Tuple([values, indices]))
+
+
+@converter("sort.stable")
+def sort_stable(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``sort(stable=True)`` (the frontend converts ``sort.default`` only): TVM's argsort keeps
+    equal keys in their order (a stable sort: ``std::stable_sort`` on CPU, a merge sort on GPU),
+    descending too, as PyTorch's stable sort does; the values gathered by the indices."""
+    args, kwargs = args_of(node), kwargs_of(node)
+    x, bb = importer.env[args[0]], importer.block_builder
+    dim, descending = int(kwargs.get("dim", -1)), bool(kwargs.get("descending", False))
+    indices = bb.emit(relax.op.argsort(x, dim, descending, dtype="int64"))
+    values = bb.emit(relax.op.gather_elements(x, indices, axis=dim))
     return bb.emit(relax.Tuple([values, indices]))
 
 
