@@ -434,3 +434,28 @@ def test_identical_layers_share_one_compile_and_keep_their_own_weights():
     other.attention.self.dropout.p = 0.3  # another graph: its own compile
     add_tvm_dispatch(other, args)
     assert "reused" not in other._tvm_dispatch.variants[0].compiled.compile_seconds
+
+
+def test_a_symbolic_compile_that_does_not_fit_its_call_compiles_that_shape(monkeypatch, tmp_path):
+    """nanoGPT's loop (batch 4 and 3, length 32 and 24) with the disk cache on: a symbolic compile
+    for a call came back as an earlier variant's graph (the length static), did not fit the call
+    it was compiled for, and each such call ran PyTorch while the same variant was compiled again
+    until the cache was full."""
+    from tvmbridge.tools.zoo.handwritten import NanoGPT
+
+    monkeypatch.setenv("TVMBRIDGE_DISK_CACHE", "1")
+    monkeypatch.setenv("TVMBRIDGE_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    m = NanoGPT(block_size=32)
+    ref = clone_module(m)
+    ids = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    add_tvm_dispatch(m, (ids[:, :32].contiguous(), ids[:, 1:].contiguous()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        for b, t in [(4, 24), (3, 24), (4, 32), (3, 32), (4, 24)]:
+            x, y = ids[:b, :t].contiguous(), ids[:b, 1 : t + 1].contiguous()
+            got, want = m(x, y).loss, ref(x, y).loss
+            assert is_tvm(got), m._tvm_dispatch.explain()
+            torch.testing.assert_close(got, want)
+            got.backward()
+    assert m._tvm_dispatch.calls_fallback == 0, m._tvm_dispatch.explain()

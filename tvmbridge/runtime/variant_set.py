@@ -170,12 +170,18 @@ class VariantSet:
             already = self.fitting(args, kwargs)  # another thread may have compiled it meanwhile
             if already is not None:
                 return already
-            compiled, why = self._compiled(args, kwargs, why, dynamic)
-            variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), why)
+            compiled, said = self._compiled(args, kwargs, why, dynamic)
+            variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), said)
+            misfit = variant.fit(self.module, self.signature, args, kwargs).reason if dynamic else None
+            if misfit is not None:  # the trace kept a dim static (a range it checks): this shape then
+                self.failed_dynamic.add(_dims_key(dynamic or {}))
+                said = f"{why}; the symbolic compile does not fit this call ({misfit.message}), compiled for this shape"
+                compiled, said = self._compiled(args, kwargs, said, None)
+                variant = Variant.create(self.module, self.signature, compiled, (args, kwargs), said)
             self.variants = (*self.variants, variant)
         if self.options.verbose:
             print(
-                f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {why}): "
+                f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {said}): "
                 f"{compiled.summary()}"
             )
         return variant
