@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from .decompositions import LAYOUT_CHANGING
 
@@ -44,17 +45,14 @@ def keep_traced_layouts(ep: ExportedProgram) -> int:
 
 
 def stride_order(val: object) -> list[int] | None:
-    """The dimensions of ``val`` from outermost to innermost in memory, or None where
-    ``val`` is not a tensor or is contiguous already (sizes of 1 placed where they are)."""
-    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+    """The dimensions of ``val`` from outermost to innermost in memory, or None where ``val`` is
+    not a tensor or is laid out in order already. Symbolic strides are read by their hints, which
+    adds no guard (``int()`` of one would specialize the variant's symbolic sizes)."""
+    if not isinstance(val, torch.Tensor):
         return None
-    sizes, strides = list(val.shape), list(val.stride())
-    try:
-        key = [(-int(strides[d]), d) for d in range(len(sizes))]
-    except TypeError:  # a symbolic stride that is not a number: leave the layout alone
-        return None
-    order = [d for _, d in sorted(key)]
-    return None if order == list(range(len(sizes))) else order
+    strides = [optimization_hint(s, fallback=0) for s in val.stride()]
+    order = sorted(range(len(strides)), key=lambda d: -strides[d])  # stable: size-1 dims keep their place
+    return None if order == list(range(len(strides))) else order
 
 
 def _relay(graph: torch.fx.Graph, node: torch.fx.Node, order: list[int]) -> None:
