@@ -58,6 +58,13 @@ CASES = {
     # no converter; its gradient the product of the others, exact at zeros
     "prod": (lambda v: v.prod(-1) + v.prod(0, keepdim=True).sum() + v.prod() + (v > 0).prod(-1), V),
     "prod_with_zeros": (lambda v: torch.where(v.abs() < 0.5, 0.0, v).prod(-1), V),
+    # the frontend dropped alpha (computed x + y)
+    "add_sub_alpha": (
+        lambda v: torch.add(v, W, alpha=0.3) + torch.sub(v, W, alpha=2) * torch.rsub(v, W, alpha=-1.5)
+        + torch.add(v, 2.0, alpha=3) - v.sub(1, alpha=0.5) + torch.rsub(v, 4, alpha=0.25),
+        V,
+    ),
+    "add_alpha_in_place": (lambda v: (v * W).add_(v, alpha=2.5).sub_(W, alpha=0.5), V),
 }
 
 

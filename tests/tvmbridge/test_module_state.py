@@ -71,6 +71,23 @@ class PlainCounter(torch.nn.Module):
         return self.lin(x) * self.calls
 
 
+class RunningMean(torch.nn.Module):
+    """A statistic kept as training code writes it: in place, under no_grad, with ``alpha``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+                self.steps += 1
+        return self.lin(x - self.mean)
+
+
 class KeepsLast(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -107,7 +124,7 @@ def train_side_by_side(make, rows: list[int], sample: bool, fallback: bool = Fal
 
 
 @pytest.mark.parametrize("sample", [True, False], ids=["ahead_of_time", "at_first_call"])
-@pytest.mark.parametrize("make", [Counter, Table], ids=["counter", "table"])
+@pytest.mark.parametrize("make", [Counter, Table, RunningMean], ids=["counter", "table", "running_mean"])
 def test_buffers_assigned_anew_are_kept(make, sample):
     m, _ = train_side_by_side(make, [3, 3, 2, 3], sample)
     assert re.search(r"calls: 4 compiled, 0 PyTorch", m._tvm_dispatch.explain()), m._tvm_dispatch.explain()

@@ -1,6 +1,7 @@
 """Elementwise ops with PyTorch's gradient at their edges: ``hardtanh`` (and so ``relu6``,
 ``hardswish``, ``hardsigmoid``), ``clamp`` with number or tensor bounds, ``elu``; and ``div``
-with a rounding mode and a number, in the dtype PyTorch computes it in; ``hypot``."""
+with a rounding mode and a number, in the dtype PyTorch computes it in; ``hypot``; ``add``,
+``sub`` and ``rsub`` with ``alpha``."""
 
 from __future__ import annotations
 
@@ -96,18 +97,21 @@ def elu_exact(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return importer.block_builder.emit(op.where(positive, op.multiply(x, relax.const(scale, dtype)), branch))
 
 
-@converter("div.Tensor_mode", wraps_default=True)
-def div_rounding_number(importer: BridgeImporter, node: torch.fx.Node, default: Any) -> relax.Expr:
-    """``div(x, number, rounding_mode=...)`` (``x // 2`` on a float tensor, a position table's
-    ``arange(d) // 2``) computes, as ATen does, in the result's dtype with the number read at
-    that precision (a float16/bfloat16 result in float32, rounded once at the end); the frontend
-    makes the number an int64 or float32 constant beside a tensor of any dtype, which Relax
-    refuses. Two tensors, or an integer result, keep TVM's conversion."""
+@converter("div.Tensor_mode", "div.Tensor", "div.Scalar", "mul.Tensor", "mul.Scalar", wraps_default=True)
+def times_number(importer: BridgeImporter, node: torch.fx.Node, default: Any) -> relax.Expr:
+    """``x * number`` and ``x / number`` (with or without a rounding mode: ``x // 2`` on a float
+    tensor, a position table's ``arange(d) // 2``) as ATen computes them: in the result's dtype
+    with the number unrounded, a float16/bfloat16 result in float32 and rounded once at the end
+    (the frontend multiplies by the number rounded to bfloat16: ``x * 0.1`` differed in a fifth
+    of its elements), and with a rounding mode, a number beside a tensor of any dtype (the
+    frontend's int64 or float32 constant Relax refuses). Two tensors, or an integer result, and
+    float32/float64 without a rounding mode keep TVM's conversion."""
     args, kwargs = args_of(node), kwargs_of(node)
     given = {**dict(zip(("self", "other", "rounding_mode"), args)), **kwargs}
     dtype = out_dtype(node)
     numbers = [k for k in ("self", "other") if not isinstance(given[k], torch.fx.Node)]
-    if not numbers or not dtype.startswith(("float", "bfloat")):
+    rounding = op_name(node) == "div.Tensor_mode"
+    if not numbers or not dtype.startswith(("float", "bfloat")) or not (rounding or dtype in ("float16", "bfloat16")):
         return default(node)
     compute = "float32" if dtype in ("float16", "bfloat16") else dtype
     bb, op = importer.block_builder, relax.op
@@ -120,7 +124,9 @@ def div_rounding_number(importer: BridgeImporter, node: torch.fx.Node, default: 
 
     x, y = operand(given["self"]), operand(given["other"])
     mode = given.get("rounding_mode")
-    if mode == "floor":
+    if op_name(node).startswith("mul"):
+        out = bb.emit(op.multiply(x, y))
+    elif mode == "floor":
         out = bb.emit(op.floor_divide(x, y))
     elif mode == "trunc":
         out = bb.emit(op.trunc(op.divide(x, y)))
@@ -136,3 +142,43 @@ def hypot(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     op, dtype = relax.op, out_dtype(node)
     a, b = (op.astype(importer.env[t], dtype) for t in args[:2])
     return importer.block_builder.emit(op.sqrt(op.add(op.multiply(a, a), op.multiply(b, b))))
+
+
+_SCALED_OPERAND = {  # op -> (the operand scaled by alpha, its sign): x + sign * alpha * y
+    "add": ("other", 1),
+    "sub": ("other", -1),
+    "rsub": ("self", -1),
+}
+
+
+@converter("add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Tensor", "rsub.Scalar", wraps_default=True)
+def add_with_alpha(importer: BridgeImporter, node: torch.fx.Node, default: Any) -> relax.Expr:
+    """``add``/``sub``/``rsub`` with ``alpha`` (``torch.add(x, y, alpha=0.1)``, ``buf.add_(x,
+    alpha=0.1)``, ``x.sub_(y, alpha=lr)``): the frontend drops ``alpha`` (computes ``x + y``).
+    ``x + alpha * y`` as ATen's kernel rounds it: ``alpha`` read in the tensor's dtype, float32
+    as one fused multiply-add (here in float64, rounded once), float16/bfloat16 in float32;
+    ``alpha == 1`` keeps TVM's conversion."""
+    args, kwargs = args_of(node), kwargs_of(node)
+    given = {**dict(zip(("self", "other", "alpha"), args)), **kwargs}
+    alpha = given.get("alpha", 1)
+    if alpha == 1:
+        return default(node)
+    scaled, sign = _SCALED_OPERAND[op_name(node).split(".")[0]]
+    kept = "self" if scaled == "other" else "other"
+    dtype = out_dtype(node)
+    compute = {"float16": "float32", "bfloat16": "float32", "float32": "float64"}.get(dtype, dtype)
+    bb, op = importer.block_builder, relax.op
+
+    def number(value: Any) -> relax.Expr:
+        """A number as ATen reads it: in the result's dtype."""
+        return relax.const(torch.tensor(value, dtype=getattr(torch, dtype)).item(), compute)
+
+    def operand(value: Any) -> relax.Expr:
+        if not isinstance(value, torch.fx.Node):
+            return number(value)
+        x = importer.env[value]
+        return x if str(x.ty.dtype) == compute else bb.emit(op.astype(x, compute))
+
+    term = bb.emit(op.multiply(operand(given[scaled]), number(sign * alpha)))
+    out = bb.emit(op.add(operand(given[kept]), term))
+    return out if compute == dtype else bb.emit(op.astype(out, dtype))
