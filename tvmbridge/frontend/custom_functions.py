@@ -17,7 +17,8 @@ from typing import Any
 from torch.autograd.function import Function
 from torch.utils.checkpoint import CheckpointFunction
 
-_ORIGINAL_APPLY = Function.__dict__["apply"]
+from .trace_patches import ScopedPatch
+
 # the Functions torch.library generates for a custom op's registered backward: the trace keeps the
 # op itself as a node (not its forward's ops), so a converter for it, or the refusal of an op
 # without one, decides; nothing is differentiated in its place
@@ -35,32 +36,10 @@ def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         return args[0](*args[2:])
     if seen is not None and cls.__module__ != _LIBRARY_AUTOGRAD:
         seen.append(cls)
-    return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    return _PATCH.original.__func__(cls, *args, **kwargs)
 
 
-class _Patch:
-    """``Function.apply`` recording while at least one trace (of any thread) is running."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.active = 0
-
-    def enter(self) -> None:
-        """One more trace running: the first installs the recording ``apply``."""
-        with self.lock:
-            if self.active == 0:
-                Function.apply = classmethod(_recording_apply)  # type: ignore[method-assign, assignment]  # the patch
-            self.active += 1
-
-    def exit(self) -> None:
-        """One trace fewer: the last puts PyTorch's ``apply`` back."""
-        with self.lock:
-            self.active -= 1
-            if self.active == 0:
-                Function.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]  # the patch undone
-
-
-_PATCH = _Patch()
+_PATCH = ScopedPatch(Function, "apply", classmethod(_recording_apply))
 
 
 @contextlib.contextmanager

@@ -52,6 +52,7 @@ from .program_facts import (
 )
 from .signature import canonical_call
 from .traced_layouts import keep_traced_layouts
+from .value_hints import value_free_hints
 
 
 class Deferred:
@@ -256,7 +257,12 @@ def _export(
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             # grad on: export marks a no_grad block only where it differs from the mode it traces under
-            with custom_functions_seen() as custom, torch.enable_grad(), _no_attribute_writes(module):
+            with (
+                custom_functions_seen() as custom,
+                value_free_hints(),
+                torch.enable_grad(),
+                _no_attribute_writes(module),
+            ):
                 ep = torch.export.export(
                     flat, args=inputs, strict=False, dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {})
                 )

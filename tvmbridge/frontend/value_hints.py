@@ -1,0 +1,45 @@
+"""PyTorch's own code that reads a tensor's values only to choose between equal computations.
+
+``nn.TransformerEncoder``/``nn.TransformerDecoder`` (and so ``nn.Transformer``) compare the mask
+they are given with a causal mask of its size, ``bool((mask == causal).all())``, to pass the
+layers ``is_causal=True``, a hint that lets attention skip the mask. ``torch.export`` cannot
+trace a value read (``GuardOnDataDependentSymNode``): the tutorial's translation model and every
+GPT written with ``nn.TransformerEncoder`` and ``generate_square_subsequent_mask`` failed to
+compile. While the bridge traces, the detection answers without reading the mask: the caller's
+``is_causal`` if given, else ``False``, so the mask is applied as given: the same attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.nn.modules import transformer
+
+from .trace_patches import ScopedPatch
+
+_local = threading.local()
+
+
+def _detect_is_causal_mask(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
+    """``transformer._detect_is_causal_mask``, value-free in the threads that trace."""
+    if getattr(_local, "depth", 0):
+        return is_causal is True
+    return _PATCH.original(mask, is_causal, size)
+
+
+_PATCH = ScopedPatch(transformer, "_detect_is_causal_mask", _detect_is_causal_mask)
+
+
+@contextlib.contextmanager
+def value_free_hints() -> Iterator[None]:
+    """The block (a trace in this thread) runs the value-free detections above."""
+    _PATCH.enter()
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+        _PATCH.exit()
