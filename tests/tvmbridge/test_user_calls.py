@@ -255,6 +255,22 @@ class MaskedSelect(torch.nn.Module):
         return self.lin(x)[mask].sum()
 
 
+class RoutedByWhere(torch.nn.Module):
+    """Mixture-of-experts routing as users write it: rows picked by ``torch.where(top_k == e)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.experts = torch.nn.Linear(4, 3), torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, chosen = self.gate(x).softmax(-1).topk(2, -1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, k = torch.where(chosen == e)
+            out = out.index_add(0, rows, expert(x[rows]) * weight[rows, k, None])
+        return out
+
+
 class StackedLSTM(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -266,8 +282,9 @@ class StackedLSTM(torch.nn.Module):
 
 @pytest.mark.parametrize("make,inputs,message", [
     (MaskedSelect, (torch.randn(5, 4), torch.tensor([True, False, True, True, False])), "depends on the values"),
+    (RoutedByWhere, (torch.randn(5, 4),), "depends on the values.*torch.compile"),
     (StackedLSTM, (torch.randn(2, 3, 4),), "dropout between its layers"),
-], ids=["boolean-mask-indexing", "lstm-dropout"])
+], ids=["boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout"])
 def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: str) -> None:
     from tvmbridge.errors import ConversionError
 

@@ -93,7 +93,20 @@ def _origins_of(ep: ExportedProgram, chosen: Callable[[torch.fx.Node], bool]) ->
 
 
 def refuse_unconvertible(ep: ExportedProgram) -> None:
-    """Raise for the first of: ops without a converter, data-dependent sizes, zero-size values."""
+    """Raise for the first of: data-dependent sizes (which no converter could take), ops without a
+    converter, zero-size values."""
+    dependent = data_dependent_values(ep)
+    if dependent:
+        raise ConversionError(
+            "convert",
+            f"{dependent[0]} has a size that depends on the values of a tensor (boolean-mask indexing "
+            "x[mask], nonzero, torch.where(cond), masked_select, unique): compiled code needs sizes known from "
+            "the input shapes; write it with torch.where(cond, a, b) (a loss over masked positions as a masked "
+            "mean), "
+            "or use torch.compile(model, backend='tvmbridge'), which runs that part in PyTorch and the rest on TVM, "
+            "or fallback=True",
+            sources=_origins_of(ep, lambda n: any(d.startswith(f"{n.name} = ") for d in dependent)),
+        )
     missing = unsupported_ops(ep)
     if missing:
         raise UnsupportedOpError(
@@ -102,15 +115,6 @@ def refuse_unconvertible(ep: ExportedProgram) -> None:
             "(a function under the @converter decorator) or call with fallback=True to keep PyTorch",
             op=missing[0],
             sources=_origins_of(ep, lambda n: getattr(n.target, "__name__", "") in missing),
-        )
-    dependent = data_dependent_values(ep)
-    if dependent:
-        raise ConversionError(
-            "convert",
-            f"{dependent[0]} has a size that depends on the values of a tensor (boolean-mask indexing "
-            "x[mask], nonzero, masked_select, unique): compiled code needs sizes known from the input shapes; "
-            "write it with torch.where (e.g. a loss over masked positions as a masked mean), or use fallback=True",
-            sources=_origins_of(ep, lambda n: any(d.startswith(f"{n.name} = ") for d in dependent)),
         )
     empty = zero_size_values(ep)
     if empty:
