@@ -45,8 +45,8 @@ class AttributeWriteError(ConversionError):
     which compiled code would not do. The trace's assignments are undone; PyTorch runs the call
     and the next call is traced again from the state it leaves (a cache, once filled, is read)."""
 
-    def __init__(self, names: list[str], every_call: bool = False) -> None:
-        self.names = names
+    def __init__(self, names: list[str], every_call: bool = False, hint: str = "") -> None:
+        self.names, self.hint = names, hint
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         if every_call:
             message = (
@@ -59,7 +59,7 @@ class AttributeWriteError(ConversionError):
                 f"forward assigns module attributes ({shown}), which compiled code would not: PyTorch runs "
                 "this call and the next is traced from the state it leaves"
             )
-        super().__init__("trace", message)
+        super().__init__("trace", f"{message} ({hint})" if hint else message)
 
 
 def describe(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ at 0 and every output after the first was wrong."""
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -177,7 +178,14 @@ class Outputs(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
-        return self.lin(x), torch.arange(4.0) * 2, x.detach() * 3, y * 2, (self.lin.weight * 0).detach().sum() + y, x * 3
+        return (
+            self.lin(x),
+            torch.arange(4.0) * 2,
+            x.detach() * 3,
+            y * 2,
+            (self.lin.weight * 0).detach().sum() + y,
+            x * 3,
+        )
 
 
 @pytest.mark.parametrize("via", ["dispatch", "backend"])
@@ -187,7 +195,11 @@ def test_outputs_without_a_gradient_path_do_not_require_grad(via):
     x, y = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
     want = [o.requires_grad for o in Outputs()(x, y)]
     assert want == [True, False, False, False, False, True]
-    m = add_tvm_dispatch(Outputs(), verify=False) if via == "dispatch" else torch.compile(Outputs(), backend="tvmbridge")
+    m = (
+        add_tvm_dispatch(Outputs(), verify=False)
+        if via == "dispatch"
+        else torch.compile(Outputs(), backend="tvmbridge")
+    )
     assert [o.requires_grad for o in m(x, y)] == want
     assert [o.requires_grad for o in m(x.detach(), y)] == [True, False, False, False, False, False]
 
@@ -204,3 +216,30 @@ def test_a_buffer_rebuilt_under_torch_compile_trains():
     assert not m.table.requires_grad
     torch.testing.assert_close(m.table, ref.table)
     torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad)
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "weight_norm"])
+def test_the_old_norm_hooks_are_refused_with_their_parametrization_which_trains_compiled(kind):
+    """``nn.utils.spectral_norm``'s hook sets ``module.weight`` on every call (a GAN's
+    discriminator; HiFi-GAN's ``weight_norm``): the error names the parametrization to use."""
+    from tvmbridge.errors import AttributeWriteError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm's deprecation
+        old = add_tvm_dispatch(
+            torch.nn.Sequential(getattr(torch.nn.utils, kind)(torch.nn.Linear(4, 4))), (torch.randn(2, 4),)
+        )
+    with pytest.raises(AttributeWriteError, match=rf"0.weight is set on every call .*parametrizations.{kind}, which"):
+        for _ in range(2):
+            old(torch.randn(2, 4))
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(getattr(torch.nn.utils.parametrizations, kind)(torch.nn.Linear(4, 4)))
+    new = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    for m in (new, ref):
+        m(x).square().sum().backward()
+    for (name, a), b in zip(new.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+    for (name, a), b in zip(new.named_buffers(), ref.buffers()):  # spectral norm's power iteration
+        torch.testing.assert_close(a, b, msg=name)
+    assert new._tvm_dispatch.calls_tvm == 1 and new._tvm_dispatch.calls_fallback == 0

@@ -228,3 +228,28 @@ def replace_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> N
         if tensor is old:
             prefix, _, attr = path.rpartition(".")
             module.get_submodule(prefix)._buffers[attr] = value
+
+
+# torch.nn.utils' old forward pre-hooks, which set a tensor attribute on every call, and the
+# parametrizations that compute the same without assigning it
+_HOOK_REPLACEMENTS = {
+    "SpectralNorm": ("torch.nn.utils.spectral_norm", "torch.nn.utils.parametrizations.spectral_norm"),
+    "WeightNorm": ("torch.nn.utils.weight_norm", "torch.nn.utils.parametrizations.weight_norm"),
+}
+
+
+def assigning_hooks(module: torch.nn.Module, labels: list[str]) -> str:
+    """What to do where attributes in ``labels`` ("2.weight") are assigned by one of those
+    hooks, or ``""``."""
+    said = []
+    for label in labels:
+        owner_path, _, name = label.rpartition(".")
+        try:
+            owner = module.get_submodule(owner_path)
+        except AttributeError:
+            continue
+        for hook in owner._forward_pre_hooks.values():
+            if type(hook).__name__ in _HOOK_REPLACEMENTS and getattr(hook, "name", None) == name:
+                old, new = _HOOK_REPLACEMENTS[type(hook).__name__]
+                said.append(f"{label} is set on every call by {old}'s hook: use {new}, which compiles")
+    return "; ".join(said)

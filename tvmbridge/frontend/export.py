@@ -28,6 +28,7 @@ from ..errors import AttributeWriteError, ConversionError, describe
 from .call_state import (
     AutocastState,
     ModuleState,
+    assigning_hooks,
     changed_attributes,
     module_attributes,
     restore_attributes,
@@ -242,7 +243,7 @@ def _no_attribute_writes(module: torch.nn.Module) -> Iterator[None]:
         changed = changed_attributes(module, before)
         restore_attributes(module, before)
     if changed:
-        raise AttributeWriteError(changed)
+        raise AttributeWriteError(changed, hint=assigning_hooks(module, changed))
 
 
 def _export(

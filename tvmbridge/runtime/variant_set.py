@@ -139,7 +139,7 @@ class VariantSet:
             )
         except AttributeWriteError as exc:  # once per key: traced again after PyTorch's call
             if key in self.deferred:
-                again = AttributeWriteError(exc.names, every_call=True)
+                again = AttributeWriteError(exc.names, every_call=True, hint=exc.hint)
                 if not self.variants and not self.options.fallback:
                     raise again from exc
                 return Selection.pytorch(self.remember_failure(key, again))
