@@ -271,6 +271,10 @@ class RoutedByWhere(torch.nn.Module):
         return out
 
 
+def cumulative_batch_norm() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
+
+
 class StackedLSTM(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -284,7 +288,8 @@ class StackedLSTM(torch.nn.Module):
     (MaskedSelect, (torch.randn(5, 4), torch.tensor([True, False, True, True, False])), "depends on the values"),
     (RoutedByWhere, (torch.randn(5, 4),), "depends on the values.*torch.compile"),
     (StackedLSTM, (torch.randn(2, 3, 4),), "dropout between its layers"),
-], ids=["boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout"])
+    (cumulative_batch_norm, (torch.randn(3, 4),), r"momentum=None \(1\) reads num_batches_tracked"),
+], ids=["boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout", "batch-norm-cumulative"])
 def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: str) -> None:
     from tvmbridge.errors import ConversionError
 
@@ -561,3 +566,15 @@ def test_a_forward_that_branches_on_values_is_refused_with_what_to_do(branch):
     fn = (lambda x: x * 2 if x.sum() > 0 else x) if branch == "if" else (lambda x: F.gaussian_nll_loss(x, t, t + 0.5))
     with pytest.raises(ConversionError, match="branches on a tensor's values.*fallback=True"):
         add_tvm_dispatch(Fn(fn), (torch.randn(3, 4),))
+
+
+def test_a_cumulative_batch_norm_compiles_in_eval() -> None:
+    model = cumulative_batch_norm()
+    model(torch.randn(5, 4))  # running statistics of one batch
+    model.eval()
+    x = torch.randn(3, 4)
+    want = model(x)
+    add_tvm_dispatch(model, (x,))
+    got = model(x)
+    torch.testing.assert_close(got, want)
+    assert model._tvm_dispatch.calls_tvm == 1

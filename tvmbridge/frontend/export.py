@@ -53,7 +53,7 @@ from .program_facts import (
 )
 from .signature import canonical_call
 from .traced_layouts import keep_traced_layouts
-from .value_hints import value_free_hints
+from .value_hints import value_free_hints, value_reads_of_modules
 
 
 class Deferred:
@@ -273,6 +273,8 @@ def _export(
             hint = ""
             if "Cache" in str(exc):  # transformers' key/value caches
                 hint = "; the model builds a key/value cache: train with use_cache=False"
+            elif "data-dependent" in str(exc) and value_reads_of_modules(module):
+                hint = f"; {value_reads_of_modules(module)}"
             elif "data-dependent" in str(exc):
                 hint = (
                     "; the forward branches on a tensor's values (a Python `if` on a tensor, `.item()`, a "

@@ -43,3 +43,25 @@ def value_free_hints() -> Iterator[None]:
     finally:
         _local.depth -= 1
         _PATCH.exit()
+
+
+def value_reads_of_modules(module: torch.nn.Module) -> str:
+    """What to do where a submodule reads a tensor's value as a number in every training call,
+    which no trace can follow, or ``""``: BatchNorm with ``momentum=None`` (a cumulative
+    average, its factor ``1 / float(num_batches_tracked)``)."""
+    cumulative = [
+        name or type(module).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        and m.momentum is None
+        and m.training
+        and m.track_running_stats
+    ]
+    if not cumulative:
+        return ""
+    shown = ", ".join(cumulative[:3]) + (", ..." if len(cumulative) > 3 else "")
+    return (
+        f"BatchNorm with momentum=None ({shown}) reads num_batches_tracked as a number on every training call "
+        "(its cumulative average), which compiled code cannot: give it a momentum (0.1 is the default), "
+        "or pass fallback=True to keep PyTorch in train mode (eval mode compiles)"
+    )
