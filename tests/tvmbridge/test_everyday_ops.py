@@ -64,6 +64,22 @@ CASES = {
         + torch.add(v, 2.0, alpha=3) - v.sub(1, alpha=0.5) + torch.rsub(v, 4, alpha=0.25),
         V,
     ),
+    # TVM's grid_sample had no gradient; the grid from the input (its gradient too), some points outside
+    **{
+        f"grid_sample_{mode}_{pad}": (
+            lambda x, mode=mode, pad=pad: F.grid_sample(
+                x, torch.tanh(x[:, :2].permute(0, 2, 3, 1)) * 1.2, mode=mode, padding_mode=pad, align_corners=pad == "border"
+            ),
+            X,
+        )
+        for mode, pad in [("bilinear", "zeros"), ("bilinear", "border"), ("nearest", "reflection"), ("bicubic", "zeros")]
+    },
+    "affine_grid_sample": (
+        lambda x: F.grid_sample(
+            x, F.affine_grid(x[:, 0, :2, :3] + torch.eye(2, 3, dtype=x.dtype), [2, 3, 4, 5], False), align_corners=False
+        ),
+        X,
+    ),
     "add_alpha_in_place": (lambda v: (v * W).add_(v, alpha=2.5).sub_(W, alpha=0.5), V),
 }
 

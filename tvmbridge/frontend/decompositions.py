@@ -138,4 +138,6 @@ def decomposition_table() -> dict:
     table[aten._safe_softmax.default] = safe_softmax
     table[aten.hardsigmoid.default] = hardsigmoid_kinks
     table[aten.multilabel_margin_loss_forward.default] = multilabel_margin_loss
+    # grid sampling as gathers (inductor's form): TVM's grid_sample has no gradient
+    table.update(torch._decomp.get_decompositions([aten.grid_sampler_2d.default]))
     return table
