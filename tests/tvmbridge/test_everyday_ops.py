@@ -12,13 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tvmbridge import add_tvm_dispatch
+from tvmbridge import ConversionError, add_tvm_dispatch
 
 from ..helpers import Fn
 from .test_gradients_nn import check, randn
 
 X = randn(2, 3, 6, 6)
 V, W = randn(6, 5), randn(6, 5, seed=2)
+
+BAG_INDICES = torch.tensor([1, 3, 3, 0, 5, 5, 2, 4, 1, 0])  # bags [1 3 3] [] [0 5] [5] [2 4 1 0]
+BAG_OFFSETS = torch.tensor([0, 3, 3, 5, 6])
+BAG_LAST_OFFSETS = torch.tensor([0, 3, 3, 5, 6, 10])
 
 CASES = {
     "unfold": (lambda x: F.unfold(x, 3, stride=2, padding=1), X),
@@ -37,14 +41,23 @@ CASES = {
     "scatters": (lambda v: torch.slice_scatter(v, W[:, :2], 1, 1, 3) + torch.select_scatter(v, W[0], 0, 2), V),
     "activations": (lambda v: F.glu(v[:, :4]) + F.mish(v[:, :2]) + F.softplus(v[:, 2:4], beta=2, threshold=1), V),
     "norms": (lambda x: F.instance_norm(x) + F.rms_norm(x, (6,)) + F.layer_norm(x, (6, 6)), X),
-    "pools": (lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False).sum() + F.max_pool2d(x, 3, 2, 1), X),
+    "pools": (
+        lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False).sum() + F.max_pool2d(x, 3, 2, 1),
+        X,
+    ),
     "interpolate": (lambda x: F.interpolate(x, size=(9, 4), mode="bilinear", align_corners=True), X),
     "pads": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect") + F.pad(x, (1, 2, 2, 1), mode="circular"), X),
     # had no converter or no gradient
-    "einsum": (lambda v: torch.einsum("ij,kj->ik", v, W) + torch.einsum("ij->i", v).sum() + torch.einsum("ij,j->", v, W[0]), V),
+    "einsum": (
+        lambda v: torch.einsum("ij,kj->ik", v, W) + torch.einsum("ij->i", v).sum() + torch.einsum("ij,j->", v, W[0]),
+        V,
+    ),
     "einsum_batched": (lambda x: torch.einsum("bchw,bcxw->bhx", x, x.flip(2)), X),
     "einsum_outer_sum": (lambda v: torch.einsum("i,j->ij", v[:, 0], W[0]) * torch.einsum("ik,jk->", v, W), V),
-    "diagonal_trace": (lambda v: torch.trace(v[:5]) * v + torch.diagonal(v, 1).sum() + torch.einsum("ii->i", v[:5]).sum(), V),
+    "diagonal_trace": (
+        lambda v: torch.trace(v[:5]) * v + torch.diagonal(v, 1).sum() + torch.einsum("ii->i", v[:5]).sum(),
+        V,
+    ),
     "diagonal_batched": (lambda x: x.diagonal(-1, 1, 3).sum() * x.diagonal(2, -1, -2), X),
     "contrastive_diag": (lambda v: F.cross_entropy(v @ W.T, torch.arange(6)) - (v @ W.T).diag().mean(), V),
     "min_max_dim": (lambda v: v.max(1).values + v.min(1).values + v.min(0, keepdim=True).values.sum(), V),
@@ -54,31 +67,66 @@ CASES = {
     "arange_descending": (lambda v: v * (torch.arange(3, -3, -1)[:, None] + torch.arange(10, 0, -2)).to(v.dtype), V),
     "arange_float_step": (lambda v: v * torch.arange(0.0, 1.5, 0.3, dtype=v.dtype), V),
     # sort.stable had no converter; ties (rounded values) keep their order, descending too
-    "sort_stable_ties": (lambda v: v.round().sort(dim=0, descending=True, stable=True).indices * v + v.sort(dim=1, stable=True).values, V),
+    "sort_stable_ties": (
+        lambda v: v.round().sort(dim=0, descending=True, stable=True).indices * v + v.sort(dim=1, stable=True).values,
+        V,
+    ),
     # no converter; its gradient the product of the others, exact at zeros
     "prod": (lambda v: v.prod(-1) + v.prod(0, keepdim=True).sum() + v.prod() + (v > 0).prod(-1), V),
     "prod_with_zeros": (lambda v: torch.where(v.abs() < 0.5, 0.0, v).prod(-1), V),
     # the frontend dropped alpha (computed x + y)
     "add_sub_alpha": (
-        lambda v: torch.add(v, W, alpha=0.3) + torch.sub(v, W, alpha=2) * torch.rsub(v, W, alpha=-1.5)
-        + torch.add(v, 2.0, alpha=3) - v.sub(1, alpha=0.5) + torch.rsub(v, 4, alpha=0.25),
+        lambda v: (
+            torch.add(v, W, alpha=0.3)
+            + torch.sub(v, W, alpha=2) * torch.rsub(v, W, alpha=-1.5)
+            + torch.add(v, 2.0, alpha=3)
+            - v.sub(1, alpha=0.5)
+            + torch.rsub(v, 4, alpha=0.25)
+        ),
         V,
     ),
     # TVM's grid_sample had no gradient; the grid from the input (its gradient too), some points outside
     **{
         f"grid_sample_{mode}_{pad}": (
             lambda x, mode=mode, pad=pad: F.grid_sample(
-                x, torch.tanh(x[:, :2].permute(0, 2, 3, 1)) * 1.2, mode=mode, padding_mode=pad, align_corners=pad == "border"
+                x,
+                torch.tanh(x[:, :2].permute(0, 2, 3, 1)) * 1.2,
+                mode=mode,
+                padding_mode=pad,
+                align_corners=pad == "border",
             ),
             X,
         )
-        for mode, pad in [("bilinear", "zeros"), ("bilinear", "border"), ("nearest", "reflection"), ("bicubic", "zeros")]
+        for mode, pad in [
+            ("bilinear", "zeros"),
+            ("bilinear", "border"),
+            ("nearest", "reflection"),
+            ("bicubic", "zeros"),
+        ]
     },
     "affine_grid_sample": (
         lambda x: F.grid_sample(
             x, F.affine_grid(x[:, 0, :2, :3] + torch.eye(2, 3, dtype=x.dtype), [2, 3, 4, 5], False), align_corners=False
         ),
         X,
+    ),
+    # no converter: the table is the input; bags by offsets (one empty, one all padding) and fixed-size
+    **{
+        f"embedding_bag_{mode}": (
+            lambda v, mode=mode: torch.cat(
+                [
+                    F.embedding_bag(BAG_INDICES, v, BAG_OFFSETS, mode=mode, padding_idx=5),
+                    F.embedding_bag(BAG_INDICES[:8].view(2, 4), v * 2, mode=mode),
+                    F.embedding_bag(BAG_INDICES, v, BAG_LAST_OFFSETS, mode=mode, include_last_offset=True),
+                ]
+            ),
+            V,
+        )
+        for mode in ("sum", "mean")
+    },
+    "embedding_bag_weighted": (
+        lambda v: F.embedding_bag(BAG_INDICES, v, BAG_OFFSETS, mode="sum", per_sample_weights=v[BAG_INDICES, 0].exp()),
+        V,
     ),
     "add_alpha_in_place": (lambda v: (v * W).add_(v, alpha=2.5).sub_(W, alpha=0.5), V),
 }
@@ -112,3 +160,8 @@ def test_one_hot_out_of_range_raises_like_pytorch(bad):
         fn(torch.tensor([0, bad]), randn(2, 4))
     with pytest.raises(raised.type, match=str(raised.value).splitlines()[0][:30]):
         m(torch.tensor([0, bad]), randn(2, 4))
+
+
+def test_embedding_bag_max_is_refused_with_what_to_do():
+    with pytest.raises(ConversionError, match="mode='max'.*fallback=True"):
+        add_tvm_dispatch(Fn(lambda v: F.embedding_bag(BAG_INDICES, v, BAG_OFFSETS, mode="max")), (V,))

@@ -120,6 +120,40 @@ def multilabel_margin_loss(
     return loss, is_target.to(input.dtype).reshape(shape)
 
 
+def embedding_bag(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    scale_grad_by_freq: bool = False,
+    mode: int = 0,
+    sparse: bool = False,
+    per_sample_weights: torch.Tensor | None = None,
+    include_last_offset: bool = False,
+    padding_idx: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``nn.EmbeddingBag`` (sum, mean; offsets or fixed-size bags; per-sample weights; a
+    padding index) as gathered rows added into their bags; an empty bag is 0 as in
+    ATen. Only the output is computed as ATen's: the three index outputs are for ATen's own
+    backward, which is not used here."""
+    if scale_grad_by_freq or mode == 2:
+        raise NotImplementedError(
+            "EmbeddingBag with mode='max' or scale_grad_by_freq=True has no compiled form here: use "
+            "mode='sum' or 'mean', or fallback=True to keep PyTorch"
+        )
+    bags = offsets.shape[0] - (1 if include_last_offset else 0)
+    bag = torch.bucketize(torch.arange(indices.shape[0], device=indices.device), offsets[:bags], right=True) - 1
+    rows = weight[indices]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(1)
+    kept = (indices != padding_idx) if padding_idx >= 0 else torch.ones_like(indices, dtype=torch.bool)
+    count = torch.zeros(bags, dtype=torch.int64, device=indices.device).index_add(0, bag, kept.to(torch.int64))
+    rows = torch.where(kept.unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+    out = torch.zeros(bags, weight.shape[1], dtype=rows.dtype, device=rows.device).index_add(0, bag, rows)
+    if mode == 1:
+        out = out / count.clamp_min(1).unsqueeze(1).to(out.dtype)
+    return out, bag, count, count
+
+
 # ops whose decomposition here can lay its result out differently from the kernel the trace ran
 # (``traced_layouts`` re-lays them out to the traced strides before decomposing)
 LAYOUT_CHANGING = frozenset({aten.scaled_dot_product_attention.default})
@@ -140,4 +174,6 @@ def decomposition_table() -> dict:
     table[aten.multilabel_margin_loss_forward.default] = multilabel_margin_loss
     # grid sampling as gathers (inductor's form): TVM's grid_sample has no gradient
     table.update(torch._decomp.get_decompositions([aten.grid_sampler_2d.default]))
+    table[aten._embedding_bag.default] = embedding_bag
+    table[aten._embedding_bag_forward_only.default] = embedding_bag
     return table
