@@ -64,11 +64,10 @@ def run_checked(
     if needs_grad:
         differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
         leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
-        reference = None
-        if precision is not None:  # run at the first backward, only if a gradient needs it
-            reference = functools.partial(
-                _full_precision, dispatcher, compiled, inputs, paths, differentiable, precision, before
-            )
+        # run at the first backward, only if a gradient is outside the tolerance
+        reference = functools.partial(
+            _full_precision, dispatcher, compiled, inputs, paths, differentiable, precision, before
+        )
         check = GradientCheck(
             leaves,
             inputs,
@@ -110,13 +109,13 @@ def _full_precision(
     inputs: list[torch.Tensor],
     paths: list[tuple[str, torch.Tensor]],
     differentiable: list[bool],
-    precision: torch.dtype,
+    precision: torch.dtype | None,
     rng: dict[str, torch.Tensor],
 ) -> list[torch.Tensor | None] | None:
-    """Under autocast: the same call with autocast off, from the call's generator state ``rng``
-    (the same dropout masks; the generator is left as it was), the full-precision values the
-    gradient check judges against (``GradientCheck``). None where it cannot serve: PyTorch
-    fails without autocast, or its outputs are not eager's to the low precision's tolerance (a
+    """The same call in full precision (autocast off; without autocast, float32 in float64),
+    from the call's generator state ``rng`` (the same dropout masks; the generator is left as
+    it was): the values the gradient check judges against (``GradientCheck``). None where it
+    cannot serve: PyTorch fails so, or its outputs are not eager's to the call's tolerance (a
     random op that draws differently by dtype, say)."""
     now = rng_states(compiled.device)
     set_rng_states(rng, compiled.device)

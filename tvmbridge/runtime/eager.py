@@ -70,9 +70,12 @@ class EagerForward:
     ) -> tuple[Any, list[torch.Tensor]]:
         """PyTorch's forward on the given call and state tensors: its output, and the new values
         of the buffers and inputs it updates, in the compiled outputs' order (updated on clones,
-        so they are not updated twice). ``full_precision``: with autocast off, whatever the
-        variant was traced under (the safety net's reference for a low-precision call)."""
+        so they are not updated twice). ``full_precision``: the safety net's reference, with
+        autocast off whatever the variant was traced under, and float32 tensors (the call's and
+        the module's) widened to float64 where no autocast was on."""
         traced = compiled.traced
+        if full_precision and traced.autocast is None:
+            tensors = [t.double() if t.dtype == torch.float32 else t for t in tensors]
         user = [t.clone() if i in traced.updated_inputs else t for i, t in enumerate(tensors[: traced.num_user_inputs])]
         pending = iter(user)
         leaves = [
