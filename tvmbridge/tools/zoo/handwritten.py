@@ -1,7 +1,9 @@
 """Models as users write them by hand, not from a library: nanoGPT (Karpathy's ``model.py``, its
 structure and defaults: fused attention with ``dropout=0.0``, the output re-laid out with
 ``transpose(1, 2).contiguous().view(B, T, C)``, bias-free LayerNorm, tied embedding and head,
-targets already shifted with ``-1`` ignored)."""
+targets already shifted with ``-1`` ignored); and a translation model on ``nn.Transformer`` as
+PyTorch's tutorial writes it (a causal ``tgt_mask`` from ``generate_square_subsequent_mask``,
+padding masks, dropout)."""
 
 from __future__ import annotations
 
@@ -73,7 +75,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPTOutput(NamedTuple):
+class LossOutput(NamedTuple):
+    """What a hand-written model returns: its logits and, given targets, its loss."""
+
     logits: torch.Tensor
     loss: torch.Tensor | None
 
@@ -114,7 +118,7 @@ class NanoGPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> LossOutput:
         b, t = idx.size()
         assert t <= self.block_size, f"Cannot forward sequence of length {t}, block size is only {self.block_size}"
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
@@ -124,9 +128,9 @@ class NanoGPT(nn.Module):
             x = block(x)
         logits = self.lm_head(parts["ln_f"](x))
         if targets is None:
-            return GPTOutput(logits, None)
+            return LossOutput(logits, None)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return GPTOutput(logits, loss)
+        return LossOutput(logits, loss)
 
 
 def nanogpt_batch() -> BatchMaker:
@@ -138,5 +142,48 @@ def nanogpt_batch() -> BatchMaker:
         targets = stream[:, 1:].clone()
         targets[-1, -max(1, n // 4) :] = -1
         return {"idx": stream[:, :-1].contiguous(), "targets": targets}
+
+    return make
+
+
+PAD = 0
+
+
+class TransformerTranslator(nn.Module):
+    """``nn.Transformer`` with token embeddings, learned positions and a generator head; the loss
+    is cross-entropy over the next target tokens, padding ignored."""
+
+    def __init__(self, d: int = 32, heads: int = 4, layers: int = 2, max_len: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d, padding_idx=PAD)
+        self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
+        self.transformer = nn.Transformer(d, heads, layers, layers, 2 * d, dropout=0.1, batch_first=True)
+        self.generator = nn.Linear(d, VOCAB)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+        n = tgt.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=src.device)
+        hidden = self.transformer(
+            self.embed(src) + self.pos[: src.shape[1]],
+            self.embed(tgt) + self.pos[:n],
+            tgt_mask=mask,
+            src_key_padding_mask=src == PAD,
+            tgt_key_padding_mask=tgt == PAD,
+            memory_key_padding_mask=src == PAD,
+        )
+        logits = self.generator(hidden)
+        return LossOutput(logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=PAD))
+
+
+def translation_batch() -> BatchMaker:
+    """Source and target sentences, the last row of each padded; the target fed shifted right."""
+
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        src = torch.randint(1, VOCAB, (b, n), generator=g)
+        tgt = torch.randint(1, VOCAB, (b, n + 1), generator=g)
+        src[-1, -max(1, n // 4) :] = PAD
+        tgt[-1, -max(1, n // 3) :] = PAD
+        return {"src": src, "tgt": tgt[:, :-1].contiguous(), "labels": tgt[:, 1:].contiguous()}
 
     return make

@@ -34,7 +34,7 @@ from .batches import (
     seq2seq_batch,
     whisper_batch,
 )
-from .handwritten import NanoGPT, nanogpt_batch
+from .handwritten import NanoGPT, TransformerTranslator, nanogpt_batch, translation_batch
 
 FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "timm")
 # timm's CNNs downsample 32x: at 32x32 their last stages see 1x1 maps, where train-mode BatchNorm
@@ -261,6 +261,8 @@ def _handwritten() -> list[ZooEntry]:
     return [
         ZooEntry("nanogpt", "decoder", NanoGPT, nanogpt_batch(),
                  note="nanoGPT's model.py: fused attention at dropout 0, its output view()ed"),
+        ZooEntry("nn-transformer", "enc-dec", TransformerTranslator, translation_batch(),
+                 note="PyTorch's nn.Transformer with a causal tgt_mask and padding masks"),
     ]  # fmt: skip
 
 
