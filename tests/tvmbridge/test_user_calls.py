@@ -271,6 +271,16 @@ class RoutedByWhere(torch.nn.Module):
         return out
 
 
+class PackedLSTM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 6, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return self.rnn(packed)[1][0]
+
+
 def cumulative_batch_norm() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
 
@@ -289,7 +299,8 @@ class StackedLSTM(torch.nn.Module):
     (RoutedByWhere, (torch.randn(5, 4),), "depends on the values.*torch.compile"),
     (StackedLSTM, (torch.randn(2, 3, 4),), "dropout between its layers"),
     (cumulative_batch_norm, (torch.randn(3, 4),), r"momentum=None \(1\) reads num_batches_tracked"),
-], ids=["boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout", "batch-norm-cumulative"])
+    (PackedLSTM, (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])), "pack_padded_sequence takes its sizes"),
+], ids=["boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout", "batch-norm-cumulative", "packed-sequence"])
 def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: str) -> None:
     from tvmbridge.errors import ConversionError
 

@@ -7,6 +7,9 @@ trace a value read (``GuardOnDataDependentSymNode``): the tutorial's translation
 GPT written with ``nn.TransformerEncoder`` and ``generate_square_subsequent_mask`` failed to
 compile. While the bridge traces, the detection answers without reading the mask: the caller's
 ``is_causal`` if given, else ``False``, so the mask is applied as given: the same attention.
+
+Where PyTorch's code needs the value itself (BatchNorm's cumulative average, a packed sequence's
+batch sizes), the trace fails, and the functions below name the cause in the error.
 """
 
 from __future__ import annotations
@@ -65,3 +68,23 @@ def value_reads_of_modules(module: torch.nn.Module) -> str:
         "(its cumulative average), which compiled code cannot: give it a momentum (0.1 is the default), "
         "or pass fallback=True to keep PyTorch in train mode (eval mode compiles)"
     )
+
+
+def packed_sequence_in(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) passed through a frame holding a
+    ``PackedSequence`` (``pack_padded_sequence`` making one, an RNN reading one): their batch
+    sizes are the lengths' values, which no trace can follow."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        tb = seen.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_name == "pack_padded_sequence" or any(
+                isinstance(v, PackedSequence) for v in frame.f_locals.values()
+            ):
+                return True
+            tb = tb.tb_next
+        seen = seen.__cause__ or seen.__context__
+    return False
