@@ -53,7 +53,7 @@ from .program_facts import (
 )
 from .signature import canonical_call
 from .traced_layouts import keep_traced_layouts
-from .value_hints import packed_sequence_in, value_free_hints, value_reads_of_modules
+from .value_hints import value_free_hints, value_read_named
 
 
 class Deferred:
@@ -270,17 +270,11 @@ def _export(
         except AttributeWriteError:
             raise
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
-            hint = ""
-            if packed_sequence_in(exc):
-                hint = (
-                    "; nn.utils.rnn.pack_padded_sequence takes its sizes from the lengths' values, which "
-                    "compiled code cannot: run the RNN on the padded batch (mask the padded steps in the loss), "
-                    "or use torch.compile(model, backend='tvmbridge'), which packs in PyTorch, or fallback=True"
-                )
+            hint = value_read_named(module, exc)
+            if hint:
+                hint = f"; {hint}"
             elif "Cache" in str(exc):  # transformers' key/value caches
                 hint = "; the model builds a key/value cache: train with use_cache=False"
-            elif "data-dependent" in str(exc) and value_reads_of_modules(module):
-                hint = f"; {value_reads_of_modules(module)}"
             elif "data-dependent" in str(exc):
                 hint = (
                     "; the forward branches on a tensor's values (a Python `if` on a tensor, `.item()`, a "

@@ -48,10 +48,23 @@ def value_free_hints() -> Iterator[None]:
         _PATCH.exit()
 
 
-def value_reads_of_modules(module: torch.nn.Module) -> str:
-    """What to do where a submodule reads a tensor's value as a number in every training call,
-    which no trace can follow, or ``""``: BatchNorm with ``momentum=None`` (a cumulative
-    average, its factor ``1 / float(num_batches_tracked)``)."""
+def value_read_named(module: torch.nn.Module, exc: BaseException) -> str:
+    """Which of PyTorch's own value reads stopped the trace that raised ``exc``, and what to do;
+    ``""`` where none of those known here."""
+    if _packed_sequence_in(exc):
+        return (
+            "nn.utils.rnn.pack_padded_sequence takes its sizes from the lengths' values, which compiled "
+            "code cannot: run the RNN on the padded batch (mask the padded steps in the loss), or use "
+            "torch.compile(model, backend='tvmbridge'), which packs in PyTorch, or fallback=True"
+        )
+    if "data-dependent" in str(exc):
+        return _cumulative_batch_norms(module)
+    return ""
+
+
+def _cumulative_batch_norms(module: torch.nn.Module) -> str:
+    """What to do where a BatchNorm with ``momentum=None`` trains (its cumulative average reads
+    ``1 / float(num_batches_tracked)`` as a number on every call), or ``""``."""
     cumulative = [
         name or type(module).__name__
         for name, m in module.named_modules()
@@ -70,7 +83,7 @@ def value_reads_of_modules(module: torch.nn.Module) -> str:
     )
 
 
-def packed_sequence_in(exc: BaseException) -> bool:
+def _packed_sequence_in(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) passed through a frame holding a
     ``PackedSequence`` (``pack_padded_sequence`` making one, an RNN reading one): their batch
     sizes are the lengths' values, which no trace can follow."""

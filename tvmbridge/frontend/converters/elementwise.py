@@ -6,6 +6,7 @@ with a rounding mode and a number, in the dtype PyTorch computes it in; ``hypot`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -115,14 +116,7 @@ def times_number(importer: BridgeImporter, node: torch.fx.Node, default: Any) ->
         return default(node)
     compute = "float32" if dtype in ("float16", "bfloat16") else dtype
     bb, op = importer.block_builder, relax.op
-
-    def operand(value: Any) -> relax.Expr:
-        if not isinstance(value, torch.fx.Node):
-            return relax.const(float(value), compute)
-        x = importer.env[value]
-        return x if str(x.ty.dtype) == compute else bb.emit(op.astype(x, compute))
-
-    x, y = operand(given["self"]), operand(given["other"])
+    x, y = (_operand(importer, given[k], compute) for k in ("self", "other"))
     mode = given.get("rounding_mode")
     if op_name(node).startswith("mul"):
         out = bb.emit(op.multiply(x, y))
@@ -142,6 +136,15 @@ def hypot(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     op, dtype = relax.op, out_dtype(node)
     a, b = (op.astype(importer.env[t], dtype) for t in args[:2])
     return importer.block_builder.emit(op.sqrt(op.add(op.multiply(a, a), op.multiply(b, b))))
+
+
+def _operand(importer: BridgeImporter, value: Any, compute: str, read: Callable[[Any], Any] = float) -> relax.Expr:
+    """An operand in the dtype an op computes in: a node's value cast, a number as the op reads
+    it (``read``) as a constant."""
+    if not isinstance(value, torch.fx.Node):
+        return relax.const(read(value), compute)
+    x = importer.env[value]
+    return x if str(x.ty.dtype) == compute else importer.block_builder.emit(relax.op.astype(x, compute))
 
 
 _SCALED_OPERAND = {  # op -> (the operand scaled by alpha, its sign): x + sign * alpha * y
@@ -169,16 +172,9 @@ def add_with_alpha(importer: BridgeImporter, node: torch.fx.Node, default: Any) 
     compute = {"float16": "float32", "bfloat16": "float32", "float32": "float64"}.get(dtype, dtype)
     bb, op = importer.block_builder, relax.op
 
-    def number(value: Any) -> relax.Expr:
-        """A number as ATen reads it: in the result's dtype."""
-        return relax.const(torch.tensor(value, dtype=getattr(torch, dtype)).item(), compute)
+    def operand(value: Any) -> relax.Expr:  # a number as ATen reads it: in the result's dtype
+        return _operand(importer, value, compute, lambda v: torch.tensor(v, dtype=getattr(torch, dtype)).item())
 
-    def operand(value: Any) -> relax.Expr:
-        if not isinstance(value, torch.fx.Node):
-            return number(value)
-        x = importer.env[value]
-        return x if str(x.ty.dtype) == compute else bb.emit(op.astype(x, compute))
-
-    term = bb.emit(op.multiply(operand(given[scaled]), number(sign * alpha)))
+    term = bb.emit(op.multiply(operand(given[scaled]), operand(sign * alpha)))
     out = bb.emit(op.add(operand(given[kept]), term))
     return out if compute == dtype else bb.emit(op.astype(out, dtype))
