@@ -243,3 +243,35 @@ def test_the_old_norm_hooks_are_refused_with_their_parametrization_which_trains_
     for (name, a), b in zip(new.named_buffers(), ref.buffers()):  # spectral norm's power iteration
         torch.testing.assert_close(a, b, msg=name)
     assert new._tvm_dispatch.calls_tvm == 1 and new._tvm_dispatch.calls_fallback == 0
+
+
+class ClonedScale(torch.nn.Module):
+    """A forward that reads a copy of its buffer (``spectral_norm`` clones its vectors so): the
+    backward reads the copy, which PyTorch keeps apart from the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * self.scale.clone()).tanh()
+
+
+def test_a_buffer_written_between_forward_and_backward_keeps_its_copy_as_the_forward_read_it():
+    """The buffer moves before the backward (another call's update, an EMA step): PyTorch's
+    backward reads the copy the forward made; TVM folded the copy into the buffer, so the compiled
+    backward read the buffer itself and failed the version check."""
+    torch.manual_seed(0)
+    ref = ClonedScale()
+    m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 4),), verify=False)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for model in (m, ref):
+        y = model(x)
+        with torch.no_grad():
+            model.scale.mul_(3.0)
+        grads.append(torch.autograd.grad(y.sum(), [x, *model.parameters()]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    assert m._tvm_dispatch.calls_tvm == 1

@@ -299,6 +299,43 @@ def test_in_place_edit_of_an_output_the_backward_reads_raises():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("copy_op", ["clone", "contiguous_of_transpose", "to_same_dtype"])
+def test_in_place_edit_of_a_copy_the_model_returns_is_as_eager(copy_op):
+    """A model that returns a copy of a value its backward reads (``h.clone()``; a transposed
+    view made contiguous): PyTorch's copy is apart from the saved value, so the user may edit it
+    in place (``out[:, 0] = 0``, ``out.div_(t)``). TVM folds the copy into the value, and the
+    guard that makes such an edit of the value itself raise, as PyTorch does, raised here too."""
+    copies = {
+        "clone": lambda h: h.clone(),
+        "contiguous_of_transpose": lambda h: h.t().contiguous().t(),
+        "to_same_dtype": lambda h: h.to(torch.float32, copy=True),
+    }
+
+    class CopyOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            return copies[copy_op](h), h.sum()
+
+    torch.manual_seed(0)
+    ref = CopyOut()
+    m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 8),), verify=False)
+    x = torch.randn(3, 8)
+    grads = []
+    for model in (m, ref):
+        out, total = model(x)
+        out.mul_(2)
+        out[:, 0] = 0
+        (out.square().sum() + total).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    assert m._tvm_dispatch.calls_tvm == 1
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), min_size=0, max_size=12),
        st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), min_size=0, max_size=12))

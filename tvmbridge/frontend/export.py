@@ -41,7 +41,9 @@ from .mixed_dtypes import make_dtype_mixing_explicit
 from .outputs import OutputLayout, flatten_output, unflatten_output
 from .program_facts import (
     check_outputs,
+    cloned_inputs,
     constant_outputs,
+    copied_outputs,
     grad_sources,
     input_dims,
     inputs_without_grad_path,
@@ -120,6 +122,8 @@ class TracedModule:
     grad_sources: tuple[frozenset[int], ...] = ()  # per user output, the inputs it has a gradient path from
     no_grad_path: frozenset[int] = frozenset()  # inputs no float user output depends on: no gradient
     constant_outputs: frozenset[int] = frozenset()  # user outputs that are copies of a constant
+    cloned_inputs: frozenset[int] = frozenset()  # inputs the forward copies (see program_facts.cloned_inputs)
+    copied_outputs: frozenset[int] = frozenset()  # user outputs that are copies (program_facts.copied_outputs)
     graph_digest: str = ""  # frontend.digest of the decomposed program
 
     @property
@@ -434,6 +438,8 @@ def decompose_call(raw: RawTrace) -> TracedModule:
         grad_sources=grad_sources(ep, num_user_outputs),
         no_grad_path=inputs_without_grad_path(ep, num_user_outputs),
         constant_outputs=constant_outputs(ep, num_user_outputs),
+        cloned_inputs=cloned_inputs(ep),
+        copied_outputs=copied_outputs(ep, num_user_outputs),
         graph_digest=program_digest(ep),
     )
 

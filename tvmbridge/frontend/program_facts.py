@@ -104,6 +104,58 @@ def inputs_without_grad_path(ep: ExportedProgram, num_user_outputs: int) -> froz
     return frozenset(i for i in range(len(user_input_specs(ep))) if i not in reached)
 
 
+# ops whose result is a view of their first argument's memory
+_VIEWS = frozenset(
+    f"{op}.default"
+    for op in ("alias", "view", "_unsafe_view", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand")
+) | frozenset({"squeeze.dim", "squeeze.dims", "transpose.int", "slice.Tensor", "select.int"})
+
+
+def _copies(node: torch.fx.Node) -> bool:
+    """``clone``, or a ``to`` of the same dtype: a fresh copy of its input's value, which TVM folds."""
+    name = getattr(node.target, "__name__", "")
+    if name == "clone.default":
+        return True
+    source = node.args[0] if node.args else None
+    if name != "_to_copy.default" or not isinstance(source, torch.fx.Node):
+        return False
+    a, b = source.meta.get("val"), node.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+
+
+def cloned_inputs(ep: ExportedProgram) -> frozenset[int]:
+    """The export's inputs (by position) the forward copies, directly or through a ``detach``:
+    PyTorch saves such a copy, apart from the input, and an in-place write to the input before
+    the backward (the next call's power iteration of ``spectral_norm``) leaves it be. TVM folds
+    the copy into the input, so a backward reading it reads the input: the call saves a copy of
+    those it reads."""
+    position = {spec.arg.name: i for i, spec in enumerate(user_input_specs(ep))}
+    found = set()
+    for placeholder in ep.graph.find_nodes(op="placeholder"):
+        todo = [placeholder] if placeholder.name in position else []
+        while todo:
+            for user in todo.pop().users:
+                if getattr(user.target, "__name__", "") in ("alias.default", "detach.default"):
+                    todo.append(user)
+                elif _copies(user):
+                    found.add(position[placeholder.name])
+    return frozenset(found)
+
+
+def copied_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]:
+    """User outputs that are copies (``h.clone()``, ``h.t().contiguous().t()``), or views of one:
+    PyTorch returns memory apart from the value copied, which the user may edit in place even
+    where the backward reads that value. TVM folds the copy into the value; where the value is
+    kept for the backward, the call hands out a copy instead of guarding the value."""
+    found = set()
+    for i, node in enumerate(list(ep.graph.find_nodes(op="output"))[0].args[0][:num_user_outputs]):
+        while isinstance(node, torch.fx.Node) and getattr(node.target, "__name__", "") in _VIEWS:
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and _copies(node):
+            found.add(i)
+    return frozenset(found)
+
+
 def ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
     """Each shape symbol's range as export derived it (``None``: no upper bound)."""
     import math

@@ -38,6 +38,8 @@ class TraceFacts:
     grad_sources: tuple[frozenset[int], ...]
     no_grad_path: frozenset[int]
     constant_outputs: frozenset[int]
+    cloned_inputs: frozenset[int]
+    copied_outputs: frozenset[int]
     graph_digest: str
 
     @classmethod

@@ -93,6 +93,13 @@ class CompileResult:
             {*traced.updated_inputs, *(n_user + traced.state.names.index(n) for n in traced.updated_buffers)}
         )
 
+    @functools.cached_property
+    def read_as_copies(self) -> frozenset[int]:
+        """Inputs the backward reads that the forward copies (``TracedModule.cloned_inputs``) and
+        the call does not copy already (``written``): the call saves a copy, as PyTorch does."""
+        read = set(self.split.backward_param_indices)
+        return frozenset(i for i in self.traced.cloned_inputs if i in read and i not in self.written)
+
     def captured_bytes(self) -> int:
         """Bytes of the forward values TVM keeps for the backward (masks not included)."""
         return self.split.joint.bytes_of(self.split.captures)

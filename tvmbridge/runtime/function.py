@@ -161,10 +161,15 @@ class TVMFunction(torch.autograd.Function):
         outputs, captured = result[:n], result[n:]
         # an output over an input's memory (the input returned as is) is copied: edits of it must not
         # reach the input; an output over a captured value's memory is saved too, so that an
-        # in-place edit of it fails the version check in backward, as in PyTorch
+        # in-place edit of it fails the version check in backward, as in PyTorch, unless PyTorch's
+        # output is a copy of that value (``h.clone()``): then it is copied, apart as PyTorch's is
         outputs = unalias(outputs, tensors)
-        guarded = [o for o, shared in zip(outputs, overlapping(outputs, captured)) if shared]
-        read = [primal[i] for i in compiled.split.backward_param_indices]
+        shared = overlapping(outputs, captured)
+        copies = compiled.traced.copied_outputs
+        outputs = [o.clone() if s and i in copies else o for i, (o, s) in enumerate(zip(outputs, shared))]
+        guarded = [o for i, (o, s) in enumerate(zip(outputs, shared)) if s and i not in copies]
+        copied = compiled.read_as_copies
+        read = [primal[i].clone() if i in copied else primal[i] for i in compiled.split.backward_param_indices]
         ctx.save_for_backward(*captured, *read, *guarded)
         ctx.num_saved = len(captured) + len(read)
         ctx.call = call
