@@ -559,3 +559,102 @@ def test_a_graph_that_cannot_be_cut_runs_pytorch_whole(monkeypatch) -> None:
     with pytest.warns(FallbackWarning, match="fell back"):
         _train_side_by_side(PartlyConvertible(), backend, [{"x": torch.randn(4, 8)} for _ in range(2)])
     assert all(g.split is None and g.dispatcher.calls_fallback == 2 for g in backend.graphs), backend.explain()
+
+
+def _discriminator() -> nn.Module:
+    sn = torch.nn.utils.parametrizations.spectral_norm
+    return nn.Sequential(
+        sn(nn.Conv2d(3, 8, 3, padding=1)), nn.LeakyReLU(0.2), sn(nn.Conv2d(8, 4, 3, stride=2)),
+        nn.Flatten(), sn(nn.Linear(4 * 7 * 7, 1)),
+    )
+
+
+def test_spectral_norm_scored_twice_before_one_backward_trains_as_eager() -> None:
+    """A GAN's discriminator on real and fake images, then one backward: dynamo's graph returns
+    the power iteration's vectors, which are the module's buffers themselves (``normalize(...,
+    out=u)``). They come back as those buffers, as from PyTorch: a fresh tensor over the memory
+    the backward reads became the buffer, and the next call's power iteration wrote into it
+    ("modified by an inplace operation" at backward)."""
+    torch.manual_seed(0)
+    model = _discriminator()
+    ref = copy.deepcopy(model)
+    backend = tvmbridge.compile_backend()
+    compiled = torch.compile(model, backend=backend)
+    buffers = [b for _, b in model.named_buffers()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    for step in range(3):
+        real, fake = (torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(10 * step + i)) for i in (0, 1))
+        with _strict():
+            got = compiled(real).mean() - compiled(fake).mean()
+            got.backward()
+        want = ref(real).mean() - ref(fake).mean()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        _assert_same_grads(model, ref)
+        for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(a, b, msg=name)
+        for m, opt in zip((model, ref), opts):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(a is b for a, (_, b) in zip(buffers, model.named_buffers()))  # the same buffers, updated
+    _all_compiled(backend)
+
+
+class SpectralWithCummax(nn.Module):
+    """Spectral-normed layers around an op the bridge cannot convert: the graph is split, the
+    power iteration is a piece of its own under no_grad, the next layer's piece reads its vectors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        sn = torch.nn.utils.parametrizations.spectral_norm
+        self.a, self.b = sn(nn.Linear(8, 16)), sn(nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = torch.cummax(self.a(x).tanh(), dim=-1)
+        return self.b(h)
+
+
+def test_split_spectral_norm_pieces_run_under_their_grad_mode_and_save_copies() -> None:
+    """Each piece is traced under the grad mode it runs under (its ``normalize(..., out=u)`` on a
+    weight that requires grad failed under the trace's grad mode: PyTorch ran it), and a piece
+    whose forward clones an input its backward reads saves that copy (the input itself, written
+    by the next call's power iteration before the backward, failed the version check)."""
+    torch.manual_seed(0)
+    model = SpectralWithCummax()
+    ref = copy.deepcopy(model)
+    backend = tvmbridge.compile_backend()
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the split at cummax, said once
+        warnings.simplefilter("error", VerificationWarning)
+        for step in range(2):
+            real, fake = (torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i)) for i in (0, 1))
+            got = compiled(real).mean() - compiled(fake).mean()
+            got.backward()
+            want = ref(real).mean() - ref(fake).mean()
+            want.backward()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            _assert_same_grads(model, ref)
+            for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+                torch.testing.assert_close(a, b, msg=name)
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+    for g in _leaf_graphs(backend):
+        assert g.dispatcher.calls_tvm > 0 and g.dispatcher.calls_fallback == 0, backend.explain()
+
+
+def test_a_graph_captured_under_no_grad_is_traced_under_it() -> None:
+    """A discriminator in train mode scored under ``no_grad`` (its power iteration still steps):
+    the graph dynamo captures there writes ``u`` with ``out=`` from a weight that requires grad,
+    valid only without grad; traced with grad on, it ran PyTorch."""
+    torch.manual_seed(0)
+    model = _discriminator()
+    ref = copy.deepcopy(model)
+    backend = tvmbridge.compile_backend()
+    x = torch.randn(4, 3, 16, 16)
+    with _strict(), torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(torch.compile(model, backend=backend)(x), ref(x), rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, msg=name)
+    _all_compiled(backend)

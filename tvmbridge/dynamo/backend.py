@@ -24,7 +24,7 @@ from ..errors import FallbackWarning, caller_stacklevel
 from ..options import CompileOptions, with_overrides
 from ..runtime.dispatch import Dispatcher, add_tvm_dispatch, dispatcher_of
 from .graph import GraphCall, InputPlan, OutputPlan, inline_bodies, prepared
-from .split import needs_split, split
+from .split import grad_modes, needs_split, split
 
 # The backend's defaults where they differ from add_tvm_dispatch's: a graph that cannot be
 # converted runs PyTorch (with a warning) instead of failing the user's torch.compile.
@@ -43,12 +43,14 @@ class CompiledGraph:
     call compiles; where that fails at ops the bridge cannot convert, the graph is split there
     (PyTorch runs those ops, TVM the rest) instead of running PyTorch whole."""
 
-    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, options: CompileOptions, grad_enabled: bool | None = None) -> None:
         self.options = options
+        # dynamo captured the graph under this grad mode (and guards on it); a piece, its barrier's
+        self.grad_enabled = torch.is_grad_enabled() if grad_enabled is None else grad_enabled
         self.source = _copy(gm)  # as dynamo gave it (``prepared`` rewrites gm): what a split cuts
         self.plan = InputPlan.of(gm)
         self.outputs = OutputPlan.of(gm, self.plan)
-        self.module = GraphCall(prepared(gm, self.plan, self.outputs), self.plan)
+        self.module = GraphCall(prepared(gm, self.plan, self.outputs), self.plan, self.grad_enabled)
         opts = options.replace(dynamic=self.plan.dynamic_option()) if options.dynamic == "auto" else options
         add_tvm_dispatch(self.module, options=opts)
         self.dispatcher: Dispatcher = dispatcher_of(self.module)
@@ -65,7 +67,7 @@ class CompiledGraph:
         if self.split is not None:
             return self.split.forward(*args)
         out = self.dispatcher(*self.plan.call_args(args))
-        return self.outputs.full(out, args, self.plan) if self.outputs.others else out
+        return self.outputs.full(out, args, self.plan) if self.outputs.rebuilt else out
 
     def _first_call(self, args: tuple) -> None:
         """Compile for the first call; split the graph at the nodes a conversion failure names."""
@@ -80,7 +82,11 @@ class CompiledGraph:
             if named:
                 try:
                     self.split = SplitGraph(
-                        self.source, self.options, named, f"; the bridge cannot convert them: {error}"
+                        self.source,
+                        self.options,
+                        named,
+                        f"; the bridge cannot convert them: {error}",
+                        self.grad_enabled,
                     )
                 except Exception:  # noqa: BLE001 - a graph that cannot be cut runs PyTorch whole, as it would unsplit
                     named = frozenset()
@@ -123,11 +129,17 @@ class SplitGraph:
     its own (all pieces wrapped, or none: a failure leaves the graph whole)."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, options: CompileOptions, named: frozenset[str] = frozenset(), why: str = ""
+        self,
+        gm: torch.fx.GraphModule,
+        options: CompileOptions,
+        named: frozenset[str] = frozenset(),
+        why: str = "",
+        grad_enabled: bool | None = None,
     ) -> None:
         fused, names, self.kept = split(gm, named)
         self.why = why
-        self.pieces = {name: CompiledGraph(getattr(fused, name), options) for name in names}
+        modes = grad_modes(fused, torch.is_grad_enabled() if grad_enabled is None else grad_enabled)
+        self.pieces = {name: CompiledGraph(getattr(fused, name), options, modes[name]) for name in names}
         for name, piece in self.pieces.items():
             piece.note = f"a piece of a graph split around {', '.join(self.kept)} (PyTorch runs those)"
             setattr(fused, name, _Piece(piece))

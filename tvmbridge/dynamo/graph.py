@@ -174,12 +174,20 @@ def inline_bodies(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 @dataclass(frozen=True)
 class OutputPlan:
-    """The graph's outputs that are not tensors: sizes dynamo hands on to the Python after the
-    graph. The compiled graph returns its tensors only; these are worked out from the call's sizes
-    (a constant, or an expression in the shape symbols)."""
+    """The graph's outputs the compiled code does not hand back as it computes them:
+
+    * ``others``: outputs that are not tensors, sizes dynamo hands on to the Python after the
+      graph, worked out from the call's sizes (a constant, or an expression in the shape symbols);
+    * ``inputs``: outputs that *are* an input tensor (``normalize(..., out=u)``, ``x.add_(1)``
+      returned: the graph wrote the input and returns it), given back as that input once the
+      write is copied into it, as PyTorch gives it. The compiled code's own tensor for it may be
+      memory its backward reads (TVM keeps one buffer for the value and its saved clone): handed
+      out, the module kept it as its buffer and the next call's in-place write broke the backward.
+    """
 
     count: int
     others: dict[int, Any]  # output position -> a constant or a sympy expression
+    inputs: dict[int, int] = field(default_factory=dict)  # output position -> graph input position
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, plan: InputPlan) -> OutputPlan:
@@ -204,23 +212,48 @@ class OutputPlan:
                     f"graph output {i} is {type(value).__name__} {value!r}, not a tensor or a size of the inputs"
                 )
             others[i] = expr if expr is not None else value
-        return cls(len(outputs), others)
+        return cls(len(outputs), others, _returned_inputs(gm, outputs, plan))
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the compiled tensors alone are not the graph's outputs."""
+        return bool(self.others or self.inputs)
 
     def full(self, tensors: Any, args: Any, plan: InputPlan) -> tuple:
-        """The graph's outputs from the compiled tensors and the call's sizes."""
-        if not self.others:
+        """The graph's outputs from the compiled tensors and the call's sizes and inputs."""
+        if not self.rebuilt:
             return tuple(tensors)
         given = iter(tensors)
         out = []
         for i in range(self.count):
-            if i not in self.others:
-                out.append(next(given))
-            elif hasattr(self.others[i], "free_symbols"):
-                expr = self.others[i]
-                out.append(int(expr.subs({s: plan.size_of(s, args) for s in expr.free_symbols})))
+            if i in self.others:
+                other = self.others[i]
+                out.append(
+                    int(other.subs({s: plan.size_of(s, args) for s in other.free_symbols}))
+                    if hasattr(other, "free_symbols")
+                    else other
+                )
             else:
-                out.append(self.others[i])
+                tensor = next(given)
+                out.append(args[self.inputs[i]] if i in self.inputs else tensor)
         return tuple(out)
+
+
+def _returned_inputs(gm: torch.fx.GraphModule, outputs: Any, plan: InputPlan) -> dict[int, int]:
+    """Output position -> input position, for each output that is a tensor input itself (dynamo's
+    example values keep identity: an ``out=`` or in-place result is its input's value). Only
+    inputs without a gradient: one that requires grad is not written back (see ``variants``)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    position = {
+        id(v): j
+        for j, (kind, p) in enumerate(zip(plan.kinds, placeholders))
+        if kind == TENSOR and isinstance(v := p.meta.get("example_value"), torch.Tensor) and not v.requires_grad
+    }
+    return {
+        i: position[id(o.meta.get("example_value"))]
+        for i, o in enumerate(outputs)
+        if isinstance(o, torch.fx.Node) and id(o.meta.get("example_value")) in position
+    }
 
 
 def _tensor_outputs_only(gm: torch.fx.GraphModule, outputs: OutputPlan) -> None:
@@ -253,12 +286,16 @@ def prepared(gm: torch.fx.GraphModule, plan: InputPlan, outputs: OutputPlan | No
 class GraphCall(torch.nn.Module):
     """``graph(*inputs)`` called with the compiled call's arguments: the sizes it takes are read
     from the tensors they are dims of. ``graph`` is a submodule, so its own attributes (constant
-    tensors dynamo lifted) are state the compiled code reads as inputs."""
+    tensors dynamo lifted) are state the compiled code reads as inputs. ``grad_enabled``: the grad
+    mode the graph runs under (dynamo guards on it; a piece of a split graph under its barrier's),
+    kept inside the call, so that the trace sees it: the bridge traces with grad on, and an op only
+    valid without it (``normalize(..., out=u)`` on a weight that requires grad) failed there."""
 
-    def __init__(self, graph: torch.fx.GraphModule, plan: InputPlan) -> None:
+    def __init__(self, graph: torch.fx.GraphModule, plan: InputPlan, grad_enabled: bool = True) -> None:
         super().__init__()
         self.graph = graph
         self.plan = plan
+        self.grad_enabled = grad_enabled
 
     def forward(self, *args: Any) -> Any:
         """The graph on the call's arguments, its sizes filled in from the tensors."""
@@ -268,9 +305,10 @@ class GraphCall(torch.nn.Module):
             full.append(None if kind == DERIVED else next(given))
         for i, (j, d) in self.plan.sources.items():
             full[i] = full[j].shape[d]
-        if torch.compiler.is_exporting():
-            # node by node, so that each traced op records the node it came from (``from_node``):
-            # a conversion failure can then name the graph's own nodes, where the backend splits
-            with torch.fx.traceback.preserve_node_meta():
-                return torch.fx.Interpreter(self.graph).run(*full)
-        return self.graph(*full)
+        with torch.set_grad_enabled(self.grad_enabled):
+            if torch.compiler.is_exporting():
+                # node by node, so that each traced op records the node it came from (``from_node``):
+                # a conversion failure can then name the graph's own nodes, where the backend splits
+                with torch.fx.traceback.preserve_node_meta():
+                    return torch.fx.Interpreter(self.graph).run(*full)
+            return self.graph(*full)

@@ -89,3 +89,15 @@ def split(
     pieces = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("tvm_piece_")]
     kept = [str(getattr(n.target, "__name__", n.target)) for n in fused.graph.nodes if runs_in_pytorch(n, named)]
     return fused, pieces, kept
+
+
+def grad_modes(fused: torch.fx.GraphModule, start: bool) -> dict[str, bool]:
+    """The grad mode each piece of a split graph runs under: ``start`` (the mode dynamo captured
+    the graph under), then as each ``_set_grad_enabled`` barrier before it leaves it."""
+    mode, modes = start, {}
+    for node in fused.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_set_grad_enabled":
+            mode = bool(node.args[0])
+        elif node.op == "call_module" and str(node.target).startswith("tvm_piece_"):
+            modes[str(node.target)] = mode
+    return modes
