@@ -50,6 +50,10 @@ def set_from_the_end(x, v):
     (lambda x, v: x.index_put((IDX,), v[:, 0], accumulate=True), (randn(5), V)),
     (lambda x, v: x.index_copy(0, torch.tensor([4, 0]), v[:2]), (X, V)),
     (lambda x, v: x.index_fill(0, IDX, 0.5) * v.sum(), (X, V)),
+    # a 0-d tensor value: its gradient sums each filled place once, however often the index names it
+    (lambda x, v: x.index_fill(0, IDX, v[0, 0] * 2) * x, (X, V)),
+    # negative indices count from the end, as ATen's index_fill counts them
+    (lambda x, v: x.index_fill(-1, torch.tensor([-1, 0, -1]), 0.5).exp() * v.sum(), (X3, V)),
     (set_rows, (X, V)),
     (set_apart, (X3, V)),
     (add_after_a_slice, (X3, V)),
@@ -59,7 +63,8 @@ def set_from_the_end(x, v):
     (lambda x, v: x.scatter(1, torch.tensor([[2], [0], [1], [2], [0]]), 1.5) * v.sum(), (X, V)),
     (lambda x, v: x.put(IDX * 3, v[:, 0], accumulate=True), (X, V)),
     (lambda x, v: x.masked_scatter(x > 0, v.reshape(-1).repeat(2)), (X, V)),
-], ids=["index_add", "index_add_dim1", "add_rows", "add_1d", "index_copy", "index_fill", "set_rows", "set_apart",
+], ids=["index_add", "index_add_dim1", "add_rows", "add_1d", "index_copy", "index_fill", "index_fill_tensor",
+                                        "index_fill_negative", "set_rows", "set_apart",
         "add_after_a_slice", "set_from_the_end", "scatter_add", "scatter", "scatter_value", "put", "masked_scatter"])
 def test_writes_at_indices_train(fn, args):
     check(Fn(fn), *args)

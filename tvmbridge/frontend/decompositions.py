@@ -154,6 +154,21 @@ def embedding_bag(
     return out, bag, count, count
 
 
+def index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tensor | float) -> torch.Tensor:
+    """``index_fill`` as a ``where`` over the places the index names (negative ones counted from
+    the end, as ATen's kernel does). torch's own decomposition writes the value expanded once per
+    index (``index_copy``), so a 0-d value's gradient counted a repeated index twice; ATen's
+    counts each filled place once."""
+    n = x.shape[dim] if x.dim() else 1
+    one = torch.ones((), dtype=torch.int32, device=x.device)
+    hit = torch.zeros(n, dtype=torch.int32, device=x.device).index_put((index.reshape(-1),), one) != 0
+    shape = [1] * x.dim()
+    if x.dim():
+        shape[dim] = n
+    fill = value.to(x.dtype) if isinstance(value, torch.Tensor) else torch.scalar_tensor(value, dtype=x.dtype)
+    return torch.where(hit.reshape(shape), fill.to(x.device), x)
+
+
 # ops whose decomposition here can lay its result out differently from the kernel the trace ran
 # (``traced_layouts`` re-lays them out to the traced strides before decomposing)
 LAYOUT_CHANGING = frozenset({aten.scaled_dot_product_attention.default})
@@ -176,4 +191,6 @@ def decomposition_table() -> dict:
     table.update(torch._decomp.get_decompositions([aten.grid_sampler_2d.default]))
     table[aten._embedding_bag.default] = embedding_bag
     table[aten._embedding_bag_forward_only.default] = embedding_bag
+    table[aten.index_fill.int_Tensor] = index_fill
+    table[aten.index_fill.int_Scalar] = index_fill
     return table
