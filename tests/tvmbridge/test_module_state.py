@@ -275,3 +275,46 @@ def test_a_buffer_written_between_forward_and_backward_keeps_its_copy_as_the_for
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
     assert m._tvm_dispatch.calls_tvm == 1
+
+
+class ReturnsItsState(torch.nn.Module):
+    """Returns buffers it writes (the last batch's features, a sum kept with ``out=``) and an
+    input and a parameter as they are: PyTorch returns those very tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("last", torch.zeros(3, 4))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, tag: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.fc(x)
+        self.last.copy_(h.detach())
+        torch.add(self.total, h.detach().sum(0), out=self.total)
+        return h.sigmoid(), self.last, self.total, tag, self.fc.bias
+
+
+@pytest.mark.parametrize("via", ["dispatch", "backend"])
+def test_an_output_that_is_an_input_is_that_input(via):
+    """What the user keeps of a call's outputs moves with the state as in PyTorch: the returned
+    buffers are the module's (after the next call they hold its values), the returned input and
+    parameter are the caller's. The compiled code returned fresh copies: a kept ``last`` stayed
+    at the first call's values."""
+    torch.manual_seed(0)
+    ref = ReturnsItsState()
+    m = copy.deepcopy(ref)
+    x, tag = torch.randn(3, 4), torch.randn(2)
+    if via == "backend":
+        torch._dynamo.reset()
+        run = torch.compile(m, backend="tvmbridge")
+    else:
+        run = add_tvm_dispatch(m, (x, tag), verify=False)
+    for model, module in ((run, m), (ref, ref)):
+        y, last, total, same_tag, bias = model(x, tag)
+        assert last is module.last and total is module.total and same_tag is tag and bias is module.fc.bias
+        model(x * 2, tag)  # the kept outputs now hold the second call's state
+        (y.sum() + bias.sum()).backward()
+    torch.testing.assert_close(m.last, ref.last)
+    torch.testing.assert_close(m.total, ref.total)
+    for (name, a), b in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)

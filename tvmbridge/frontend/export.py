@@ -49,6 +49,7 @@ from .program_facts import (
     inputs_without_grad_path,
     mutations_as_outputs,
     ranges,
+    returned_inputs,
     reassigned_buffers,
     updated_tensors,
     user_input_specs,
@@ -124,6 +125,7 @@ class TracedModule:
     constant_outputs: frozenset[int] = frozenset()  # user outputs that are copies of a constant
     cloned_inputs: frozenset[int] = frozenset()  # inputs the forward copies (see program_facts.cloned_inputs)
     copied_outputs: frozenset[int] = frozenset()  # user outputs that are copies (program_facts.copied_outputs)
+    returned_inputs: dict[int, int] = field(default_factory=dict)  # user output -> the input it is (returned_inputs)
     graph_digest: str = ""  # frontend.digest of the decomposed program
 
     @property
@@ -407,8 +409,8 @@ def decompose_call(raw: RawTrace) -> TracedModule:
     updated, updated_inputs = updated_tensors(ep, tensors, state)
     reassigned = reassigned_buffers(raw.flat.seen.reassigned, state)
     updated = tuple(dict.fromkeys(updated + reassigned))
-    if updated or updated_inputs:  # their new values become ordinary outputs
-        written = [len(tensors) + state.names.index(n) for n in updated] + list(updated_inputs)
+    written = [len(tensors) + state.names.index(n) for n in updated] + list(updated_inputs)
+    if written:  # their new values become ordinary outputs
         rewritten = None if reassigned else mutations_as_outputs(ep, written)
         if rewritten is None:  # again, updating clones
             flat = FlatCall(module, raw.in_spec, raw.leaves, state, updated, updated_inputs)
@@ -440,6 +442,7 @@ def decompose_call(raw: RawTrace) -> TracedModule:
         constant_outputs=constant_outputs(ep, num_user_outputs),
         cloned_inputs=cloned_inputs(ep),
         copied_outputs=copied_outputs(ep, num_user_outputs),
+        returned_inputs=returned_inputs(ep, num_user_outputs, written),
         graph_digest=program_digest(ep),
     )
 

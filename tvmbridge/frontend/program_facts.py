@@ -156,6 +156,24 @@ def copied_outputs(ep: ExportedProgram, num_user_outputs: int) -> frozenset[int]
     return frozenset(found)
 
 
+def returned_inputs(ep: ExportedProgram, num_user_outputs: int, written: list[int]) -> dict[int, int]:
+    """User output -> input position, for each output that is an input itself: returned as is
+    (``return x``, a parameter), or after the call wrote it (``self.last.copy_(h); return
+    self.last``; ``written``: the inputs whose new values follow the user outputs, in order).
+    PyTorch returns that very tensor, and a later write to it shows in what the user kept; the
+    compiled code's output is a fresh tensor, so the call hands out the input instead."""
+    outputs = list(ep.graph.find_nodes(op="output"))[0].args[0]
+    position = {spec.arg.name: i for i, spec in enumerate(user_input_specs(ep))}
+    new_values = {outputs[num_user_outputs + k]: j for k, j in enumerate(written)}
+    found = {}
+    for i, node in enumerate(outputs[:num_user_outputs]):
+        if node in new_values:
+            found[i] = new_values[node]
+        elif isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in position:
+            found[i] = position[node.name]
+    return found
+
+
 def ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
     """Each shape symbol's range as export derived it (``None``: no upper bound)."""
     import math

@@ -40,6 +40,7 @@ class TraceFacts:
     constant_outputs: frozenset[int]
     cloned_inputs: frozenset[int]
     copied_outputs: frozenset[int]
+    returned_inputs: dict[int, int]
     graph_digest: str
 
     @classmethod

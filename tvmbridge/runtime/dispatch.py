@@ -282,7 +282,11 @@ class Dispatcher:
                         target.copy_(new)
                     else:  # a buffer assigned anew with another shape, as the forward leaves it
                         replace_buffer(self.module, what.removeprefix("buffer "), new.detach())
-        return traced.output_of(list(outs))
+        outs = list(outs)
+        for i, j in traced.returned_inputs.items():  # an output that is an input is that input, as from PyTorch
+            if outs[i].shape == tensors[j].shape and outs[i].dtype == tensors[j].dtype:
+                outs[i] = tensors[j]
+        return traced.output_of(outs)
 
     def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
         """Drop a variant that failed or disagreed with PyTorch (see ``VariantSet.discard``)."""
