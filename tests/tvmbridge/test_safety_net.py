@@ -206,3 +206,47 @@ def test_inputs_computed_from_one_another_are_checked_by_the_calls_own_gradients
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
     assert m._tvm_dispatch.calls_tvm == 3 and not m._tvm_dispatch.discarded
+
+
+class Twice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.fc(a).relu() * b.sin()
+
+
+def _twice_step(m: torch.nn.Module, x: torch.Tensor, double: bool) -> dict:
+    m.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    loss = (m(x, x) * torch.linspace(-1, 1, 8)).sum()
+    if double:
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        loss = loss + gx.pow(2).sum()
+    loss.backward()
+    return {"loss": loss.detach(), "x": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+
+@pytest.mark.parametrize("how", ["checked", "double", "discarded"])
+def test_one_tensor_passed_twice_gets_its_whole_gradient_once(how: str) -> None:
+    """``m(x, x)``: autograd adds what the call gives each place of ``x``. The compiled code
+    gives the whole gradient at one place; PyTorch's reference gave it at both, so the net
+    discarded a right variant ('gradient of a: None where PyTorch gives a tensor'), and where
+    PyTorch's gradients stand in (a discarded variant's first step, a double backward) they
+    would count twice."""
+    torch.manual_seed(0)
+    m = Twice()
+    ref = copy.deepcopy(m)
+    wrong = how == "discarded"  # a deliberately wrong gradient, which the first step's check finds
+    add_tvm_dispatch(m, converters={"relu.default": _relu_wrong_gradient} if wrong else ())
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if wrong else "error", VerificationWarning)
+            got = _twice_step(m, x, how == "double")
+        want = _twice_step(ref, x, how == "double")
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
+    assert bool(m._tvm_dispatch.discarded) == wrong
+    assert m._tvm_dispatch.calls_tvm == (1 if wrong else 2)

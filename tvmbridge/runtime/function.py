@@ -29,7 +29,7 @@ from ..devices import on_torch_stream
 from ..errors import describe
 from ..pipeline.parts import PART_OF
 from .compiled import CompiledModule
-from .verify import GradientCheck, own_inputs
+from .verify import GradientCheck, first_slots, own_inputs
 
 
 def to_tvm(t: torch.Tensor) -> Any:
@@ -238,7 +238,8 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
         inputs = own_inputs(ctx.inputs, call.compiled.traced.num_user_inputs)
         outputs = call.eager(inputs)
     pairs = [(o, g) for o, g, d in zip(outputs, grad_outputs, call.compiled.differentiable) if d and g is not None]
-    wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+    first = first_slots(inputs)  # a tensor passed twice gets its whole gradient once, as in _gradients
+    wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need and first[i] == i]
     grads = torch.autograd.grad(
         [o for o, _ in pairs],
         [inputs[i] for i in wanted],

@@ -184,6 +184,7 @@ class GradientCheck:
         BatchNorm over a few values per channel amplifies rounding beyond any fixed tolerance).
         A gradient outside it is judged again against the full-precision run, and passes only
         if it is within the tolerance of that, or at least as close to it as eager's own is."""
+        got = onfirst_slots(got, self.inputs)  # one tensor passed twice: its gradient is the sum
         pairs = [(f"gradient of {name}", g, w) for name, g, w, need in zip(self.names, got, want, needs) if need]
         found = worst(pairs, self.precision)
         if found is None or self.reference is None or grad_outputs is None:
@@ -232,9 +233,12 @@ def _gradients(
     needs: tuple[bool, ...],
     grad_outputs: list[torch.Tensor | None],
 ) -> list[torch.Tensor | None]:
-    """The gradients of ``inputs`` (where needed) through ``outputs``' graph (consumed)."""
+    """The gradients of ``inputs`` (where needed) through ``outputs``' graph (consumed); a tensor
+    passed at several places gets its whole gradient at the first (autograd adds the gradients of
+    a Function's inputs that are one tensor: a whole gradient at each place counts it twice)."""
     pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o is not None and g is not None and o.requires_grad]
-    wanted = [i for i, need in enumerate(needs) if need]
+    first = first_slots(inputs)
+    wanted = [i for i, need in enumerate(needs) if need and first[i] == i]
     result: list[torch.Tensor | None] = [None] * len(inputs)
     if not pairs or not wanted:
         return result
@@ -245,3 +249,25 @@ def _gradients(
     for i, g in zip(wanted, grads):
         result[i] = g
     return result
+
+
+def first_slots(inputs: Sequence[torch.Tensor]) -> list[int]:
+    """Per input, the first place the same tensor object is passed at (``m(x, x)``; a graph
+    piece fed one tensor twice)."""
+    seen: dict[int, int] = {}
+    return [seen.setdefault(id(t), i) for i, t in enumerate(inputs)]
+
+
+def onfirst_slots(grads: list[torch.Tensor | None], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``grads`` with the gradients of one tensor passed at several places added at the first
+    place and None at the others: what autograd accumulates into it, in the form ``_gradients``
+    gives PyTorch's (the compiled code may give the whole gradient at any one place, or parts)."""
+    first = first_slots(inputs)
+    if first == list(range(len(first))):
+        return grads
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    for i, g in enumerate(grads):
+        j = first[i]
+        if g is not None:
+            out[j] = g if out[j] is None else out[j] + g
+    return out
