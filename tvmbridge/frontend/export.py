@@ -49,8 +49,8 @@ from .program_facts import (
     inputs_without_grad_path,
     mutations_as_outputs,
     ranges,
-    returned_inputs,
     reassigned_buffers,
+    returned_inputs,
     updated_tensors,
     user_input_specs,
 )

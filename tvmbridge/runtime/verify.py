@@ -267,7 +267,7 @@ def onfirst_slots(grads: list[torch.Tensor | None], inputs: Sequence[torch.Tenso
         return grads
     out: list[torch.Tensor | None] = [None] * len(grads)
     for i, g in enumerate(grads):
-        j = first[i]
+        j, kept = first[i], out[first[i]]
         if g is not None:
-            out[j] = g if out[j] is None else out[j] + g
+            out[j] = g if kept is None else kept + g
     return out
