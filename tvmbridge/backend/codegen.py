@@ -84,17 +84,25 @@ def kernel_asserts() -> bool:
     return bool(list(tvm.transform.PassContext.current().instruments))
 
 
+# TVM's LoopPartition also peels constant-extent loops where a ``likely`` condition binds: the
+# CPU schedules mark the partial last vector of a row so (``cpu_schedules.with_tail_predicates``);
+# nothing else in the bridge's kernels is marked likely
+LOOP_PARTITION = {"s_tir.LoopPartition": {"partition_const_loop": True}}
+
+
 def _build_context(context: tvm.transform.PassContext) -> tvm.transform.PassContext:
-    """A pass context with the caller's opt level, required and disabled passes and config, and
-    TVM's kernel argument checks left out unless :func:`kernel_asserts` (or the caller's config
-    says otherwise)."""
-    if kernel_asserts():
+    """A pass context with the caller's opt level, required and disabled passes and config,
+    :data:`LOOP_PARTITION`, and TVM's kernel argument checks left out unless
+    :func:`kernel_asserts` (a caller's own config setting wins); under the caller's pass
+    instruments, the caller's context itself."""
+    if list(context.instruments):  # the caller's own (see kernel_asserts)
         return context
+    defaults = dict(LOOP_PARTITION) if kernel_asserts() else {**LOOP_PARTITION, "tirx.disable_assert": True}
     return tvm.transform.PassContext(
         opt_level=context.opt_level,
         required_pass=list(context.required_pass),
         disabled_pass=list(context.disabled_pass),
-        config={"tirx.disable_assert": True, **dict(context.config)},  # a caller's own setting wins
+        config={**defaults, **dict(context.config)},
     )
 
 

@@ -54,6 +54,7 @@ from ..ir import first_schedule
 from .elementwise_rule import Elementwise, selects_between_reads, static_numel, vector_lanes
 from .flatten_hazard import FlattenSafe
 from .rule_filters import Guarded, NoRepeatedWork, ReductionKernels
+from .vector_tails import split_into_vectors, with_tail_predicates
 
 
 class RowReduction(CPUScheduleRule):
@@ -83,6 +84,7 @@ class RowReduction(CPUScheduleRule):
         ends_in_reduction = not infos[-1].is_injective()
         injective = [i.block_rv for i in infos[:-1] if i.is_injective()]
         partials = []
+        tails: dict[str, tuple[int, int, int]] = {}  # partial block -> (row length, lane axis, lanes): a partial vector
         for info in infos:  # rfactor first: each reduction still owns its loop nest
             if info.is_injective():
                 continue
@@ -92,27 +94,32 @@ class RowReduction(CPUScheduleRule):
             extent = get_extent(sch, r)
             if not isinstance(extent, int):
                 continue  # a symbolic row length: a serial sum per row (rows still in parallel)
-            if extent % lanes or extent < 2 * lanes:
+            if extent < 2 * lanes:
                 return None
             _, r_i = sch.split(r, factors=[None, lanes])
-            partials.append(sch.rfactor(r_i, factor_axis=len(sch.get(info.block_rv).iter_vars) - 1))
+            axis = len(sch.get(info.block_rv).iter_vars) - 1
+            partials.append(sch.rfactor(r_i, factor_axis=axis))
+            if extent % lanes:  # a vocabulary-long row (30522): the last vector is partial
+                tails[sch.get(partials[-1]).name_hint] = (extent, axis, lanes)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         last = blocks[-1]  # the final injective block, or the last reduction's write-back
         loops = sch.get_loops(last)
         rows = sch.fuse(*loops[:n_lead]) if n_lead > 1 else loops[0]
         sch.parallel(rows)
-        if not ends_in_reduction:
-            _vectorize_inner(sch, last, lanes)
+        split = []  # injective blocks whose last vector is partial
+        if not ends_in_reduction and _vectorize_inner(sch, last, lanes):
+            split.append(sch.get(last).name_hint)
         for b in reversed(blocks[:-1]):
             sch.compute_at(b, rows, preserve_unit_loops=True)
         for b in injective:
-            _vectorize_inner(sch, b, lanes)
+            if _vectorize_inner(sch, b, lanes):
+                split.append(sch.get(b).name_hint)
         for b in partials:  # [rows, lane, 1..., r_o] -> [rows, 1..., r_o, lane (vector)]
             loops = sch.get_loops(b)
             lane = next(lp for lp in loops[1:-1] if get_extent(sch, lp) == lanes)
             sch.reorder(loops[-1], lane)
             sch.vectorize(lane)
-        return sch
+        return with_tail_predicates(sch, split, tails) if tails or split else sch
 
 
 def _reduces_rows(sch: s_tir.Schedule, block) -> bool:
@@ -130,15 +137,20 @@ def _reduces_rows(sch: s_tir.Schedule, block) -> bool:
 
 def _inline_elementwise_chains(sch: s_tir.Schedule, infos: list) -> bool:
     """Inline injective blocks whose consumers are all injective (a dropout multiply after a
-    softmax, a subtract before an exp): no full-size intermediate between them. Producers read by
-    a reduction stay, so nothing is computed twice. True if anything was inlined."""
+    softmax, a subtract before an exp), or that one reduction alone reads, once per element (the
+    ``exp`` of a softmax's sum): no full-size intermediate between them. A producer read by a
+    reduction and by other blocks stays, so nothing is computed twice. True if anything was
+    inlined."""
     injective = {sch.get(i.block_rv).name_hint for i in infos if i.is_injective()}
     changed = False
     for info in reversed(infos[:-1]):
         if not info.is_injective():
             continue
         consumers = sch.get_consumers(info.block_rv)
-        if consumers and all(sch.get(c).name_hint in injective for c in consumers):
+        if consumers and (
+            all(sch.get(c).name_hint in injective for c in consumers)
+            or (len(consumers) == 1 and _domain_size(sch, consumers[0]) == _domain_size(sch, info.block_rv))
+        ):
             try:
                 sch.compute_inline(info.block_rv)
                 changed = True
@@ -147,18 +159,30 @@ def _inline_elementwise_chains(sch: s_tir.Schedule, infos: list) -> bool:
     return changed
 
 
-def _vectorize_inner(sch: s_tir.Schedule, block, lanes: int) -> None:
+def _domain_size(sch: s_tir.Schedule, block) -> int | None:
+    """How many times the block runs (its variables' extents multiplied), where static."""
+    size = 1
+    for iv in sch.get(block).iter_vars:
+        if not isinstance(iv.dom.extent, tirx.IntImm):
+            return None
+        size *= int(iv.dom.extent)
+    return size
+
+
+def _vectorize_inner(sch: s_tir.Schedule, block, lanes: int) -> bool:
+    """The block's innermost loop in vectors; True where the last vector is partial (the split's
+    predicate is then to be marked likely: :func:`with_tail_predicates`)."""
     loops = sch.get_loops(block)
     if len(loops) <= 1 or selects_between_reads(sch, block):
-        return
+        return False
     extent = get_extent(sch, loops[-1])
     if not isinstance(extent, int):
-        return
-    if extent > lanes and extent % lanes == 0:
-        _, vec = sch.split(loops[-1], factors=[None, lanes])
-        sch.vectorize(vec)
+        return False
+    if extent > lanes and (extent % lanes == 0 or extent >= 2 * lanes):
+        return split_into_vectors(sch, loops[-1], lanes)[1]
     elif 2 <= extent <= lanes:
         sch.vectorize(loops[-1])
+    return False
 
 
 class SpatialParallel(CPUScheduleRule):
@@ -190,7 +214,7 @@ class SpatialParallel(CPUScheduleRule):
         lanes = vector_lanes(target, sch, info.block_rv)
         col = _contiguous_spatial_loop(sch, info.block_rv, loops, kinds)
         col_extent = get_extent(sch, col) if col is not None else None
-        if col is not None and isinstance(col_extent, int) and col_extent % lanes == 0 and col_extent >= 4 * lanes:
+        if col is not None and isinstance(col_extent, int) and col_extent >= 4 * lanes:
             # column reduction (e.g. a bias gradient): threads own column blocks, rows stream
             # through, columns are vectors: [spatial outer (parallel), reduce, columns (vector)]
             col_o, col_i = sch.split(col, factors=[None, lanes])
@@ -198,8 +222,11 @@ class SpatialParallel(CPUScheduleRule):
             outer = sch.fuse(*rest, col_o) if rest else col_o
             sch.reorder(outer, *reduce, col_i)
             sch.parallel(outer)
-            sch.decompose_reduction(info.block_rv, reduce[0])
-            return sch  # LLVM vectorizes the unit-stride column loop itself
+            init = sch.decompose_reduction(info.block_rv, reduce[0])
+            if col_extent % lanes == 0:
+                return sch  # LLVM vectorizes the unit-stride column loop itself
+            # a vocabulary's bias (30522 columns): the last column block is partial
+            return with_tail_predicates(sch, [sch.get(b).name_hint for b in (info.block_rv, init)])
         sch.reorder(*spatial, *reduce)
         fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
         if n is not None and n >= 2:

@@ -29,6 +29,7 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
 from .shared_kernels import largest_tensor
+from .vector_tails import split_into_vectors, with_tail_predicates
 
 _MIN_PARALLEL = 4096  # below this many elements a kernel stays serial (thread start-up dominates)
 _BROADCAST_RATIO = 8  # an elementwise block this many times smaller than the kernel's output stays a block
@@ -74,11 +75,14 @@ class Elementwise(CPUScheduleRule):
             return None
         bound = largest_tensor(func)
         small = bound is not None and bound < _MIN_PARALLEL  # a symbolic size known to be small
+        partial: list[str] = []  # outputs whose last vector is partial
         if len(outputs) == 1:
-            return sch if _schedule_output(sch, target, outputs[0], broadcasts, self.fuse, small) else None
-        for block in outputs:
-            _schedule_output(sch, target, block, [], self.fuse, small)
-        return sch
+            if not _schedule_output(sch, target, outputs[0], broadcasts, self.fuse, small, partial):
+                return None
+        else:
+            for block in outputs:
+                _schedule_output(sch, target, block, [], self.fuse, small, partial)
+        return with_tail_predicates(sch, partial) if partial else sch
 
 
 def _output_blocks(sch: s_tir.Schedule, infos: list) -> list[s_tir.schedule.SBlockRV]:
@@ -139,6 +143,7 @@ def _schedule_output(
     broadcasts: list,
     fuse: bool,
     small: bool = False,
+    partial: list[str] | None = None,
 ) -> bool:
     """One output block's loops parallel and vectorized (fused first with ``fuse``); False if it
     has no loops. ``small``: sizes symbolic but bounded below :data:`_MIN_PARALLEL` (a shared
@@ -169,20 +174,20 @@ def _schedule_output(
         if n >= _MIN_PARALLEL:
             sch.parallel(tiled)
         return True
+    cut = False  # a partial last vector
     if len(loops) > 1 and isinstance(inner_extent, int) and inner_extent >= 4 * lanes:
         # keep the innermost axis for contiguous vectors, parallelize the rest
         outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
-        if inner_extent % lanes == 0:
-            _, vec = sch.split(loops[-1], factors=[None, lanes])
-            sch.vectorize(vec)
+        cut = split_into_vectors(sch, loops[-1], lanes)[1]
         _compute_at_rows(sch, block, broadcasts, outer)
     else:
         fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-        if n % lanes == 0 and n >= 2 * lanes:
-            outer, vec = sch.split(fused, factors=[None, lanes])
-            sch.vectorize(vec)
+        if n >= 2 * lanes:
+            outer, cut = split_into_vectors(sch, fused, lanes)
         else:
             outer = fused
+    if cut and partial is not None:
+        partial.append(sch.get(block).name_hint)
     if n >= _MIN_PARALLEL:
         sch.parallel(outer)
     return True
