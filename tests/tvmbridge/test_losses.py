@@ -68,3 +68,25 @@ def test_cdist_and_its_gradient_as_pytorch(fn, args):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check(Fn(fn), *(t.clone() for t in args))
+
+
+ROW = torch.tensor([[2], [0], [4], [4], [1], [3]])  # one index per row: the one-hot gradient form
+COL = torch.tensor([[5, 0, 2, 1, 3]])  # one per column, along dim 0
+PAIRS = torch.tensor([[2, 2], [0, 1], [4, 3], [4, 4], [1, 0], [3, 3]])  # two per row (a repeat): scatter-add
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x.gather(1, ROW).sum(),
+    lambda x: (x.log_softmax(-1).gather(1, ROW) ** 2).sum() + x.log_softmax(-1).gather(1, ROW).sum(),
+    lambda x: x.exp().gather(0, COL) * 3,
+    lambda x: x.log_softmax(0).gather(0, COL).sum(0, keepdim=True),
+    lambda x: x.gather(1, PAIRS) * torch.arange(12, dtype=torch.float64).reshape(6, 2),
+    lambda x: x.log_softmax(-1).gather(1, PAIRS).sum(),
+], ids=["rows", "log_softmax_rows_twice", "columns", "log_softmax_columns", "pairs", "log_softmax_pairs"])
+def test_gather_gradient_as_pytorch(fn):
+    """``gather``'s gradient: a one-hot where each row (or column) reads one element, a sum of
+    those one-hots over the axis folded to the read values (``simplify.one_hot_sums``), and a
+    scatter-add where a row reads several (a repeated index counted twice)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check(Fn(fn), X.clone())

@@ -46,16 +46,16 @@ class _Float32FastMath(FastMathCodeGenerator._cls):
 
 
 def _log_softmax(builder: relax.BlockBuilder, x: Expr, axis: int) -> Expr:
-    """``x - max - log(sum(exp(x - max)))`` with the fast ``exp``: plain reductions and
+    """``(x - max) - log(sum(exp(x - max)))`` with the fast ``exp``: plain reductions and
     elementwise ops that fuse with their neighbours (a cast in front, the loss after), where
-    TOPI's ``log_softmax`` is one opaque kernel with scalar libm calls. (A row whose length is no
-    multiple of the vector keeps serial sums: padding it costs a full copy, as FuseOps does not
-    fuse a ``concat`` or ``pad`` into a reduction.)"""
+    TOPI's ``log_softmax`` is one opaque kernel with scalar libm calls. ``x - max`` is written
+    twice, once into the sum's kernel and once into the output's, so that no kernel writes it out
+    whole (one value read by two kernels is materialized); in ATen's order (``x - max`` first,
+    then the log: adding the log to the max first loses digits of large logits)."""
     op = relax.op
     top = builder.emit(op.max(x, axis=[axis], keepdims=True))
-    shifted = builder.emit(op.subtract(x, top))
-    exp = builder.emit(builder.call_te(topi.fast_exp, shifted))
-    return op.subtract(shifted, op.log(op.sum(exp, axis=[axis], keepdims=True)))
+    exp = builder.emit(builder.call_te(topi.fast_exp, builder.emit(op.subtract(x, top))))
+    return op.subtract(op.subtract(x, top), op.log(op.sum(exp, axis=[axis], keepdims=True)))
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmbridge.FastMathFloat32")

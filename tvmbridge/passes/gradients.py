@@ -215,9 +215,23 @@ def gather_elements_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: 
     element it was read from, repeats summed (``scatter_elements`` with ``add``). This is the
     backward of ``gather`` and so of ``cross_entropy``/``nll_loss`` with class indices."""
     x, index = orig_call.args[0], orig_call.args[1]
-    axis = int(orig_call.attrs.axis)
+    axis = int(orig_call.attrs.axis) % len(x.ty.shape)
+    picked, extent = _static(index.ty.shape[axis]), _static(x.ty.shape[axis])
+    if picked == 1 and extent is not None:  # one element read per row (a loss's target class)
+        return [_select_at(index, output_grad, axis, extent, _dtype(x)), no_grad(index)]
     zeros = relax.op.zeros_like(x)
     return [relax.op.scatter_elements(zeros, index, output_grad, axis=axis, reduction="add"), no_grad(index)]
+
+
+def _select_at(index: Expr, values: Expr, axis: int, extent: int, dtype: str) -> Expr:
+    """``scatter_elements(zeros, index, values, axis, "add")`` where ``index`` has one element
+    along ``axis`` (no place is written twice): ``where(position == index, values, 0)``, which is
+    elementwise, so it fuses into the kernels that read it instead of filling and scattering a
+    whole (rows, vocabulary) tensor first."""
+    op = relax.op
+    ndim = len(index.ty.shape)
+    positions = op.reshape(op.arange(0, extent, dtype=_dtype(index)), [extent if i == axis else 1 for i in range(ndim)])
+    return op.where(op.equal(positions, index), values, relax.const(0, dtype))
 
 
 def _extent(n: Any) -> Expr:
