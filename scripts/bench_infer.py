@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from tvmbridge import compile_inference  # noqa: E402
 from tvmbridge.backend.gemm_choice import summary  # noqa: E402
+from tvmbridge.tools.roofline import roofline_cell, roofline_header, step_flops  # noqa: E402
 from tvmbridge.tools.timing import interleaved, machine_line, write_results  # noqa: E402
 
 
@@ -41,9 +42,12 @@ def bench_shape(model: torch.nn.Module, batch: int, seq: int, args: argparse.Nam
     with torch.no_grad():
         times = interleaved(calls, args.runs, args.warmup)
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    row = {"shape": f"({batch},{seq})", "ms": ms, "compile_s": compile_s, "max_abs_err": err,
+    with torch.no_grad():
+        flops = step_flops(lambda: model(ids, mask))
+    row = {"shape": f"({batch},{seq})", "ms": ms, "flops": flops, "compile_s": compile_s, "max_abs_err": err,
            "gemms": summary(list(tvm_fn.gemm_choices))}
-    print(f"({batch},{seq}): " + ", ".join(f"{k} {v:.2f} ms ({v / ms['eager']:.2f}x)" for k, v in ms.items())
+    print(f"({batch},{seq}), {flops / 1e9:.2f} GFLOP: "
+          + ", ".join(f"{k} {v:.2f} ms ({v / ms['eager']:.2f}x, {roofline_cell(flops, v / 1e3)})" for k, v in ms.items())
           + f"; compile {compile_s:.1f} s; max |err| {err:.1e}; GEMMs {row['gemms']}", flush=True)
     return row
 
@@ -59,17 +63,19 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/bench_infer")
     args = ap.parse_args()
     machine = machine_line()
-    print(machine, flush=True)
+    print(machine, "\n" + roofline_header((torch.float32,)), flush=True)
     torch.manual_seed(0)
     model = transformers.BertModel(transformers.BertConfig()).eval()
     rows = [bench_shape(model, *(int(v) for v in s.split("x")), args) for s in args.shapes.split(",")]
-    lines = [f"Machine: {machine}", "", "| shape | TVM ms | eager ms | torch.compile ms | TVM/eager | compile s |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"Machine: {machine}", roofline_header((torch.float32,)), "",
+             "| shape | GFLOP | TVM ms (rate) | eager ms (rate) | torch.compile ms | TVM/eager | compile s |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ms = r["ms"]
+        ms, flops = r["ms"], r["flops"]
         comp = f"{ms['compile']:.2f}" if "compile" in ms else "-"
-        lines.append(f"| {r['shape']} | {ms['tvm']:.2f} | {ms['eager']:.2f} | {comp} | {ms['tvm'] / ms['eager']:.2f}x | "
-                     f"{r['compile_s']:.1f} |")
+        lines.append(f"| {r['shape']} | {flops / 1e9:.2f} | {ms['tvm']:.2f} ({roofline_cell(flops, ms['tvm'] / 1e3)}) | "
+                     f"{ms['eager']:.2f} ({roofline_cell(flops, ms['eager'] / 1e3)}) | {comp} | "
+                     f"{ms['tvm'] / ms['eager']:.2f}x | {r['compile_s']:.1f} |")
     text = "\n".join(lines)
     write_results(args.out, machine, rows, text)
 

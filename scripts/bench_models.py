@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tvmbridge import add_tvm_dispatch  # noqa: E402
+from tvmbridge.tools.roofline import measure_peak, roofline_cell, roofline_header, step_flops  # noqa: E402
 from tvmbridge.tools.timing import interleaved, machine_line, write_results  # noqa: E402
 from tvmbridge.tools.whole_models import WHOLE_MODELS, TrainingTask, build_task  # noqa: E402
 
@@ -74,12 +75,15 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
     dispatch = task.model._tvm_dispatch
     report = dispatch.report() if not mixed else None
     print(f"{name}: compiled in {compile_s:.1f} s{' under autocast(bfloat16)' if mixed else ''}", flush=True)
+    flops = step_flops(lambda: train_step(task, eager)(0))  # forward, loss and backward, on the eager model
     steps = {"tvm": train_step(task, task.model, mixed), "eager": train_step(task, eager, mixed)}
     if mixed:
         steps["eager float32"] = train_step(task, eager)
     times = interleaved(steps, args.runs, args.warmup)
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(f"  train step: TVM {ms['tvm']:.1f} ms, eager {ms['eager']:.1f} ms ({ms['tvm'] / ms['eager']:.2f}x)"
+    dtype = torch.bfloat16 if mixed else torch.float32
+    print(f"  train step ({flops / 1e9:.1f} GFLOP): TVM {ms['tvm']:.1f} ms = {roofline_cell(flops, ms['tvm'] / 1e3, dtype)}, "
+          f"eager {ms['eager']:.1f} ms = {roofline_cell(flops, ms['eager'] / 1e3, dtype)} ({ms['tvm'] / ms['eager']:.2f}x)"
           + (f", eager float32 {ms['eager float32']:.1f} ms" if mixed else ""), flush=True)
     start = copy.deepcopy(eager)  # every curve from the same weights (timing changed no weights, BN stats alike)
     tvm_model = task.model
@@ -97,7 +101,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict:
               f"TVM {'within' if diff <= noise else 'OUTSIDE'} noise", flush=True)
     assert dispatch.calls_fallback == 0, dispatch.explain()
     return {"model": name, "type": type(eager).__name__, "inputs": describe_inputs(task), "compile_s": compile_s,
-            "autocast": mixed, "tvm_ms": ms["tvm"], "eager_ms": ms["eager"], "eager_float32_ms": ms.get("eager float32"),
+            "autocast": mixed, "flops": flops, "tvm_ms": ms["tvm"], "eager_ms": ms["eager"],
+            "eager_float32_ms": ms.get("eager float32"),
             "tvm_kept_bytes": report.tvm_bytes if report else 0,
             "pytorch_saved_bytes": report.pytorch_saved_bytes if report else 0, "calls_tvm": dispatch.calls_tvm,
             "calls_torch": dispatch.calls_fallback, "losses": curves, "max_loss_diff": diff}
@@ -110,11 +115,14 @@ def describe_inputs(task: TrainingTask) -> str:
 
 def markdown(rows: list[dict], machine: str) -> str:
     mib = 2**20
-    out = [f"Machine: {machine}", "",
-           "| model | inputs | compile s | TVM step ms | eager ms | TVM/eager | kept for backward MiB | "
-           "PyTorch saved MiB | AdamW loss diff |", "|---|---|---|---|---|---|---|---|---|"]
+    out = [f"Machine: {machine}", roofline_header(), "",
+           "| model | inputs | GFLOP | compile s | TVM step ms (of peak) | eager ms (of peak) | TVM/eager | "
+           "kept for backward MiB | PyTorch saved MiB | AdamW loss diff |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['type']} | {r['inputs']} | {r['compile_s']:.1f} | {r['tvm_ms']:.1f} | {r['eager_ms']:.1f} | "
+        dtype = torch.bfloat16 if r["autocast"] else torch.float32
+        share = {k: f"{measure_peak(dtype).fraction(r['flops'], r[k] / 1e3):.0%}" for k in ("tvm_ms", "eager_ms")}
+        out.append(f"| {r['type']} | {r['inputs']} | {r['flops'] / 1e9:.1f} | {r['compile_s']:.1f} | "
+                   f"{r['tvm_ms']:.1f} ({share['tvm_ms']}) | {r['eager_ms']:.1f} ({share['eager_ms']}) | "
                    f"{r['tvm_ms'] / r['eager_ms']:.2f}x | {r['tvm_kept_bytes'] / mib:.1f} | "
                    f"{r['pytorch_saved_bytes'] / mib:.1f} | {r['max_loss_diff']:.1e} |")
     for r in rows:
@@ -143,7 +151,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/bench_models")
     args = ap.parse_args()
     machine = machine_line()
-    print(machine, flush=True)
+    print(machine, "\n" + roofline_header(), flush=True)
     rows = [bench_model(name, args) for name in args.models.split(",")]
     text = markdown(rows, machine)
     write_results(args.out, machine, rows, text)
