@@ -214,7 +214,15 @@ class SpatialParallel(CPUScheduleRule):
         lanes = vector_lanes(target, sch, info.block_rv)
         col = _contiguous_spatial_loop(sch, info.block_rv, loops, kinds)
         col_extent = get_extent(sch, col) if col is not None else None
-        if col is not None and isinstance(col_extent, int) and col_extent >= 4 * lanes:
+        # a partial last column block only over static loops: with a symbolic reduction inside,
+        # TVM's LoopPartition mixes the narrowed int32 indices with the int64 size ("mismatched types")
+        ragged_ok = all(isinstance(get_extent(sch, lp), int) for lp in loops)
+        if (
+            col is not None
+            and isinstance(col_extent, int)
+            and col_extent >= 4 * lanes
+            and (col_extent % lanes == 0 or ragged_ok)
+        ):
             # column reduction (e.g. a bias gradient): threads own column blocks, rows stream
             # through, columns are vectors: [spatial outer (parallel), reduce, columns (vector)]
             col_o, col_i = sch.split(col, factors=[None, lanes])
