@@ -22,6 +22,7 @@ import torch
 
 from analysis.models import bert_layer, bert_layer_inputs
 from tvmbridge import add_tvm_dispatch, compile_backend
+from tvmbridge.tools.roofline import measure_peak, roofline_header, step_flops
 from tvmbridge.tools.timing import interleaved, machine_line, write_results
 
 
@@ -102,6 +103,9 @@ def bench(name: str, make: Callable, batch: int, seq: int, lengths: list[int], r
     torch._dynamo.reset()
     model, batch_of = make(batch, seq)
     paths = _paths(model, inductor)
+    eager_model, eager_call, _ = paths["eager"]
+    flops = step_flops(lambda: _step(eager_model, eager_call, torch.optim.SGD(eager_model.parameters(), lr=0.0),
+                                     batch_of(seq))(0))
     steps, rows = {}, {}
     for path, (m, call, counter) in paths.items():
         opt = torch.optim.SGD(m.parameters(), lr=1e-4)
@@ -121,6 +125,7 @@ def bench(name: str, make: Callable, batch: int, seq: int, lengths: list[int], r
         loop = time.perf_counter() - t
         after = _compiles(counter, m)
         rows[path].update(step_ms=round(ms, 2), vs_eager=round(ms / eager_ms, 2), loop_s=round(loop, 2),
+                          gflop=round(flops / 1e9, 3), of_peak=round(measure_peak().fraction(flops, ms / 1e3), 3),
                           loop_compiles=None if after is None else after - before)
     return list(rows.values())
 
@@ -144,12 +149,13 @@ def main() -> None:
             rows += bench(name, make, args.batch, seq, lengths, args.runs, not args.no_inductor)
     lines = [f"Machine: {machine}. Training step (forward, loss, backward, SGD), batch {args.batch}, length "
              f"{args.seq}; median of {args.runs} interleaved runs. Dynamic loop: lengths {lengths}, one step each.",
-             "", "| model | path | first step (s) | step (ms) | vs eager | dynamic loop (s) | compiles in loop |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             roofline_header((torch.float32,)), "",
+             "| model | path | first step (s) | step (ms) | of float32 peak | vs eager | dynamic loop (s) | compiles in loop |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         compiles = "" if r["loop_compiles"] is None else r["loop_compiles"]
-        lines.append(f"| {r['model']} | {r['path']} | {r['first_step_s']} | {r['step_ms']} | {r['vs_eager']} | "
-                     f"{r['loop_s']} | {compiles} |")
+        lines.append(f"| {r['model']} | {r['path']} | {r['first_step_s']} | {r['step_ms']} | {r['of_peak']:.0%} | "
+                     f"{r['vs_eager']} | {r['loop_s']} | {compiles} |")
     write_results(args.out, machine, rows, "\n".join(lines))
 
 

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from analysis.models import bert_config, bert_layer, bert_layer_inputs  # noqa: E402
 from tvmbridge import add_tvm_dispatch  # noqa: E402
+from tvmbridge.tools.roofline import roofline_cell, roofline_header, step_flops  # noqa: E402
 from tvmbridge.tools.timing import cpu_name, interleaved  # noqa: E402
 
 
@@ -109,11 +110,14 @@ def layer(args: argparse.Namespace) -> None:
             m(x.detach().requires_grad_(), mask).sum().backward()
         return run
 
+    flops = step_flops(lambda: step(eager)(0))
     t = interleaved({"eager": step(eager), "static": step(static), "symbolic": step(symbolic)}, args.runs, 3)
     med = {k: statistics.median(v) for k, v in t.items()}
     print(f"\n## layer: BertLayer (8 x 128 x 768 at defaults) ({args.batch},{args.seq}), {args.runs} interleaved rounds")
+    print(roofline_header((torch.float32,)))
     for k, v in med.items():
-        print(f"{k:9s} {v * 1e3:8.1f} ms   {v / med['eager']:.2f}x eager   {v / med['static']:.2f}x static")
+        print(f"{k:9s} {v * 1e3:8.1f} ms   {v / med['eager']:.2f}x eager   {v / med['static']:.2f}x static   "
+              f"{roofline_cell(flops, v)}")
     assert symbolic._tvm_dispatch.calls_tvm == args.runs + 3 and static._tvm_dispatch.calls_tvm == args.runs + 3
     print(f"compile: static {static._tvm_dispatch.variants[0].compiled.compile_seconds['total']:.1f}s, "
           f"symbolic {symbolic._tvm_dispatch.variants[0].compiled.compile_seconds['total']:.1f}s")
