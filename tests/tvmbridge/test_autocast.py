@@ -359,3 +359,23 @@ def test_symbolic_variant_under_autocast_serves_every_batch():
             assert (got[1][k] - want[1][k]).abs().max().item() <= 0.03 * want[1][k].abs().max().item() + 1e-6, k
     d = m._tvm_dispatch
     assert len(d.variants) == 2 and d.variants[1].symbolic and d.variants[1].calls == 3, d.explain()
+
+
+def test_a_bfloat16_gelu_backward_is_one_kernel():
+    """Float32Opmath reads an op's float32 result where the next op wants it and leaves its
+    bfloat16 rounding unread; left in the module, that dead rounding was a second consumer to
+    FuseOps, so GELU's erf, exp and adds each wrote their result out as a kernel of its own."""
+    import tvm
+
+    from tvmbridge import devices
+    from tvmbridge.backend import build
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        add_tvm_dispatch(m, (x,))
+    lowered = build.lower(m._tvm_dispatch.compiled.stages["fast_math"], devices.target_for(torch.device("cpu")))
+    kernels = [gv.name_hint for gv, f in lowered.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    alone = [k for k in kernels if k.startswith(("fast_erf", "fast_exp", "erf", "exp"))]
+    assert not alone, kernels

@@ -127,6 +127,10 @@ def lower(
     (CPU): told each kernel in its final form as soon as it is scheduled."""
     seq = [drop_barriers] if rounds_every_op(target) else []  # nothing to contract: nothing to keep apart
     seq += [
+        # a dead binding (a rounding Float32Opmath elided: the bfloat16 copy of a float32 value
+        # the next op reads in float32) is a consumer to FuseOps: its producer was written out
+        # instead of fused into the op that reads it (a bfloat16 GELU's erf, exp, adds alone)
+        relax.transform.DeadCodeElimination(),
         relax.transform.LegalizeOps(MemoizedLegalization(_LEGALIZE_FIXES).table()),
         drop_scope_pragmas,
         relax.transform.AnnotateTIROpPattern(),
