@@ -31,7 +31,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import tvm
 import tvm_ffi
@@ -85,19 +85,21 @@ def kernel_asserts() -> bool:
 
 
 # TVM's LoopPartition also peels constant-extent loops where a ``likely`` condition binds: the
-# CPU schedules mark the partial last vector of a row so (``cpu_schedules.with_tail_predicates``);
-# nothing else in the bridge's kernels is marked likely
+# CPU schedules mark the partial last vector of a row so (``vector_tails.with_tail_predicates``);
+# nothing else in the bridge's CPU kernels is marked likely (a GPU build keeps TVM's default)
 LOOP_PARTITION = {"s_tir.LoopPartition": {"partition_const_loop": True}}
 
 
-def _build_context(context: tvm.transform.PassContext) -> tvm.transform.PassContext:
+def _build_context(context: tvm.transform.PassContext, target: tvm.target.Target) -> tvm.transform.PassContext:
     """A pass context with the caller's opt level, required and disabled passes and config,
-    :data:`LOOP_PARTITION`, and TVM's kernel argument checks left out unless
+    :data:`LOOP_PARTITION` on a CPU, and TVM's kernel argument checks left out unless
     :func:`kernel_asserts` (a caller's own config setting wins); under the caller's pass
     instruments, the caller's context itself."""
     if list(context.instruments):  # the caller's own (see kernel_asserts)
         return context
-    defaults = dict(LOOP_PARTITION) if kernel_asserts() else {**LOOP_PARTITION, "tirx.disable_assert": True}
+    defaults: dict[str, Any] = dict(LOOP_PARTITION) if target.kind.name == "llvm" else {}
+    if not kernel_asserts():
+        defaults["tirx.disable_assert"] = True
     return tvm.transform.PassContext(
         opt_level=context.opt_level,
         required_pass=list(context.required_pass),
@@ -181,7 +183,7 @@ class KernelBuilder:
 
     def __init__(self, target: tvm.target.Target, threads: int, per_group: int = 8) -> None:
         self.target = target
-        self.context = _build_context(tvm.transform.PassContext.current())
+        self.context = _build_context(tvm.transform.PassContext.current(), target)
         self.per_group = per_group
         self.kernels: dict[str, tvm.tirx.PrimFunc] = {}
         self._group: dict[tvm.ir.GlobalVar, tvm.tirx.PrimFunc] = {}
@@ -233,7 +235,7 @@ def build_executable(
     everything again, should the pipeline have changed one of them)."""
     threads = compile_threads() if threads is None else threads
     caller = tvm.transform.PassContext.current()
-    context = _build_context(caller)
+    context = _build_context(caller, target)
     here = contextlib.nullcontext() if context.same_as(caller) else context  # entered once, not again
     if prebuilt is not None and (target.kind.name != "llvm" or threads <= 1 or list(context.instruments)):
         prebuilt.cancel()  # the caller's builder is for a plain llvm build only
