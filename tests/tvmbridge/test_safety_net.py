@@ -250,3 +250,41 @@ def test_one_tensor_passed_twice_gets_its_whole_gradient_once(how: str) -> None:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
     assert bool(m._tvm_dispatch.discarded) == wrong
     assert m._tvm_dispatch.calls_tvm == (1 if wrong else 2)
+
+
+def _hooked_step(m: torch.nn.Module, x: torch.Tensor, double: bool) -> dict:
+    m.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    loss = (m(x) * torch.linspace(-1, 1, 3)).sum()
+    if double:
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        loss = loss + gx.pow(2).sum()
+    loss.backward()
+    return {"loss": loss.detach(), "x": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+
+@pytest.mark.parametrize("how", ["checked", "double", "discarded"])
+def test_a_parameter_hook_runs_once_on_the_call_s_own_gradient(how: str) -> None:
+    """``weight.register_hook(lambda g: 3 * g)`` (gradient scaling, masking a frozen slice): the
+    engine runs it on what the call returns for the parameter. PyTorch's reference gradient was
+    taken with respect to the parameter itself, so the hook ran on it too: the net compared a
+    right variant with the scaled reference and discarded it, and where the reference stood in
+    (that first step, a double backward) the hook ran twice (9x)."""
+    torch.manual_seed(0)
+    m = MLP().eval()  # no dropout: the steps compare values
+    ref = copy.deepcopy(m)
+    calls = []
+    for net, seen in ((m, calls), (ref, [])):
+        net.a.weight.register_hook(lambda g, seen=seen: (seen.append(1), g * 3)[1])
+    wrong = how == "discarded"
+    add_tvm_dispatch(m, converters={"relu.default": _relu_wrong_gradient} if wrong else ())
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if wrong else "error", VerificationWarning)
+            got = _hooked_step(m, x, how == "double")
+        want = _hooked_step(ref, x, how == "double")
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
+    assert len(calls) == 2  # once a step
+    assert bool(m._tvm_dispatch.discarded) == wrong
