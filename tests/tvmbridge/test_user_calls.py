@@ -294,13 +294,27 @@ class StackedLSTM(torch.nn.Module):
         return self.rnn(x)[0]
 
 
+class BagOfWords(torch.nn.Module):
+    """A recommender's table: its gradient a sparse tensor (or scaled by each index's count)."""
+
+    def __init__(self, **embedding: bool) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(20, 4, **embedding)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids).mean(1))
+
+
 @pytest.mark.parametrize("make,inputs,message", [
+    (lambda: BagOfWords(sparse=True), (torch.tensor([[1, 2, 2], [4, 5, 1]]),), r"sparse=True .*fallback=True"),
+    (lambda: BagOfWords(scale_grad_by_freq=True), (torch.tensor([[1, 2, 2]]),), "scale_grad_by_freq=True"),
     (MaskedSelect, (torch.randn(5, 4), torch.tensor([True, False, True, True, False])), "depends on the values"),
     (RoutedByWhere, (torch.randn(5, 4),), "depends on the values.*torch.compile"),
     (StackedLSTM, (torch.randn(2, 3, 4),), "dropout between its layers"),
     (cumulative_batch_norm, (torch.randn(3, 4),), r"momentum=None \(1\) reads num_batches_tracked"),
     (PackedLSTM, (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])), "pack_padded_sequence takes its sizes"),
-], ids=["boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout", "batch-norm-cumulative", "packed-sequence"])
+], ids=["sparse-embedding", "embedding-scaled-by-frequency", "boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout", "batch-norm-cumulative", "packed-sequence"])
 def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: str) -> None:
     from tvmbridge.errors import ConversionError
 
@@ -310,6 +324,9 @@ def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: s
     with pytest.warns(UserWarning, match=message):
         out = m(*inputs)
     assert out.requires_grad
+    out.sum().backward()  # PyTorch's gradients, of PyTorch's kind
+    if isinstance(m, BagOfWords) and m.table.sparse:
+        assert m.table.weight.grad.is_sparse
 
 
 class SharedTable(torch.nn.Module):

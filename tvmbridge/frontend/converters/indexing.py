@@ -36,7 +36,14 @@ def embedding(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     scale = args[3] if len(args) > 3 else kwargs.get("scale_grad_by_freq", False)
     sparse = args[4] if len(args) > 4 else kwargs.get("sparse", False)
     if scale or sparse:
-        raise UnsupportedOpError("convert", "embedding with scale_grad_by_freq or sparse gradients", op="embedding")
+        what = "sparse=True (a sparse gradient)" if sparse else "scale_grad_by_freq=True"
+        raise UnsupportedOpError(
+            "convert",
+            f"an embedding with {what}, which the compiled backward does not give: dispatch the modules "
+            "around the embedding instead, use a dense embedding (sparse=False, scale_grad_by_freq=False), "
+            "or pass fallback=True to keep PyTorch for this module",
+            op="embedding",
+        )
     bb = importer.block_builder
     rows = int(weight.ty.shape[0])
     idx = bb.emit(relax.op.astype(indices, "int64"))
