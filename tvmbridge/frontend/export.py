@@ -34,7 +34,6 @@ from .call_state import (
     restore_attributes,
     swapped_state,
 )
-from .custom_functions import custom_functions_seen
 from .decompositions import decomposition_table
 from .digest import program_digest
 from .mixed_dtypes import make_dtype_mixing_explicit
@@ -56,6 +55,7 @@ from .program_facts import (
 )
 from .signature import canonical_call
 from .traced_layouts import keep_traced_layouts
+from .untraced_autograd import untraced_autograd_seen
 from .value_hints import value_free_hints, value_read_named
 
 
@@ -265,7 +265,7 @@ def _export(
         try:
             # grad on: export marks a no_grad block only where it differs from the mode it traces under
             with (
-                custom_functions_seen() as custom,
+                untraced_autograd_seen() as untraced,
                 value_free_hints(),
                 torch.enable_grad(),
                 _no_attribute_writes(module),
@@ -276,6 +276,8 @@ def _export(
         except AttributeWriteError:
             raise
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
+            if (refusal := untraced.refusal(type(module).__name__)) is not None:  # what failed, say first
+                raise ConversionError("trace", refusal) from exc
             hint = value_read_named(module, exc)
             if hint:
                 hint = f"; {hint}"
@@ -290,15 +292,9 @@ def _export(
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"
             ) from exc
-    if custom:
-        names = ", ".join(sorted({c.__qualname__ for c in custom}))
-        raise ConversionError(
-            "trace",
-            f"{type(module).__name__}'s forward applies a custom autograd.Function ({names}) whose own "
-            "backward TVM cannot run: its gradient would become the gradient of its forward. Use "
-            "torch.compile(model, backend='tvmbridge'), which runs it in PyTorch and the rest on TVM; or dispatch "
-            "the submodules around it; or keep PyTorch for this module (fallback=True)",
-        )
+    refusal = untraced.refusal(type(module).__name__)
+    if refusal is not None:
+        raise ConversionError("trace", refusal)
     return ep
 
 

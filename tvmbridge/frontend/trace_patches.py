@@ -18,7 +18,9 @@ class ScopedPatch:
 
     def __init__(self, owner: Any, name: str, patched: Any) -> None:
         self.owner, self.name, self.patched = owner, name, patched
-        self.original = owner.__dict__[name]  # as defined (a classmethod object stays one)
+        self.own = name in owner.__dict__  # else inherited (a C base's method): shadowed, then unshadowed
+        # as defined (a classmethod object stays one), or as inherited
+        self.original = owner.__dict__[name] if self.own else getattr(owner, name)
         self.lock = threading.Lock()
         self.active = 0
 
@@ -34,4 +36,7 @@ class ScopedPatch:
         with self.lock:
             self.active -= 1
             if self.active == 0:
-                setattr(self.owner, self.name, self.original)
+                if self.own:
+                    setattr(self.owner, self.name, self.original)
+                else:
+                    delattr(self.owner, self.name)
