@@ -113,3 +113,24 @@ def test_trainer_with_a_model_compiled_by_the_backend_matches_the_eager_trainer(
     assert backend.graphs and all(g.dispatcher.calls_tvm > 0 and g.dispatcher.calls_fallback == 0
                                   for g in backend.graphs), backend.explain()
     torch._dynamo.reset()
+
+
+def test_generation_with_a_key_value_cache_runs_pytorch_and_matches() -> None:
+    """``generate`` passes a ``DynamicCache`` that each step's forward extends. Compiled, it
+    would be frozen as the trace found it (and the guard let the same, grown, object through);
+    the trace also wrote its fake tensors into the caller's cache, and the first call's check
+    then failed inside PyTorch ('Could not guard on data-dependent expression'). Such calls run
+    PyTorch, said once; the same tokens come out."""
+    from tvmbridge import FallbackWarning
+
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ref = copy.deepcopy(model)
+    add_tvm_dispatch(model)
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(9))
+    with pytest.warns(FallbackWarning, match="DynamicCache object.*use_cache=False"), torch.no_grad():
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    want = ref.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert model._tvm_dispatch.calls_tvm == 0 and not model._tvm_dispatch.discarded

@@ -606,3 +606,44 @@ def test_a_cumulative_batch_norm_compiles_in_eval() -> None:
     got = model(x)
     torch.testing.assert_close(got, want)
     assert model._tvm_dispatch.calls_tvm == 1
+
+
+class Memory:
+    """A user object the forward writes into (a list of what it saw)."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+
+class Remembers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, memory: Memory) -> torch.Tensor:
+        y = self.fc(x)
+        memory.seen.append(y.detach())
+        return y * len(memory.seen)
+
+
+def test_an_object_argument_runs_pytorch_and_is_never_written_by_a_trace() -> None:
+    """An argument that is an object, not a value: compiled code would freeze it as the trace
+    found it (``len(memory.seen)`` baked in as 1), the guard would pass the same object however
+    it grew, and the trace would append its fake tensor to the caller's list."""
+    from tvmbridge import ConversionError, FallbackWarning
+
+    torch.manual_seed(0)
+    m = Remembers()
+    ref = copy.deepcopy(m)
+    x = torch.randn(3, 4)
+    with pytest.raises(ConversionError, match=r"memory is a Memory object.*pass its tensors"):
+        add_tvm_dispatch(copy.deepcopy(m), (x, Memory()))
+    add_tvm_dispatch(m)
+    mine, theirs = Memory(), Memory()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            torch.testing.assert_close(m(x, mine), ref(x, theirs))
+    assert any(issubclass(w.category, FallbackWarning) and "Memory object" in str(w.message) for w in caught)
+    assert len(mine.seen) == 3 and all(not isinstance(t, torch._subclasses.FakeTensor) for t in mine.seen)
+    assert m._tvm_dispatch.calls_tvm == 0

@@ -53,7 +53,7 @@ from .program_facts import (
     updated_tensors,
     user_input_specs,
 )
-from .signature import canonical_call
+from .signature import canonical_call, opaque_argument_reason
 from .traced_layouts import keep_traced_layouts
 from .untraced_autograd import untraced_autograd_seen
 from .value_hints import value_free_hints, value_read_named
@@ -388,6 +388,8 @@ def export_call(
     """The first half of :func:`trace`: ``torch.export`` of the call in canonical form
     (``stack_traces``: with each node's source stack, see :func:`_stack_traces`)."""
     call_args, call_kwargs = canonical_call(module.forward, args, kwargs)
+    if (opaque := opaque_argument_reason(call_args, call_kwargs)) is not None:
+        raise ConversionError("inputs", opaque)
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     state = ModuleState.of(module)

@@ -6,11 +6,15 @@ must give one signature: the guard compares calls in this form and the export tr
 
 from __future__ import annotations
 
+import enum
 import inspect
+import numbers
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..errors import ConversionError
 
@@ -52,3 +56,48 @@ def is_default(value: Any, default: Any) -> bool:
     if value is default:
         return True
     return isinstance(default, (bool, int, float, str)) and type(value) is type(default) and value == default
+
+
+# what a call may pass besides tensors and still be compiled: values, which the guard compares
+# (and the trace bakes in) as they are, and functions, which are code as ``forward`` is
+_VALUE_TYPES = (
+    type(None), numbers.Number, str, bytes, enum.Enum, type, slice, type(Ellipsis), range, frozenset,
+    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.SymInt, torch.SymFloat, torch.SymBool,
+    types.FunctionType, types.BuiltinFunctionType,
+)  # fmt: skip
+
+
+def opaque_arguments(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The call's non-tensor leaves that are objects rather than values (a transformers key/value
+    cache, a ``torch.Generator``, a module passed in), labelled: compiled code would freeze such an
+    object as the trace found it, the guard would let the same object through however its contents
+    changed since (a cache grows every generation step), and the trace itself would write into
+    it. Plain calls of tensors are answered without flattening."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return []
+    found = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) or isinstance(leaf, _VALUE_TYPES):
+            continue
+        where, rest = path[1], pytree.keystr(path[2:])
+        label = f"{where.key}{rest}" if path[0].idx == 1 else f"argument {where.idx}{rest}"  # type: ignore[attr-defined]
+        found.append((label, leaf))
+    return found
+
+
+def opaque_argument_reason(args: tuple, kwargs: dict) -> str | None:
+    """Why the call cannot be compiled, if it passes an object (see :func:`opaque_arguments`)."""
+    found = opaque_arguments(args, kwargs)
+    if not found:
+        return None
+    label, leaf = found[0]
+    kind = type(leaf).__name__
+    hint = (
+        "; generation with a key/value cache runs PyTorch (use_cache=False calls compile)"
+        if kind.endswith("Cache")
+        else ": pass its tensors, or values, instead"
+    )
+    return (
+        f"{label} is a {kind} object, which compiled code would freeze as it is now (the guard cannot see "
+        f"its contents change){hint}"
+    )

@@ -79,21 +79,21 @@ def _recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     return _APPLY.original.__func__(cls, *args, **kwargs)
 
 
-def _noting(patch_of: dict[str, ScopedPatch], name: str) -> Any:
+def _noting(name: str) -> Any:
+    """``Tensor.<name>``, noting the call where this thread traces."""
+    original = getattr(torch.Tensor, name)  # as this module is imported: before any patch
+
     def noted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         seen: UntracedAutograd | None = getattr(_local, "seen", None)
         if seen is not None:
             seen.hooks.append(name)
-        return patch_of[name].original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
     return noted
 
 
-_TENSOR_PATCHES: dict[str, ScopedPatch] = {}
-for _name in ("register_hook", "retain_grad"):
-    _TENSOR_PATCHES[_name] = ScopedPatch(torch.Tensor, _name, _noting(_TENSOR_PATCHES, _name))
 _APPLY = ScopedPatch(Function, "apply", classmethod(_recording_apply))
-_PATCHES = (_APPLY, *_TENSOR_PATCHES.values())
+_PATCHES = (_APPLY, *(ScopedPatch(torch.Tensor, n, _noting(n)) for n in ("register_hook", "retain_grad")))
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ from ..errors import (
     caller_stacklevel,
 )
 from ..frontend.call_state import replace_buffer
+from ..frontend.signature import opaque_argument_reason
 from ..options import CompileOptions, with_overrides
 from .call_log import CallLog
 from .checked import rng_states, run_checked, set_rng_states
@@ -85,6 +86,8 @@ def _unfit_anywhere(module: torch.nn.Module, args: tuple, kwargs: dict) -> Misma
         return Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)", recompile=False)
     if _forward_ad_duals(module, args, kwargs):
         return Mismatch("forward AD", "called with forward-mode AD tangents (dual tensors)", recompile=False)
+    if (opaque := opaque_argument_reason(args, kwargs)) is not None:
+        return Mismatch("an object argument", opaque, recompile=False)
     return None
 
 
