@@ -134,3 +134,36 @@ def test_generation_with_a_key_value_cache_runs_pytorch_and_matches() -> None:
     want = ref.generate(ids, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(got, want)
     assert model._tvm_dispatch.calls_tvm == 0 and not model._tvm_dispatch.discarded
+
+
+def test_hidden_states_once_then_training_stays_compiled_and_every_output_is_eager_s() -> None:
+    """transformers installs output-capturing hooks on the layers at the first
+    ``output_hidden_states=True`` call. The trace of that call installed them too and left them:
+    the call's PyTorch run installed a second set (five hidden states for a two-layer model, not
+    three), and every later call ran PyTorch ('hooks do not run inside compiled code'). Those
+    hooks act only within the model's own call, so they are traced; training stays compiled."""
+    torch.manual_seed(0)
+    model = _bert()
+    ref = copy.deepcopy(model)
+    add_tvm_dispatch(model)
+    batch = _collate(_rows(3))
+    for step in range(4):
+        hidden = step in (1, 2)
+        outs = []
+        for net in (model, ref):
+            net.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = net(**batch, output_hidden_states=hidden)
+            out.loss.backward()
+            outs.append(out)
+        torch.testing.assert_close(outs[0].loss, outs[1].loss)
+        if hidden:
+            assert len(outs[0].hidden_states) == len(outs[1].hidden_states) == 3
+            for got, want in zip(outs[0].hidden_states, outs[1].hidden_states):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert model._tvm_dispatch.calls_fallback == 1  # the first hidden-states call, which installs the hooks
+    assert model._tvm_dispatch.calls_tvm == 3

@@ -602,6 +602,33 @@ def test_a_flop_counter_or_an_analysis_trace_sees_pytorch_ops():
     assert isinstance(out, FakeTensor) and out.shape == (4, 16)
 
 
+def test_a_hook_on_a_submodule_before_dispatch_is_refused_and_never_left_fake_tensors():
+    """A feature extractor's hook, registered before compiling: it ran while tracing (keeping a
+    fake tensor in the user's list) and then never again on a compiled call, with no warning."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    torch.manual_seed(0)
+    m = Scaled()
+    ref = clone_module(m)
+    mine, theirs = [], []
+    m.fc.register_forward_hook(lambda mod, i, o: mine.append(o))
+    ref.fc.register_forward_hook(lambda mod, i, o: theirs.append(o))
+    x = torch.randn(4, 8)
+    with pytest.raises(ConversionError, match=r"hooks on Scaled's submodules \(fc: 1 forward hook\).*fallback=True"):
+        add_tvm_dispatch(m, (x,))
+    assert mine == []  # the trace's fake tensor is not left behind
+    add_tvm_dispatch(m, fallback=True)
+    with pytest.warns(FallbackWarning, match="hooks on Scaled's submodules"):
+        for _ in range(3):
+            xi = torch.randn(4, 8)
+            (m(xi).sum() + 0).backward()
+            ref(xi).sum().backward()
+    assert len(mine) == len(theirs) == 3
+    for got, want in zip(mine, theirs):
+        assert not isinstance(got, FakeTensor)
+        torch.testing.assert_close(got, want)
+
+
 def test_hooks_on_the_dispatched_module_itself_still_run_on_the_compiled_path():
     m = Block()
     x = torch.randn(4, 16)

@@ -37,6 +37,7 @@ from .call_state import (
 from .decompositions import decomposition_table
 from .digest import program_digest
 from .mixed_dtypes import make_dtype_mixing_explicit
+from .module_hooks import hook_snapshot, hooks_refusal, restore_hooks
 from .outputs import OutputLayout, flatten_output, unflatten_output
 from .program_facts import (
     check_outputs,
@@ -242,11 +243,11 @@ def _stack_traces(keep: bool) -> Iterator[None]:
 def _no_attribute_writes(module: torch.nn.Module) -> Iterator[None]:
     """The block (a trace) leaves the module's attributes as they were; assigning any is an
     :class:`AttributeWriteError` naming them (compiled code would not assign them)."""
-    before = module_attributes(module)
+    before, hooks = module_attributes(module), hook_snapshot(module)
     try:
         yield
     finally:
-        changed = changed_attributes(module, before)
+        changed = changed_attributes(module, before) + restore_hooks(hooks)
         restore_attributes(module, before)
     if changed:
         raise AttributeWriteError(changed, hint=assigning_hooks(module, changed))
@@ -390,6 +391,8 @@ def export_call(
     call_args, call_kwargs = canonical_call(module.forward, args, kwargs)
     if (opaque := opaque_argument_reason(call_args, call_kwargs)) is not None:
         raise ConversionError("inputs", opaque)
+    if (hooked := hooks_refusal(module)) is not None:
+        raise ConversionError("trace", hooked)
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     state = ModuleState.of(module)

@@ -21,15 +21,9 @@ import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 
 from ..frontend.call_state import MODULE_INTERNALS, AutocastState, ModuleState, is_plain
+from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
 from ..sizes import evaluate_dims
 
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
-)
 _MISSING = object()
 
 
@@ -274,8 +268,8 @@ class StateGuard:
         for path, m in module.named_modules(remove_duplicate=False):
             self.checks += _module_checks(path, m)
             if path:  # the module's own hooks run around the dispatched forward, as always
-                self.hooks += [(f"{path} {h}", getattr(m, h), len(getattr(m, h))) for h in _HOOKS]
-        self.hooks += [(h, getattr(nn_module, h), len(getattr(nn_module, h))) for h in _GLOBAL_HOOKS]
+                self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]
+        self.hooks += [(h, getattr(nn_module, h), counted(getattr(nn_module, h))) for h in GLOBAL_HOOK_DICTS]
         self.slots = [self._slot(module, name) for name in state.names]
         self.alias_slots = [
             (self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()
@@ -294,10 +288,10 @@ class StateGuard:
                 shown = "gone" if value is _MISSING else "another object" if by_identity else repr(value)
                 return Mismatch(label, f"{label} is {shown}, compiled for {expected!r}")
         for label, hooks, n in self.hooks:
-            if len(hooks) != n:
+            if counted(hooks) != n:
                 return Mismatch(
                     label,
-                    f"{label}: {len(hooks)} registered, compiled with {n} (hooks do not run inside compiled code)",
+                    f"{label}: {counted(hooks)} registered, compiled with {n} (hooks do not run inside compiled code)",
                     recompile=False,
                 )
         return None

@@ -1,0 +1,96 @@
+"""Hooks on a dispatched module's submodules, which compiled code does not run.
+
+A hook on a submodule runs while the bridge traces: what it returns is compiled in, but what it
+does besides (keep the activation in a list, count calls, log a statistic) happens once, on the
+trace's fake tensors, and never on a compiled call: a feature extractor's list held one fake
+tensor and stayed so. The hooks on the dispatched module itself run around every call, as always.
+
+transformers' output-capturing hooks (``output_hidden_states=True``) are the exception: they act
+only on a collector the model's own forward sets for its call, so what they do is in the trace (the
+hidden states are outputs) and, in a call that asks for nothing, they do nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+GLOBAL_HOOK_DICTS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+_CALL_SCOPED_MODULES = frozenset({"transformers.utils.output_capturing"})
+
+
+def call_scoped(hook: Callable[..., Any]) -> bool:
+    """A hook whose whole effect is on the call it runs in (see the module's docstring)."""
+    return getattr(hook, "__module__", None) in _CALL_SCOPED_MODULES
+
+
+def counted(hooks: Mapping[int, Callable[..., Any]]) -> int:
+    """The hooks of one dict that compiled code would miss."""
+    return sum(1 for h in hooks.values() if not call_scoped(h)) if hooks else 0
+
+
+def submodule_hooks(module: torch.nn.Module) -> list[str]:
+    """``fc: 1 forward hook``: the hooks compiled code would miss, by submodule; process-wide
+    module hooks (``register_module_forward_hook``) too, as they run on every submodule."""
+    found = []
+    for path, m in module.named_modules():
+        if not path:
+            continue
+        for name in HOOK_DICTS:
+            if n := counted(getattr(m, name)):
+                found.append(f"{path}: {n} {name.strip('_').replace('_', ' ')[:-1]}")
+    for name in GLOBAL_HOOK_DICTS:
+        if n := counted(getattr(nn_module, name)):
+            found.append(f"every module: {n} {name.strip('_').replace('_', ' ')[:-1]}")
+    return found
+
+
+def hooks_refusal(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot be traced for compiled calls, if hooks on its submodules would be
+    missed, and what to do."""
+    found = submodule_hooks(module)
+    if not found:
+        return None
+    name = type(module).__name__
+    shown = "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
+    return (
+        f"hooks on {name}'s submodules ({shown}), which compiled code does not run: they would run once, "
+        f"on the trace's fake tensors, and never on a compiled call. Register them on {name} itself (its "
+        "own hooks run around every call), dispatch the submodules without hooks instead, or keep PyTorch "
+        "for this module (fallback=True)"
+    )
+
+
+HookSnapshot = list[tuple[str, dict, dict]]  # (label, the module's hook dict, its entries before)
+
+
+def hook_snapshot(module: torch.nn.Module) -> HookSnapshot:
+    """Every hook dict of every submodule, as it is now (see :func:`restore_hooks`)."""
+    return [
+        (f"{path or type(m).__name__} {name.strip('_').replace('_', ' ')}", hooks, dict(hooks))
+        for path, m in module.named_modules()
+        for name in HOOK_DICTS
+        if isinstance(hooks := getattr(m, name), dict)
+    ]
+
+
+def restore_hooks(snapshot: HookSnapshot) -> list[str]:
+    """The hooks registered or removed since ``snapshot`` (a forward that installs hooks on first
+    use: transformers' output capturing), put back in place (the dicts stay the same objects); the
+    labels of those that changed. A trace that left its hooks would have them run twice after."""
+    changed = []
+    for label, hooks, before in snapshot:
+        if hooks.keys() != before.keys():
+            hooks.clear()
+            hooks.update(before)
+            changed.append(label)
+    return changed
