@@ -232,7 +232,7 @@ def replace_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> N
 
 # torch.nn.utils' old forward pre-hooks, which set a tensor attribute on every call, and the
 # parametrizations that compute the same without assigning it
-_HOOK_REPLACEMENTS = {
+ASSIGNING_HOOKS = {
     "SpectralNorm": ("torch.nn.utils.spectral_norm", "torch.nn.utils.parametrizations.spectral_norm"),
     "WeightNorm": ("torch.nn.utils.weight_norm", "torch.nn.utils.parametrizations.weight_norm"),
 }
@@ -249,7 +249,7 @@ def assigning_hooks(module: torch.nn.Module, labels: list[str]) -> str:
         except AttributeError:
             continue
         for hook in owner._forward_pre_hooks.values():
-            if type(hook).__name__ in _HOOK_REPLACEMENTS and getattr(hook, "name", None) == name:
-                old, new = _HOOK_REPLACEMENTS[type(hook).__name__]
+            if type(hook).__name__ in ASSIGNING_HOOKS and getattr(hook, "name", None) == name:
+                old, new = ASSIGNING_HOOKS[type(hook).__name__]
                 said.append(f"{label} is set on every call by {old}'s hook: use {new}, which compiles")
     return "; ".join(said)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+from .call_state import ASSIGNING_HOOKS
+
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 GLOBAL_HOOK_DICTS = (
     "_global_forward_hooks",
@@ -38,6 +40,12 @@ def counted(hooks: Mapping[int, Callable[..., Any]]) -> int:
     return sum(1 for h in hooks.values() if not call_scoped(h)) if hooks else 0
 
 
+def _assigns_every_call(hook: Any) -> bool:
+    """The old ``nn.utils.spectral_norm``/``weight_norm`` hooks: they set the module's weight on
+    every call, which the trace refuses with the parametrization to use instead."""
+    return type(hook).__name__ in ASSIGNING_HOOKS
+
+
 def submodule_hooks(module: torch.nn.Module) -> list[str]:
     """``fc: 1 forward hook``: the hooks compiled code would miss, by submodule; process-wide
     module hooks (``register_module_forward_hook``) too, as they run on every submodule."""
@@ -46,7 +54,8 @@ def submodule_hooks(module: torch.nn.Module) -> list[str]:
         if not path:
             continue
         for name in HOOK_DICTS:
-            if n := counted(getattr(m, name)):
+            hooks = {k: h for k, h in getattr(m, name).items() if not _assigns_every_call(h)}
+            if n := counted(hooks):
                 found.append(f"{path}: {n} {name.strip('_').replace('_', ' ')[:-1]}")
     for name in GLOBAL_HOOK_DICTS:
         if n := counted(getattr(nn_module, name)):

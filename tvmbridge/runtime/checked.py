@@ -48,7 +48,7 @@ def run_checked(
     compiled = variant.compiled
     traced = compiled.traced
     before = rng_states(compiled.device)
-    inputs = own_inputs(fitted.tensors)
+    inputs = own_inputs(fitted.tensors, traced.num_user_inputs)
     try:  # what PyTorch saves for its backward bypasses saved-tensor hooks (checkpoint's count the call's own)
         with torch.set_grad_enabled(needs_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             eager_out, eager_state = dispatcher.eager.call(compiled, inputs)

@@ -235,7 +235,7 @@ def _eager_vjp(ctx: Any, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[
             if "cuda" in call.rng_states:
                 torch.cuda.set_rng_state(call.rng_states["cuda"], call.compiled.device)
         # the call's own gradients, differentiable through to ctx.inputs
-        inputs = own_inputs(ctx.inputs)
+        inputs = own_inputs(ctx.inputs, call.compiled.traced.num_user_inputs)
         outputs = call.eager(inputs)
     pairs = [(o, g) for o, g, d in zip(outputs, grad_outputs, call.compiled.differentiable) if d and g is not None]
     first = first_slots(inputs)  # a tensor passed twice gets its whole gradient once, as in _gradients

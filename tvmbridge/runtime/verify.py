@@ -43,18 +43,24 @@ class Discrepancy:
         return f"{self.name}: {self.detail}"
 
 
-def own_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def own_inputs(tensors: list[torch.Tensor], num_user: int) -> list[torch.Tensor]:
     """The call's tensors for a PyTorch forward whose gradients are the call's own (partial) ones:
-    each tensor that requires grad, the call's and the module's, as a fresh alias (``view_as``;
-    one per tensor). Differentiated with respect to the tensors themselves, an argument computed
-    from another (a piece fed ``h`` and ``f(h)``) also got the gradient that flows through the
-    other, outside the call, and autograd walked (and freed) the graph before the call; and a
-    parameter's own hooks (``weight.register_hook``) ran on the reference, which the engine then
-    ran again on what the call returned. The aliases keep the graph reachable for a double
-    backward; the forward swaps the state's aliases into the module under the tracing lock, which
-    a dispatched call of another thread waits for."""
+    each call argument that requires grad as a fresh alias (``view_as``; one per tensor).
+    Differentiated with respect to the tensors themselves, an argument computed from another (a
+    piece fed ``h`` and ``f(h)``) also got the gradient that flows through the other, outside the
+    call, and autograd walked (and freed) the graph before the call. The aliases keep that graph
+    reachable for a double backward. The module's state (from ``num_user`` on) stays itself where
+    it is a leaf, for the forward swaps it into the module, where another thread reading
+    ``module.parameters()`` would see the alias; but for a parameter with its own hooks
+    (``weight.register_hook``), which would run on the reference too (a right variant compared
+    with the hooked gradient and discarded, the hook run twice where the reference stands in)."""
     seen: dict[int, torch.Tensor] = {}
-    return [seen.setdefault(id(t), t.view_as(t)) if t.requires_grad else t for t in tensors]
+    return [
+        seen.setdefault(id(t), t.view_as(t))
+        if t.requires_grad and (i < num_user or t.grad_fn is not None or t._backward_hooks)
+        else t
+        for i, t in enumerate(tensors)
+    ]
 
 
 def _magnitude(t: torch.Tensor | None) -> float:
