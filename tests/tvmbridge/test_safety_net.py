@@ -217,10 +217,13 @@ class Twice(torch.nn.Module):
         return self.fc(a).relu() * b.sin()
 
 
-def _twice_step(m: torch.nn.Module, x: torch.Tensor, double: bool) -> dict:
+def _weighted_step(m: torch.nn.Module, x: torch.Tensor, double: bool, twice: bool = False) -> dict:
+    """One step of a weighted sum of ``m(x)`` (``m(x, x)``: ``twice``), with a gradient penalty
+    (``double``): the loss, and the gradients of ``x`` and every parameter."""
     m.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
-    loss = (m(x, x) * torch.linspace(-1, 1, 8)).sum()
+    out = m(x, x) if twice else m(x)
+    loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum()
     if double:
         (gx,) = torch.autograd.grad(loss, x, create_graph=True)
         loss = loss + gx.pow(2).sum()
@@ -244,23 +247,12 @@ def test_one_tensor_passed_twice_gets_its_whole_gradient_once(how: str) -> None:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore" if wrong else "error", VerificationWarning)
-            got = _twice_step(m, x, how == "double")
-        want = _twice_step(ref, x, how == "double")
+            got = _weighted_step(m, x, how == "double", twice=True)
+        want = _weighted_step(ref, x, how == "double", twice=True)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
     assert bool(m._tvm_dispatch.discarded) == wrong
     assert m._tvm_dispatch.calls_tvm == (1 if wrong else 2)
-
-
-def _hooked_step(m: torch.nn.Module, x: torch.Tensor, double: bool) -> dict:
-    m.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_()
-    loss = (m(x) * torch.linspace(-1, 1, 3)).sum()
-    if double:
-        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
-        loss = loss + gx.pow(2).sum()
-    loss.backward()
-    return {"loss": loss.detach(), "x": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
 
 
 @pytest.mark.parametrize("how", ["checked", "double", "discarded"])
@@ -282,8 +274,8 @@ def test_a_parameter_hook_runs_once_on_the_call_s_own_gradient(how: str) -> None
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore" if wrong else "error", VerificationWarning)
-            got = _hooked_step(m, x, how == "double")
-        want = _hooked_step(ref, x, how == "double")
+            got = _weighted_step(m, x, how == "double")
+        want = _weighted_step(ref, x, how == "double")
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda s: f"{name}: {s}")
     assert len(calls) == 2  # once a step
