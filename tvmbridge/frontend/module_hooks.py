@@ -35,6 +35,11 @@ def call_scoped(hook: Callable[..., Any]) -> bool:
     return getattr(hook, "__module__", None) in _CALL_SCOPED_MODULES
 
 
+def _kind(dict_name: str) -> str:
+    """``_forward_pre_hooks`` -> ``forward pre hooks``."""
+    return dict_name.strip("_").replace("_", " ")
+
+
 def counted(hooks: Mapping[int, Callable[..., Any]]) -> int:
     """The hooks of one dict that compiled code would miss."""
     return sum(1 for h in hooks.values() if not call_scoped(h)) if hooks else 0
@@ -56,10 +61,10 @@ def submodule_hooks(module: torch.nn.Module) -> list[str]:
         for name in HOOK_DICTS:
             hooks = {k: h for k, h in getattr(m, name).items() if not _assigns_every_call(h)}
             if n := counted(hooks):
-                found.append(f"{path}: {n} {name.strip('_').replace('_', ' ')[:-1]}")
+                found.append(f"{path}: {n} {_kind(name)[:-1]}")
     for name in GLOBAL_HOOK_DICTS:
         if n := counted(getattr(nn_module, name)):
-            found.append(f"every module: {n} {name.strip('_').replace('_', ' ')[:-1]}")
+            found.append(f"every module: {n} {_kind(name).removeprefix('global ')[:-1]}")
     return found
 
 
@@ -85,7 +90,7 @@ HookSnapshot = list[tuple[str, dict, dict]]  # (label, the module's hook dict, i
 def hook_snapshot(module: torch.nn.Module) -> HookSnapshot:
     """Every hook dict of every submodule, as it is now (see :func:`restore_hooks`)."""
     return [
-        (f"{path or type(m).__name__} {name.strip('_').replace('_', ' ')}", hooks, dict(hooks))
+        (f"{path or type(m).__name__} {_kind(name)}", hooks, dict(hooks))
         for path, m in module.named_modules()
         for name in HOOK_DICTS
         if isinstance(hooks := getattr(m, name), dict)

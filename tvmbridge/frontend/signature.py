@@ -6,7 +6,6 @@ must give one signature: the guard compares calls in this form and the export tr
 
 from __future__ import annotations
 
-import enum
 import inspect
 import numbers
 import types
@@ -17,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..errors import ConversionError
+from .call_state import PLAIN
 
 
 def canonical_call(
@@ -61,9 +61,8 @@ def is_default(value: Any, default: Any) -> bool:
 # what a call may pass besides tensors and still be compiled: values, which the guard compares
 # (and the trace bakes in) as they are, and functions, which are code as ``forward`` is
 _VALUE_TYPES = (
-    type(None), numbers.Number, str, bytes, enum.Enum, type, slice, type(Ellipsis), range, frozenset,
-    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.SymInt, torch.SymFloat, torch.SymBool,
-    types.FunctionType, types.BuiltinFunctionType,
+    *PLAIN, numbers.Number, type, slice, type(Ellipsis), range, frozenset, torch.layout, torch.memory_format,
+    torch.SymInt, torch.SymFloat, torch.SymBool, types.FunctionType, types.BuiltinFunctionType,
 )  # fmt: skip
 
 

@@ -86,8 +86,6 @@ def _unfit_anywhere(module: torch.nn.Module, args: tuple, kwargs: dict) -> Misma
         return Mismatch("torch.func", "called inside a torch.func transform (vmap, grad, ...)", recompile=False)
     if _forward_ad_duals(module, args, kwargs):
         return Mismatch("forward AD", "called with forward-mode AD tangents (dual tensors)", recompile=False)
-    if (opaque := opaque_argument_reason(args, kwargs)) is not None:
-        return Mismatch("an object argument", opaque, recompile=False)
     return None
 
 
@@ -235,7 +233,11 @@ class Dispatcher:
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
 
     def _compile_for_call(self, args: tuple, kwargs: dict, reason: Mismatch | None) -> Selection:
-        """A new variant for a call no variant fits, or why there is none."""
+        """A new variant for a call no variant fits, or why there is none. A call passing an object
+        (a generation cache) fits no variant, for none is compiled with one: it is told here, off
+        the path of calls that fit."""
+        if (opaque := opaque_argument_reason(args, kwargs)) is not None:
+            return Selection.pytorch(Mismatch("an object argument", opaque, recompile=False))
         key, refused = self.variant_set.refusal(args, kwargs, reason)
         if refused is not None:
             return Selection.pytorch(refused)
