@@ -138,3 +138,44 @@ def test_a_wrong_output_is_wrong(monkeypatch):
     assert worst["step"] == "step 1", worst
     assert worst["tensor"] in ("out", "loss") or worst["tensor"].startswith("grad:"), worst
     assert harness.Mismatch(**result.worst).excess > 1
+
+
+# --- mixed precision ---------------------------------------------------------------------------
+# under bfloat16 autocast the default run trains one model (the rest are slow, as above)
+AUTOCAST_SAMPLE = ("bert-cls",)
+
+
+@pytest.mark.parametrize("name", _zoo_params(AUTOCAST_SAMPLE))
+def test_model_trains_under_autocast_as_close_to_float64_as_eager(name):
+    """eager and TVM under ``torch.autocast(bfloat16)``: TVM within ten times eager autocast's own
+    distance to the float64 step (the harness's ``--autocast``)."""
+    result = run_case(name, verify=False, timing=False, autocast=True)
+    assert result.verdict in ACCEPTED, f"{name}: {result.verdict}: {result.reason}"
+    if result.verdict != "EXACT":
+        assert result.reason, f"{name}: {result.verdict} without a reason"
+    else:
+        assert any("autocast" in why for why in result.variant_why), result.variant_why
+
+
+def test_autocast_case_compiles_under_autocast_and_sees_a_wrong_output(monkeypatch):
+    """The MLP under autocast: its variant is the autocast one (the calls were made under it), and
+    an output 20% off (far beyond bfloat16's noise, inside nothing) is WRONG."""
+    import tvmbridge.runtime.dispatch as dispatch
+
+    entry = ZooEntry("mlp", "timm", _MLP, _mlp_batch, external_loss=True)
+    right = run_case(entry, verify=False, timing=False, autocast=True)
+    assert right.verdict == "EXACT", right
+    assert right.variant_why and all("bfloat16" in why for why in right.variant_why), right.variant_why
+
+    real = dispatch.add_tvm_dispatch
+
+    def skewed(module, *args, **kwargs):
+        real(module, *args, **kwargs)
+        forward = module.forward
+        module.forward = lambda *a, **k: forward(*a, **k) * 1.2
+        return module
+
+    monkeypatch.setattr(dispatch, "add_tvm_dispatch", skewed)
+    wrong = run_case(entry, verify=False, timing=False, autocast=True)
+    assert wrong.verdict == "WRONG", wrong
+    assert wrong.worst["step"] == "step 1", wrong.worst

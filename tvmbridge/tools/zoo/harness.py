@@ -17,6 +17,13 @@ of the zoo entry, to be fixed there).
 
 ``--via backend``: the ``tvm`` copy is ``torch.compile(model, backend=compile_backend(...))``
 (a graph the bridge cannot convert runs PyTorch with a warning: FALLBACK).
+
+``--autocast``: ``eager`` and ``tvm`` run every call (and the timed steps) under
+``torch.autocast(dtype=bfloat16)``, float32 master weights, as mixed-precision training does;
+``ref`` stays float64 without autocast. The noise is then eager autocast's own distance to float64,
+so TVM passes where it is as close to the full-precision step as eager autocast is (ten times).
+
+    python -m tvmbridge.tools.zoo.harness bert-mlm --autocast
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -191,11 +198,14 @@ def compare(
 class Case:
     """The three models, their optimizers, and the steps of the protocol."""
 
-    def __init__(self, entry: ZooEntry, options: dict[str, Any], via: str = "dispatch", device: str = "cpu") -> None:
+    def __init__(
+        self, entry: ZooEntry, options: dict[str, Any], via: str = "dispatch", device: str = "cpu", autocast: bool = False
+    ) -> None:
         from tvmbridge import add_tvm_dispatch, compile_backend
 
         self.entry = entry
         self.device = torch.device(device)
+        self.autocast = autocast
         self.backend = None
         self.mismatches: list[list[Mismatch]] = []
         self.step3_variant: Any = None
@@ -226,6 +236,13 @@ class Case:
         except Exception as exc:  # noqa: BLE001 - every failure is classified, none escapes
             raise _StepError(role, where, exc) from exc
 
+    def precision(self, role: str) -> AbstractContextManager[Any]:
+        """The role's numerics: bfloat16 autocast for eager and tvm under ``autocast``; the
+        float64 reference never."""
+        if not self.autocast or role == "ref":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
     @property
     def dispatcher(self) -> Any:
         return getattr(self.models["tvm"], "_tvm_dispatch", None)
@@ -241,7 +258,8 @@ class Case:
         model = self.models[role]
         with self.guard(role, where):
             torch.manual_seed(CALL_SEED)
-            out, loss = self.entry.forward(self.callables[role], to_reference(batch) if role == "ref" else batch)
+            with self.precision(role):
+                out, loss = self.entry.forward(self.callables[role], to_reference(batch) if role == "ref" else batch)
             if backward:
                 loss.backward()
         got: dict[str, torch.Tensor | None] = {"loss": loss.detach() if isinstance(loss, torch.Tensor) else None}
@@ -320,7 +338,8 @@ class Case:
 
             def run(i: int) -> None:
                 torch.manual_seed(CALL_SEED)
-                _, loss = self.entry.forward(model, batch)
+                with self.precision(role):
+                    _, loss = self.entry.forward(model, batch)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -385,12 +404,14 @@ def run_case(
     timing: bool = True,
     via: str = "dispatch",
     device: str = "cpu",
+    autocast: bool = False,
 ) -> CaseResult:
     """Run the protocol on one entry (module docstring); never raises for the model's failures.
 
     ``verify``: passed as ``CompileOptions.verify`` when not None and the field exists (the
     zoo's own runs pass False: the raw state of the bridge). ``device``: where all three copies
-    and the batches live (``"cuda"``: the bridge's CUDA build against PyTorch on the same GPU)."""
+    and the batches live (``"cuda"``: the bridge's CUDA build against PyTorch on the same GPU).
+    ``autocast``: bfloat16 mixed precision (module docstring)."""
     from tvmbridge.errors import ConversionError, FallbackWarning
 
     entry = get(entry) if isinstance(entry, str) else entry
@@ -402,7 +423,7 @@ def run_case(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            case = Case(entry, options, via, device)
+            case = Case(entry, options, via, device, autocast)
             first = to_device(entry.make_batch(*FIRST, 1), device)
             case.train_step("step 1", first)
             case.train_step("step 2", first)
@@ -467,9 +488,12 @@ def main(argv: list[str] | None = None) -> int:
         help="add_tvm_dispatch (default) or torch.compile(backend=tvmbridge)",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and batches live")
+    parser.add_argument("--autocast", action="store_true", help="eager and TVM under bfloat16 autocast (see above)")
     args = parser.parse_args(argv)
     verify = {"off": False, "on": True, "default": None}[args.verify]
-    result = run_case(args.name, verify=verify, timing=not args.no_timing, via=args.via, device=args.device)
+    result = run_case(
+        args.name, verify=verify, timing=not args.no_timing, via=args.via, device=args.device, autocast=args.autocast
+    )
     text = json.dumps(asdict(result))
     if args.json_out:
         with open(args.json_out, "w") as f:
