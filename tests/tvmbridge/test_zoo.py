@@ -86,6 +86,34 @@ def test_tolerance_is_ten_times_the_float_noise():
     assert measure("s", "t", eager + 5e-7, eager, eager.double()).passed  # noiseless: 1e-6 of the scale
 
 
+def test_autocast_tolerances_are_bfloat16_steps_not_float32_ones():
+    """Under autocast the scale tolerance is a sixteenth of a bfloat16 step at 1 (eager's distance
+    to float64 is one sample, lucky by cancellation in a sum: qwen3's mean loss was 1.4e-6 from
+    float64, TVM's 6.6e-5, every logit within a bfloat16 step), and a bfloat16 tensor may be one
+    step of its dtype off at its largest value; a 1e-3 relative error still fails, and neither
+    rule loosens a float32 run."""
+    import dataclasses
+
+    ref = torch.tensor(5.5622453689575195, dtype=torch.float64)
+    eager = torch.tensor(5.562243938446045)
+    lucky = measure("s", "loss", torch.tensor(5.5621795654296875), eager, ref)
+    assert not lucky.passed  # float32's rule: 10 x 1.4e-6 + 1e-6 x 5.56
+    assert dataclasses.replace(lucky, scale_tol=harness.AUTOCAST_SCALE_TOL).passed
+    wrong = measure("s", "loss", eager * (1 + 1e-3), eager, ref)
+    assert not dataclasses.replace(wrong, scale_tol=harness.AUTOCAST_SCALE_TOL).passed
+
+    ref16 = torch.tensor([1.1094, -0.3, 0.02], dtype=torch.float64)
+    eager16 = ref16.to(torch.bfloat16)  # eager rounded exactly as float64 would: noise 0
+    one_step = eager16.clone()
+    one_step[0] = eager16[0] + 2.0**-7  # the next bfloat16 value in [1, 2)
+    assert one_step[0] != eager16[0] and one_step[0].float() - eager16[0].float() == 2.0**-7
+    assert measure("s", "out", one_step, eager16, ref16).passed
+    two_steps = eager16.clone()
+    two_steps[0] = eager16[0] + 2 * 2.0**-7
+    assert not measure("s", "out", two_steps, eager16, ref16).passed
+    assert measure("s", "out", eager16.float() + 1e-3, eager16.float(), ref16).dtype_step == 0.0
+
+
 def test_none_shape_integers_and_nan_places_must_match():
     x = torch.ones(3)
     assert not measure("s", "g", torch.zeros(3), None, None).passed  # PyTorch's grad None, TVM zeros
