@@ -82,11 +82,54 @@ PAIRS = torch.tensor([[2, 2], [0, 1], [4, 3], [4, 4], [1, 0], [3, 3]])  # two pe
     lambda x: x.log_softmax(0).gather(0, COL).sum(0, keepdim=True),
     lambda x: x.gather(1, PAIRS) * torch.arange(12, dtype=torch.float64).reshape(6, 2),
     lambda x: x.log_softmax(-1).gather(1, PAIRS).sum(),
-], ids=["rows", "log_softmax_rows_twice", "columns", "log_softmax_columns", "pairs", "log_softmax_pairs"])
+    lambda x: x.gather(1, ROW[:4]) * torch.arange(1, 5, dtype=torch.float64).reshape(4, 1),
+    lambda x: x.log_softmax(0).gather(0, COL[:, :3]).sum(),
+], ids=["rows", "log_softmax_rows_twice", "columns", "log_softmax_columns", "pairs", "log_softmax_pairs",
+        "rows_of_a_block", "columns_of_a_block"])
 def test_gather_gradient_as_pytorch(fn):
     """``gather``'s gradient: a one-hot where each row (or column) reads one element, a sum of
     those one-hots over the axis folded to the read values (``simplify.one_hot_sums``), and a
-    scatter-add where a row reads several (a repeated index counted twice)."""
+    scatter-add where a row reads several (a repeated index counted twice); an index smaller than
+    the input in another dim reads a block (the one-hot would have the index's rows: the gradient
+    failed to build, 'not broadcastable')."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check(Fn(fn), X.clone())
+
+
+class _TokenLoss(torch.nn.Module):
+    """A language model's head and loss as transformers writes it: labels come in with sizes of
+    their own, equal to the logits' rows only at run time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def test_a_class_index_loss_compiles_symbolic_where_labels_have_their_own_sizes():
+    """The second batch size and length compile one symbolic variant: the loss gradient's one-hot
+    had the labels' rows (s26 * s0) where the logits have theirs (s87 * s85), and every symbolic
+    compile of a transformers model with labels failed ('gradient of relax.add failed: NoneType'),
+    leaving a compile per shape; gradients as PyTorch's at each shape."""
+    from tvmbridge import add_tvm_dispatch
+
+    torch.manual_seed(0)
+    model = _TokenLoss()
+    eager = _TokenLoss()
+    eager.load_state_dict(model.state_dict())
+    add_tvm_dispatch(model)
+    for batch, length in ((2, 5), (3, 7), (4, 3)):
+        x = torch.randn(batch, length, 8)
+        labels = torch.randint(0, 11, (batch, length))
+        labels[0, -1] = -100
+        model(x, labels).backward()
+        eager(x, labels).backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            p.grad, q.grad = None, None
+    variants = model._tvm_dispatch.variants
+    assert len(variants) == 2 and variants[1].symbolic, [v.why for v in variants]

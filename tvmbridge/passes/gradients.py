@@ -217,10 +217,20 @@ def gather_elements_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: 
     x, index = orig_call.args[0], orig_call.args[1]
     axis = int(orig_call.attrs.axis) % len(x.ty.shape)
     picked, extent = _static(index.ty.shape[axis]), _static(x.ty.shape[axis])
-    if picked == 1 and extent is not None:  # one element read per row (a loss's target class)
+    if picked == 1 and extent is not None and _rows_match(index, x, axis):  # a loss's target class per row
         return [_select_at(index, output_grad, axis, extent, _dtype(x)), no_grad(index)]
     zeros = relax.op.zeros_like(x)
     return [relax.op.scatter_elements(zeros, index, output_grad, axis=axis, reduction="add"), no_grad(index)]
+
+
+def _rows_match(index: Expr, x: Expr, axis: int) -> bool:
+    """Whether ``index`` provably has ``x``'s size in every dim but ``axis`` (a gather may read a
+    smaller block; and the labels of a symbolic loss have sizes of their own, equal to the logits'
+    rows only at run time): only then is the ``where`` of :func:`_select_at` ``x``'s shape."""
+    analyzer = Analyzer()
+    return all(
+        d == axis or analyzer.can_prove_equal(i, n) for d, (i, n) in enumerate(zip(index.ty.shape, x.ty.shape))
+    )
 
 
 def _select_at(index: Expr, values: Expr, axis: int, extent: int, dtype: str) -> Expr:
