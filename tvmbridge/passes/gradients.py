@@ -228,9 +228,7 @@ def _rows_match(index: Expr, x: Expr, axis: int) -> bool:
     smaller block; and the labels of a symbolic loss have sizes of their own, equal to the logits'
     rows only at run time): only then is the ``where`` of :func:`_select_at` ``x``'s shape."""
     analyzer = Analyzer()
-    return all(
-        d == axis or analyzer.can_prove_equal(i, n) for d, (i, n) in enumerate(zip(index.ty.shape, x.ty.shape))
-    )
+    return all(d == axis or analyzer.can_prove_equal(i, n) for d, (i, n) in enumerate(zip(index.ty.shape, x.ty.shape)))
 
 
 def _select_at(index: Expr, values: Expr, axis: int, extent: int, dtype: str) -> Expr:
