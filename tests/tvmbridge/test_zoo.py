@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tvmbridge.tools.zoo import harness
+from tvmbridge.tools.zoo import compare
 from tvmbridge.tools.zoo.harness import FIRST, SECOND, measure, named_leaves, run_case
 from tvmbridge.tools.zoo.models import FAMILIES, MODELS, SAMPLE, ZooEntry
 
@@ -100,9 +100,9 @@ def test_autocast_tolerances_are_bfloat16_steps_not_float32_ones():
     eager = torch.tensor(5.562243938446045)
     lucky = measure("s", "loss", torch.tensor(5.5621795654296875), eager, ref)
     assert not lucky.passed  # float32's rule: 10 x 1.4e-6 + 1e-6 x 5.56
-    assert dataclasses.replace(lucky, scale_tol=harness.AUTOCAST_SCALE_TOL).passed
+    assert dataclasses.replace(lucky, scale_tol=compare.AUTOCAST_SCALE_TOL).passed
     wrong = measure("s", "loss", eager * (1 + 1e-3), eager, ref)
-    assert not dataclasses.replace(wrong, scale_tol=harness.AUTOCAST_SCALE_TOL).passed
+    assert not dataclasses.replace(wrong, scale_tol=compare.AUTOCAST_SCALE_TOL).passed
 
     ref16 = torch.tensor([1.1094, -0.3, 0.02], dtype=torch.float64)
     eager16 = ref16.to(torch.bfloat16)  # eager rounded exactly as float64 would: noise 0
@@ -167,7 +167,7 @@ def test_a_wrong_output_is_wrong(monkeypatch):
     worst = result.worst
     assert worst["step"] == "step 1", worst
     assert worst["tensor"] in ("out", "loss") or worst["tensor"].startswith("grad:"), worst
-    assert harness.Mismatch(**result.worst).excess > 1
+    assert compare.Mismatch(**result.worst).excess > 1
 
 
 # --- mixed precision ---------------------------------------------------------------------------
