@@ -148,8 +148,8 @@ def _mlp_batch(b: int, n: int, seed: int) -> dict:
     return {"x": torch.randn(b, 8, generator=g), "labels": torch.randint(0, 4, (b,), generator=g)}
 
 
-def test_a_wrong_output_is_wrong(monkeypatch):
-    """TVM's logits off by 1e-3 relative (far beyond float noise): the verdict names them."""
+def _skew_outputs(monkeypatch, factor: float) -> None:
+    """Make ``add_tvm_dispatch`` leave the module's outputs ``factor`` times what they should be."""
     import tvmbridge.runtime.dispatch as dispatch
 
     real = dispatch.add_tvm_dispatch
@@ -157,10 +157,15 @@ def test_a_wrong_output_is_wrong(monkeypatch):
     def skewed(module, *args, **kwargs):
         real(module, *args, **kwargs)
         forward = module.forward
-        module.forward = lambda *a, **k: forward(*a, **k) * 1.001
+        module.forward = lambda *a, **k: forward(*a, **k) * factor
         return module
 
     monkeypatch.setattr(dispatch, "add_tvm_dispatch", skewed)
+
+
+def test_a_wrong_output_is_wrong(monkeypatch):
+    """TVM's logits off by 1e-3 relative (far beyond float noise): the verdict names them."""
+    _skew_outputs(monkeypatch, 1.001)
     entry = ZooEntry("mlp", "timm", _MLP, _mlp_batch, external_loss=True)
     result = run_case(entry, verify=False, timing=False)
     assert result.verdict == "WRONG", result
@@ -190,22 +195,12 @@ def test_model_trains_under_autocast_as_close_to_float64_as_eager(name):
 def test_autocast_case_compiles_under_autocast_and_sees_a_wrong_output(monkeypatch):
     """The MLP under autocast: its variant is the autocast one (the calls were made under it), and
     an output 20% off (far beyond bfloat16's noise, inside nothing) is WRONG."""
-    import tvmbridge.runtime.dispatch as dispatch
-
     entry = ZooEntry("mlp", "timm", _MLP, _mlp_batch, external_loss=True)
     right = run_case(entry, verify=False, timing=False, autocast=True)
     assert right.verdict == "EXACT", right
     assert right.variant_why and all("bfloat16" in why for why in right.variant_why), right.variant_why
 
-    real = dispatch.add_tvm_dispatch
-
-    def skewed(module, *args, **kwargs):
-        real(module, *args, **kwargs)
-        forward = module.forward
-        module.forward = lambda *a, **k: forward(*a, **k) * 1.2
-        return module
-
-    monkeypatch.setattr(dispatch, "add_tvm_dispatch", skewed)
+    _skew_outputs(monkeypatch, 1.2)
     wrong = run_case(entry, verify=False, timing=False, autocast=True)
     assert wrong.verdict == "WRONG", wrong
     assert wrong.worst["step"] == "step 1", wrong.worst
