@@ -193,18 +193,19 @@ def _static(d: Any) -> int | None:
 
 def _spread(grad: Expr, dims: list[Any], axis: int, step: int, room: int) -> Expr:
     """``grad`` with ``step - 1`` zeros after each element along ``axis`` (a size-1 axis padded to
-    ``step`` and folded in), cut to at most ``room`` elements."""
+    ``step`` and folded in), cut to at most ``room`` elements. ``dims[axis]`` is static (the
+    caller's check); the other sizes may be symbolic (rotary embeddings' ``x[..., ::2]`` over a
+    batch and sequence of any size)."""
     op = relax.op
-    static = [_static(d) for d in dims]
-    shape = [d for d in static if d is not None]
-    if len(shape) != len(static):
-        raise NotImplementedError("gradient of a stepped slice with symbolic sizes")
+    shape: list[Any] = [_static(d) if _static(d) is not None else d for d in dims]
+    length = _static(dims[axis])
+    assert length is not None, "a stepped slice's own axis is static"
     expanded = shape[: axis + 1] + [1] + shape[axis + 1 :]
     pads = [0] * (2 * len(expanded))
     pads[2 * (axis + 1) + 1] = step - 1
-    wide = shape[:axis] + [shape[axis] * step] + shape[axis + 1 :]
+    wide = shape[:axis] + [length * step] + shape[axis + 1 :]
     spread = op.reshape(op.nn.pad(op.reshape(grad, expanded), pads), wide)
-    if wide[axis] > room:
+    if length * step > room:
         spread = op.strided_slice(spread, [axis], [0], [room])
     return spread
 
