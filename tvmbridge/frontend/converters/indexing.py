@@ -19,6 +19,7 @@ import torch
 import tvm
 from tvm import relax
 from tvm.relax.op.grad import no_grad
+from tvm.sym.analyzer import Analyzer
 
 from ...errors import UnsupportedOpError
 from .registry import args_of, converter, kwargs_of
@@ -108,15 +109,10 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
     for axis, idx_node in enumerate(args[1]):
         val = getattr(idx_node, "meta", {}).get("val")
         size = x.ty.shape[axis] if x.ty.shape is not None else None
-        if (
-            val is None
-            or val.dtype in (torch.bool, torch.uint8)
-            or not isinstance(size, tvm.tirx.IntImm)
-            or idx_node in saved
-        ):
+        if val is None or val.dtype in (torch.bool, torch.uint8) or size is None or idx_node in saved:
             continue
         saved[idx_node] = importer.env[idx_node]
-        importer.env[idx_node] = checked_index(importer, importer.env[idx_node], int(size))
+        importer.env[idx_node] = checked_index(importer, importer.env[idx_node], _size(size))
     try:
         joint = _joint_index(importer, node, x, list(args[1]))
         return joint if joint is not None else default(node)
@@ -124,29 +120,68 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
         importer.env.update(saved)
 
 
-def checked_index(importer: BridgeImporter, index: relax.Expr, size: int, clip: bool = False) -> relax.Expr:
+def checked_index(
+    importer: BridgeImporter, index: relax.Expr, size: int | tvm.tirx.PrimExpr, clip: bool = False
+) -> relax.Expr:
     """``index`` as int64 read from the end where negative, its range (``-size <= i < size``)
     folded into the importer's range flag (out of range raises after the call, as PyTorch
-    raises). ``clip``: kept inside the axis too, for writes, which must never land outside it."""
+    raises). ``clip``: kept inside the axis too, for writes, which must never land outside it.
+    ``size`` may be symbolic (an axis of a variant serving every batch size)."""
     bb, op = importer.block_builder, relax.op
-    n = relax.const(size, "int64")
+    size = _size(size) if isinstance(size, tvm.tirx.IntImm) else size
+    n = size_tensor(bb, size)
     idx = bb.emit(op.astype(index, "int64"))
     importer.range_flag(op.logical_and(op.greater_equal(idx, op.negative(n)), op.less(idx, n)))
     wrapped = op.where(op.less(idx, relax.const(0, "int64")), op.add(idx, n), idx)
     return bb.emit(op.clip(wrapped, relax.prim_value(0), relax.prim_value(size - 1)) if clip else wrapped)
 
 
-def linear_index(bb: relax.BlockBuilder, indices: list[relax.Expr], sizes: list[int], common: list[int]) -> relax.Expr:
-    """Index tensors over axes of ``sizes``, broadcast to ``common``, as one flat int64 index
-    into those axes flattened (row-major)."""
+def _size(d: tvm.tirx.PrimExpr) -> int | tvm.tirx.PrimExpr:
+    """An axis size as an int where static, else the symbolic expression."""
+    return int(d) if isinstance(d, tvm.tirx.IntImm) else d
+
+
+def size_tensor(bb: relax.BlockBuilder, size: int | tvm.tirx.PrimExpr) -> relax.Expr:
+    """A size as a 0-d int64 tensor: a constant where static, read from the shape where symbolic."""
+    if isinstance(size, int):
+        return relax.const(size, "int64")
+    return bb.emit(relax.op.reshape(relax.op.shape_to_tensor(relax.ShapeExpr([size])), []))
+
+
+def linear_index(bb: relax.BlockBuilder, indices: list[relax.Expr], sizes: list, common: list) -> relax.Expr:
+    """Index tensors over axes of ``sizes`` (ints, or symbolic sizes), broadcast to ``common``, as
+    one flat int64 index into those axes flattened (row-major)."""
     op, linear = relax.op, None
     for k, index in enumerate(indices):
-        stride = math.prod(sizes[k + 1 :])
+        stride = _product(sizes[k + 1 :])
         term = op.broadcast_to(op.astype(index, "int64"), common)
-        term = term if stride == 1 else op.multiply(term, relax.const(stride, "int64"))
+        term = term if isinstance(stride, int) and stride == 1 else op.multiply(term, size_tensor(bb, stride))
         linear = term if linear is None else op.add(linear, term)
     assert linear is not None
     return bb.emit(op.reshape(bb.emit(linear), [-1]))
+
+
+def _product(sizes: list) -> int | tvm.tirx.PrimExpr:
+    """The product of sizes: an int where all are static, else a simplified expression."""
+    if all(isinstance(d, int) for d in sizes):
+        return math.prod(sizes)
+    total = math.prod(sizes[1:], start=sizes[0])
+    simplified = Analyzer().simplify(total)
+    return int(simplified) if isinstance(simplified, tvm.tirx.IntImm) else simplified
+
+
+def _broadcast(shapes: list[list]) -> list | None:
+    """The broadcast of index shapes given as Relax sizes, or None where it is not provable at
+    compile time (two symbolic sizes that may differ)."""
+    analyzer, rank = Analyzer(), max(len(s) for s in shapes)
+    out = []
+    for dim in range(rank):
+        sizes = [s[len(s) - rank + dim] for s in shapes if len(s) - rank + dim >= 0]
+        wide = [d for d in sizes if not (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)]
+        if wide and not all(analyzer.can_prove_equal(d, wide[0]) for d in wide):
+            return None
+        out.append(_size(wide[0]) if wide else 1)
+    return out
 
 
 def indexed_layout(axes: list[int], others: list[int], common: int) -> list[int] | None:
@@ -174,31 +209,33 @@ def _joint_index(
     outer product of some (a transposed or wrong-shaped result) and had no gradient for the
     rest. Here: the indexed axes moved to the front and flattened, one ``take`` at the linear
     index (the embedding's gradient), the dims put where PyTorch puts them. None where another
-    conversion applies (one index, a mask, a size known only at run time)."""
+    conversion applies (one index, a mask, index shapes whose broadcast only the run decides).
+    Sizes may be symbolic (a sequence classifier's rows over any batch and length)."""
     axes = [a for a, i in enumerate(indices) if i is not None]
     metas = [getattr(indices[a], "meta", {}).get("val") for a in axes]
     shape = list(x.ty.shape) if x.ty.shape is not None else []
     vals = [v for v in metas if isinstance(v, torch.Tensor) and v.dtype not in (torch.bool, torch.uint8)]
     if len(axes) < 2 or len(vals) != len(axes):
         return None
-    sizes = [shape[a] for a in axes]
-    if not all(isinstance(d, tvm.tirx.IntImm) for d in sizes) or any(
-        not all(isinstance(d, int) for d in v.shape) for v in vals
-    ):
+    index_shapes = [getattr(importer.env[indices[a]].ty, "shape", None) for a in axes]
+    if any(s is None or a >= len(shape) for s, a in zip(index_shapes, axes)):
+        return None
+    common = _broadcast([list(s) for s in index_shapes if s is not None])
+    if common is None:
         return None
     bb, op = importer.block_builder, relax.op
-    common = list(torch.broadcast_shapes(*(tuple(v.shape) for v in vals)))
-    static = [int(d) for d in sizes]
-    linear = linear_index(bb, [importer.env[indices[a]] for a in axes], static, common)
+    sizes = [_size(shape[a]) for a in axes]
+    linear = linear_index(bb, [importer.env[indices[a]] for a in axes], sizes, common)
     others = [a for a in range(len(shape)) if a not in axes]
     moved = bb.emit(op.permute_dims(x, axes + others)) if axes + others != list(range(len(shape))) else x
-    table = bb.emit(op.reshape(moved, [math.prod(static)] + [shape[a] for a in others]))
+    table = bb.emit(op.reshape(moved, [_product(sizes)] + [shape[a] for a in others]))
     taken = bb.emit(op.take(table, linear, axis=0, mode="clip"))
     out = bb.emit(op.reshape(taken, common + [shape[a] for a in others]))
     order = indexed_layout(axes, others, len(common))
     if order is not None:
         out = bb.emit(op.permute_dims(out, order))
-    expected = [int(d) for d in node.meta["val"].shape] if "val" in node.meta else None
+    val = node.meta.get("val")
+    expected = [int(d) for d in val.shape] if val is not None and all(isinstance(d, int) for d in val.shape) else None
     got = [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in out.ty.shape]
     if expected is not None and None not in got and got != expected:
         raise UnsupportedOpError(
