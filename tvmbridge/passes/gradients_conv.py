@@ -24,14 +24,21 @@ op = relax.op
 
 
 # --- convolutions: 2-D and 3-D (1-D ones as 2-D with a unit height) -------------------------------
+def batch_dims(expr: Expr, what: str) -> list[Any]:
+    """An activation's sizes: static but for the batch, which may be symbolic (one variant
+    serving every batch size)."""
+    lead, rest = batch_and_static_dims(expr, what)
+    return [lead, *rest]
+
+
 def conv_data_grad(
-    g: Expr, w: Expr, x_dims: list[int], strides: list[int], padding: list[int], dilation: list[int], groups: int
+    g: Expr, w: Expr, x_dims: list[Any], strides: list[int], padding: list[int], dilation: list[int], groups: int
 ) -> Expr:
     """The input gradient of a 2-D or 3-D convolution (NC..., OI...): the transposed convolution
     of the output gradient, with the output padding that gives back the input's size (Relax's own
     ``conv2d`` gradient leaves dilation out of that size)."""
     spatial = len(x_dims) - 2
-    g_dims, k_dims = static_dims(g, "relax.nn.conv"), static_dims(w, "relax.nn.conv")
+    g_dims, k_dims = batch_dims(g, "relax.nn.conv"), static_dims(w, "relax.nn.conv")
     extra = []
     for i in range(spatial):
         covered = (g_dims[2 + i] - 1) * strides[i] - padding[i] - padding[i + spatial]
@@ -46,7 +53,7 @@ def conv_weight_grad(
     """The weight gradient of a 2-D or 3-D convolution (NC..., OI...): a convolution of the input,
     batch and channels swapped (per group), with the output gradient as kernel; stride and
     dilation trade places, and the result is cut to the kernel's size."""
-    dims = static_dims(x, "relax.nn.conv")
+    dims = batch_dims(x, "relax.nn.conv")
     n, c, space = dims[0], dims[1], dims[2:]
     axes = list(range(2, 2 + len(space)))
     per_group = c // groups
@@ -87,7 +94,7 @@ def conv2d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuil
         from tvm.relax.op._op_gradient import conv2d_grad as relax_conv2d_grad
 
         return relax_conv2d_grad(orig_var, orig_call, output_grad, ctx)
-    dx = conv_data_grad(output_grad, w, static_dims(x, "relax.nn.conv2d"), strides, padding, dilation, groups)
+    dx = conv_data_grad(output_grad, w, batch_dims(x, "relax.nn.conv2d"), strides, padding, dilation, groups)
     dw = conv_weight_grad(x, output_grad, static_dims(w, "relax.nn.conv2d"), strides, padding, dilation, groups)
     return [dx, dw]
 
@@ -123,7 +130,7 @@ def conv3d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuil
     pad = [int(p) for p in attrs.padding]
     padding = pad * 2 if len(pad) == 3 else pad
     strides, dilation, groups = [int(v) for v in attrs.strides], [int(v) for v in attrs.dilation], int(attrs.groups)
-    dx = conv_data_grad(output_grad, w, static_dims(x, "relax.nn.conv3d"), strides, padding, dilation, groups)
+    dx = conv_data_grad(output_grad, w, batch_dims(x, "relax.nn.conv3d"), strides, padding, dilation, groups)
     dw = conv_weight_grad(x, output_grad, static_dims(w, "relax.nn.conv3d"), strides, padding, dilation, groups)
     return [dx, dw]
 
@@ -152,7 +159,7 @@ def conv1d_as_2d(orig_call: Call, output_grad: Var, ctx: BlockBuilder, kernel_la
 def conv1d_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """The 2-D gradients over a unit height."""
     strides, padding, dilation, groups, (x4, w4, g4) = conv1d_as_2d(orig_call, output_grad, ctx, "OIW")
-    dx = conv_data_grad(g4, w4, static_dims(x4, "relax.nn.conv1d"), strides, padding, dilation, groups)
+    dx = conv_data_grad(g4, w4, batch_dims(x4, "relax.nn.conv1d"), strides, padding, dilation, groups)
     dw = conv_weight_grad(x4, g4, static_dims(w4, "relax.nn.conv1d"), strides, padding, dilation, groups)
     return [op.squeeze(dx, [2]), op.squeeze(dw, [2])]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import tvm
 from tvm import relax
 from tvm.ir import Call
 from tvm.relax import BlockBuilder, Expr, Var
@@ -288,13 +289,16 @@ def pad_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder
     widths = [int(w) for w in orig_call.attrs.pad_width]
     if any(w < 0 for w in widths):
         raise NotImplementedError("the gradient of relax.nn.pad with negative pad widths")
-    # only the padded axes are sliced: an axis left alone may be symbolic (a batch)
+    # only the padded axes are sliced; a size may be symbolic (a batch, a sequence's length: the
+    # window padding of ConvBERT's unfold), the slice then ends at an expression, in bounds
     axes = [i for i in range(len(shape)) if widths[2 * i] or widths[2 * i + 1]]
-    try:
-        ends = [widths[2 * i] + int(shape[i]) for i in axes]
-    except (TypeError, ValueError):
-        raise NotImplementedError(f"the gradient of relax.nn.pad needs static padded sizes; got {x.ty}") from None
-    grad = op.strided_slice(output_grad, axes, [widths[2 * i] for i in axes], ends) if axes else output_grad
+    ends = [widths[2 * i] + (int(shape[i]) if isinstance(shape[i], tvm.tirx.IntImm) else shape[i]) for i in axes]
+    symbolic = not all(isinstance(e, int) for e in ends)
+    grad = (
+        op.strided_slice(output_grad, axes, [widths[2 * i] for i in axes], ends, assume_inbound=symbolic)
+        if axes
+        else output_grad
+    )
     return [grad] + [no_grad(a) for a in orig_call.args[1:]]
 
 
