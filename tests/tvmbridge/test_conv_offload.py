@@ -136,6 +136,37 @@ def test_a_symbolic_batch_runs_on_the_library():
         assert max(errs.values()) < 2e-5, errs
 
 
+class Sequence1d(torch.nn.Module):
+    """Mamba's and Whisper's 1-D convolutions (a causal depthwise one, a strided one, a dilated
+    grouped one) and a dilated 2-D one: the bridge's own gradient formulas, not Relax's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depthwise = torch.nn.Conv1d(6, 6, 4, padding=3, groups=6)
+        self.strided = torch.nn.Conv1d(6, 8, 3, stride=2, padding=1)
+        self.dilated = torch.nn.Conv1d(8, 8, 3, padding=2, dilation=2, groups=2)
+        self.plane = torch.nn.Conv2d(1, 2, 3, padding=2, dilation=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.silu(self.depthwise(x)[..., : x.shape[-1]])
+        h = self.dilated(torch.relu(self.strided(h)))
+        return self.plane(h.unsqueeze(1)).mean((1, 2))
+
+
+def test_one_dimensional_and_dilated_gradients_over_a_symbolic_batch():
+    torch.manual_seed(0)
+    model = Sequence1d()
+    module = add_tvm_dispatch(clone_module(model), verify=False)
+    for n in (2, 3, 5):
+        x = torch.randn(n, 6, 12)
+        got = run_step(module, (x,))
+        assert is_tvm(got[0][0])
+        errs = max_errors(got, run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 2e-5, errs
+    variants = dispatcher_of(module).variants
+    assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
+
+
 def test_bfloat16_autocast_matches_eager_autocast():
     torch.manual_seed(0)
     model, x = ConvNet(), torch.randn(2, 3, 17, 17)

@@ -243,3 +243,101 @@ def test_squeeze_keeps_a_symbolic_batch_axis() -> None:
         assert torch.equal(got_ids, want_ids), (got_ids, want_ids)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert tvm._tvm_dispatch.variants[-1].symbolic, tvm._tvm_dispatch.explain()
+
+
+class InterleavedRotary(torch.nn.Module):
+    """RoFormer's and GPT-J's rotary embedding (``x[..., ::2]``, ``x[..., 1::2]`` rotated and
+    interleaved back) and Swin's patch merging (``x[:, 0::2, 1::2]``): stepped slices along
+    static axes of a tensor whose batch and length are symbolic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        even, odd = h[..., ::2], h[..., 1::2]
+        rotated = torch.stack((-odd * 0.6 + even * 0.8, even * 0.6 + odd * 0.8), dim=-1).flatten(-2)
+        grid = h.reshape(h.shape[0], -1, 4, 2)  # (batch, seq, 4, 2)
+        merged = torch.cat((grid[:, :, 0::2, 0], grid[:, :, 1::2, 1], grid[:, :, 1::3, 1]), dim=-1)
+        return rotated.pow(2).sum() + merged.sin().sum()
+
+
+def test_stepped_slices_over_symbolic_sizes_serve_every_shape_in_one_variant() -> None:
+    torch.manual_seed(0)
+    calls = [torch.randn(b, n, 8, dtype=torch.float64, requires_grad=True) for b, n in ((2, 6), (3, 9), (2, 13), (4, 5))]
+    _same_as_eager_in_one_symbolic_variant(InterleavedRotary(), calls, rtol=1e-12, atol=1e-12, grad_rtol=1e-12)
+
+
+class LastTokenLogits(torch.nn.Module):
+    """A sequence classifier's pooling (GPT-2's, Llama's): each row's logits at its last real
+    token, ``logits[arange(batch), last]``, with ``last`` -1 where a row has no padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8, dtype=torch.float64)
+        self.score = torch.nn.Linear(8, 3, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.score(self.emb(ids).tanh())
+        first_pad = (ids == 0).int().argmax(-1) - 1
+        last = torch.where(first_pad < 0, -1, first_pad) if ids.shape[1] % 2 else first_pad % ids.shape[1]
+        return logits[torch.arange(ids.shape[0]), last]
+
+
+def test_rows_picked_by_two_index_tensors_serve_every_shape_in_one_variant() -> None:
+    torch.manual_seed(0)
+    calls = []
+    for b, n in ((2, 6), (3, 9), (2, 13), (4, 5)):
+        ids = torch.randint(1, 16, (b, n))
+        ids[0, n // 2 :] = 0  # a padded row; the others have none (last = -1: read from the end)
+        calls.append(ids)
+    _same_as_eager_in_one_symbolic_variant(LastTokenLogits(), calls, rtol=1e-12, atol=1e-12, grad_rtol=1e-12,
+                                           loss=lambda out: out.pow(2).sum())
+
+
+class RowsAt(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return (x * self.w)[rows, cols]
+
+
+def test_two_index_tensors_out_of_range_raise_at_symbolic_sizes() -> None:
+    eager = RowsAt()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False)
+    for b, n in ((3, 5), (4, 7)):  # the second compiles the symbolic variant
+        x = torch.randn(b, n, 8, dtype=torch.float64)
+        rows, cols = torch.tensor([0, b - 1, -1]), torch.tensor([1, -n, n - 1])
+        torch.testing.assert_close(tvm(x, rows, cols), eager(x, rows, cols), rtol=0, atol=0)
+    assert tvm._tvm_dispatch.variants[-1].symbolic, tvm._tvm_dispatch.explain()
+    x = torch.randn(5, 6, 8, dtype=torch.float64)
+    for rows, cols in ((torch.tensor([5]), torch.tensor([0])), (torch.tensor([0]), torch.tensor([-7]))):
+        with pytest.raises(IndexError):
+            eager(x, rows, cols)
+        with pytest.raises(IndexError):
+            tvm(x, rows, cols)
+
+
+class SequenceWindows(torch.nn.Module):
+    """ConvBERT's span convolution: ``F.unfold`` over the sequence (its windows padded along a
+    symbolic length), and an explicit ``F.pad`` of the sequence axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)  # (batch, seq, 8)
+        cols = torch.nn.functional.unfold(h.transpose(1, 2).unsqueeze(-1), kernel_size=[3, 1], padding=[1, 0])
+        windows = cols.reshape(x.shape[0], 8, 3, x.shape[1]).mean(2).transpose(1, 2)
+        padded = torch.nn.functional.pad(h, (0, 0, 2, 1))
+        return (windows * h).sum() + padded[:, 1:].cos().sum()
+
+
+def test_padding_along_a_symbolic_length_has_its_gradient() -> None:
+    torch.manual_seed(0)
+    calls = [torch.randn(b, n, 8, dtype=torch.float64, requires_grad=True) for b, n in ((2, 6), (3, 9), (2, 13), (4, 5))]
+    _same_as_eager_in_one_symbolic_variant(SequenceWindows(), calls, rtol=1e-12, atol=1e-12, grad_rtol=1e-12)
