@@ -167,6 +167,38 @@ def test_one_dimensional_and_dilated_gradients_over_a_symbolic_batch():
     assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
 
 
+class Resize(torch.nn.Module):
+    """CoaT's and FPNs' resizing between convolutions: bilinear (both corner modes), nearest and
+    antialiased interpolation of a batch of any size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        h = self.conv(x)
+        up = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
+        corners = F.interpolate(h, size=(9, 11), mode="bilinear", align_corners=True)
+        near = F.interpolate(h, size=(5, 7), mode="nearest")
+        small = F.interpolate(h, size=(3, 4), mode="bilinear", antialias=True)
+        return up.pow(2).mean((2, 3)) + corners.mean((2, 3)) + near.sin().mean((2, 3)) + small.mean((2, 3))
+
+
+def test_interpolation_over_a_symbolic_batch():
+    torch.manual_seed(0)
+    model = Resize()
+    module = add_tvm_dispatch(clone_module(model), verify=False)
+    for n in (2, 3, 5):
+        x = torch.randn(n, 3, 8, 10)
+        got = run_step(module, (x,))
+        assert is_tvm(got[0][0])
+        errs = max_errors(got, run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 2e-5, errs
+    variants = dispatcher_of(module).variants
+    assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
+
+
 def test_bfloat16_autocast_matches_eager_autocast():
     torch.manual_seed(0)
     model, x = ConvNet(), torch.randn(2, 3, 17, 17)

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import tvm
 from tvm import relax
 
 from ...errors import UnsupportedOpError
-from ...ir import static_shape
 from .registry import args_of, converter, op_name
 
 if TYPE_CHECKING:
@@ -90,6 +90,17 @@ def linear_taps(in_size: int, out_size: int, align_corners: bool, scale: float |
 
 
 # --- the converters -----------------------------------------------------------------------------
+def _spatial_sizes(x: relax.Expr, node: torch.fx.Node, name: str) -> tuple[list, list]:
+    """Input and output sizes, static in the resized (last two) axes, which the taps are computed
+    for; the batch and channels may be symbolic (a variant serving every batch size)."""
+    shape = getattr(x.ty, "shape", None)
+    in_dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else None for d in shape] if shape is not None else []
+    out_dims = [d if isinstance(d, int) else None for d in node.meta["val"].shape]
+    if len(in_dims) != 4 or None in in_dims[2:] or None in out_dims[2:]:
+        raise UnsupportedOpError("convert", "interpolation over a dynamic height or width", op=name)
+    return in_dims, out_dims
+
+
 @converter(
     "upsample_nearest2d.vec", "upsample_nearest2d.default", "upsample_bilinear2d.vec", "upsample_bilinear2d.default"
 )
@@ -100,9 +111,7 @@ def upsample(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     name = op_name(node)
     linear, vec = "bilinear" in name, name.endswith(".vec")
     x = importer.env[args[0]]
-    in_dims, out_dims = static_shape(x), [int(d) for d in node.meta["val"].shape]
-    if in_dims is None:
-        raise UnsupportedOpError("convert", "interpolation over a dynamic dimension", op=name)
+    in_dims, out_dims = _spatial_sizes(x, node, name)
     rest = list(args[2:])
     align = bool(rest.pop(0)) if linear else False
     if vec:
@@ -207,9 +216,7 @@ def upsample_antialiased(importer: BridgeImporter, node: torch.fx.Node) -> relax
     args = args_of(node)
     name = op_name(node)
     x = importer.env[args[0]]
-    in_dims, out_dims = static_shape(x), [int(d) for d in node.meta["val"].shape]
-    if in_dims is None:
-        raise UnsupportedOpError("convert", "interpolation over a dynamic dimension", op=name)
+    in_dims, out_dims = _spatial_sizes(x, node, name)
     align = bool(args[2]) if len(args) > 2 else False
     if name.endswith(".vec"):
         scales = list(args[3]) if len(args) > 3 and args[3] is not None else [None, None]
