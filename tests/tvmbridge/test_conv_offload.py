@@ -167,6 +167,39 @@ def test_one_dimensional_and_dilated_gradients_over_a_symbolic_batch():
     assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
 
 
+class CausalConvs(torch.nn.Module):
+    """Mamba's causal depthwise convolution and ConvBERT's grouped, dilated span convolution over
+    a sequence of any length; ``stride`` on the last one."""
+
+    def __init__(self, stride: int) -> None:
+        super().__init__()
+        self.depthwise = torch.nn.Conv1d(6, 6, 4, padding=3, groups=6)
+        self.dilated = torch.nn.Conv1d(6, 8, 3, padding=2, dilation=2, groups=2)
+        self.point = torch.nn.Conv1d(8, 4, 1, stride=stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.silu(self.depthwise(x)[..., : x.shape[-1]])
+        return self.point(torch.relu(self.dilated(h))).pow(2).mean(-1)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_one_dimensional_gradients_over_a_symbolic_length(stride):
+    """Stride 1: one variant over batch and length. A stride of 2 over a symbolic length has an
+    output padding that is the length modulo 2: refused there, so each length compiles exactly
+    (right numbers either way)."""
+    torch.manual_seed(0)
+    model = CausalConvs(stride)
+    module = add_tvm_dispatch(clone_module(model), verify=False)
+    for n, length in ((2, 12), (3, 12), (3, 17), (2, 9)):
+        x = torch.randn(n, 6, length)
+        got = run_step(module, (x,))
+        assert is_tvm(got[0][0])
+        errs = max_errors(got, run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 2e-5, errs
+    symbolic = [v.symbolic for v in dispatcher_of(module).variants]
+    assert symbolic == ([False, True, True] if stride == 1 else [False, True, False, False]), symbolic
+
+
 class Resize(torch.nn.Module):
     """CoaT's and FPNs' resizing between convolutions: bilinear (both corner modes), nearest and
     antialiased interpolation of a batch of any size."""

@@ -13,9 +13,11 @@ import math
 from typing import Any
 
 import numpy as np
+import tvm
 from tvm import relax
 from tvm.ir import Attrs, Call
 from tvm.relax import BlockBuilder, Expr, Var
+from tvm.sym.analyzer import Analyzer
 
 from .gradient_exprs import batch_and_static_dims, const, dtype_of, emit, static_dims
 from .gradients import gradient
@@ -25,10 +27,24 @@ op = relax.op
 
 # --- convolutions: 2-D and 3-D (1-D ones as 2-D with a unit height) -------------------------------
 def batch_dims(expr: Expr, what: str) -> list[Any]:
-    """An activation's sizes: static but for the batch, which may be symbolic (one variant
-    serving every batch size)."""
-    lead, rest = batch_and_static_dims(expr, what)
-    return [lead, *rest]
+    """An activation's sizes, each an int where static, else symbolic (a variant serving every
+    batch size or length); the channels must be static."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None or len(shape) < 2 or not isinstance(shape[1], tvm.tirx.IntImm):
+        raise NotImplementedError(f"the gradient of {what} needs static channels; got {expr.ty}")
+    return [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape]
+
+
+def _output_padding(extent: Any, what: str) -> int:
+    """The transposed convolution's output padding, which must be a number: where the sizes are
+    symbolic it simplifies to one for a stride of 1, not for larger strides (it is then the
+    length modulo the stride)."""
+    value = Analyzer().simplify(extent) if not isinstance(extent, int) else extent
+    if isinstance(value, tvm.tirx.IntImm):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    raise NotImplementedError(f"the gradient of {what} with a stride over a symbolic size (output padding {value})")
 
 
 def conv_data_grad(
@@ -42,7 +58,7 @@ def conv_data_grad(
     extra = []
     for i in range(spatial):
         covered = (g_dims[2 + i] - 1) * strides[i] - padding[i] - padding[i + spatial]
-        extra.append(x_dims[2 + i] - covered - dilation[i] * (k_dims[2 + i] - 1) - 1)
+        extra.append(_output_padding(x_dims[2 + i] - covered - dilation[i] * (k_dims[2 + i] - 1) - 1, "relax.nn.conv"))
     transpose, layout = (op.nn.conv2d_transpose, "IOHW") if spatial == 2 else (op.nn.conv3d_transpose, "IODHW")
     return transpose(g, w, strides, padding, extra, dilation, groups, kernel_layout=layout, out_dtype=dtype_of(g))
 
