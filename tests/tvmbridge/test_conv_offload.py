@@ -232,6 +232,35 @@ def test_interpolation_over_a_symbolic_batch():
     assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
 
 
+class PoolAndTile(torch.nn.Module):
+    """VGG's adaptive pooling to a grid larger than 1x1 (1-D too) and a tiled activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        grid = torch.nn.functional.adaptive_avg_pool2d(h, (3, 2))
+        line = torch.nn.functional.adaptive_avg_pool1d(h.flatten(2), 5)
+        tiled = grid.flatten(1).repeat(1, 2).unsqueeze(1).repeat(1, 3, 2)
+        return tiled.pow(2).mean((1, 2)) + line.sin().mean((1, 2))
+
+
+def test_adaptive_pooling_and_tiling_over_a_symbolic_batch():
+    torch.manual_seed(0)
+    model = PoolAndTile()
+    module = add_tvm_dispatch(clone_module(model), verify=False)
+    for n in (2, 3, 5):
+        x = torch.randn(n, 3, 7, 9)
+        got = run_step(module, (x,))
+        assert is_tvm(got[0][0])
+        errs = max_errors(got, run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 2e-5, errs
+    variants = dispatcher_of(module).variants
+    assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
+
+
 def test_bfloat16_autocast_matches_eager_autocast():
     torch.manual_seed(0)
     model, x = ConvNet(), torch.randn(2, 3, 17, 17)

@@ -35,6 +35,15 @@ def static_dims(expr: Expr, what: str) -> list[int]:
         raise NotImplementedError(f"the gradient of {what} needs static shapes; got {expr.ty}") from None
 
 
+def sizes_of(expr: Expr, what: str) -> list[Any]:
+    """A tensor's sizes, each an int where static, else its symbolic expression; a refusal naming
+    the op where not even the rank is known."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None:
+        raise NotImplementedError(f"the gradient of {what} needs a known shape; got {expr.ty}")
+    return [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape]
+
+
 def batch_and_static_dims(expr: Expr, what: str) -> tuple[Any, list[int]]:
     """A tensor's leading (batch) size, an int or symbolic (a variant serving every batch size),
     and its other sizes, which must be static (a refusal naming the op otherwise)."""

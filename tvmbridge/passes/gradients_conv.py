@@ -19,7 +19,7 @@ from tvm.ir import Attrs, Call
 from tvm.relax import BlockBuilder, Expr, Var
 from tvm.sym.analyzer import Analyzer
 
-from .gradient_exprs import batch_and_static_dims, const, dtype_of, emit, static_dims
+from .gradient_exprs import batch_and_static_dims, const, dtype_of, emit, sizes_of, static_dims
 from .gradients import gradient
 
 op = relax.op
@@ -29,10 +29,10 @@ op = relax.op
 def batch_dims(expr: Expr, what: str) -> list[Any]:
     """An activation's sizes, each an int where static, else symbolic (a variant serving every
     batch size or length); the channels must be static."""
-    shape = getattr(expr.ty, "shape", None)
-    if shape is None or len(shape) < 2 or not isinstance(shape[1], tvm.tirx.IntImm):
+    dims = sizes_of(expr, what)
+    if len(dims) < 2 or not isinstance(dims[1], int):
         raise NotImplementedError(f"the gradient of {what} needs static channels; got {expr.ty}")
-    return [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in shape]
+    return dims
 
 
 def _output_padding(extent: Any, what: str) -> int:
@@ -327,7 +327,10 @@ def adaptive_pool_grad(output_grad: Expr, x: Expr, layout: str, what: str) -> Ex
     each axis' bin matrix)."""
     if layout not in ("NCW", "NCHW"):
         raise NotImplementedError(f"the gradient of {what} in layout {layout}")
-    dims, out_dims = static_dims(x, what), static_dims(output_grad, what)
+    # the bins are per spatial axis: those sizes static, the batch may be symbolic
+    dims, out_dims = batch_dims(x, what), batch_dims(output_grad, what)
+    if not all(isinstance(d, int) for d in dims[2:] + out_dims[2:]):
+        raise NotImplementedError(f"the gradient of {what} needs static spatial sizes; got {x.ty}")
     grad = output_grad
     if len(dims) == 4:
         rows = adaptive_bins(dims[2], out_dims[2], dtype_of(x))

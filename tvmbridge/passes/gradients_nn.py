@@ -19,7 +19,7 @@ from tvm.ir import Call
 from tvm.relax import BlockBuilder, Expr, Var
 from tvm.relax.op.grad import no_grad
 
-from .gradient_exprs import const, dtype_of, emit, fit_shape, scalar, static_dims
+from .gradient_exprs import const, dtype_of, emit, fit_shape, scalar, sizes_of
 from .gradients import gradient
 
 op = relax.op
@@ -247,9 +247,10 @@ def flip_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilde
 @gradient("relax.tile")
 def tile_grad(orig_var: Var, orig_call: Call, output_grad: Var, ctx: BlockBuilder) -> list[Expr]:
     """Every copy adds up: the gradient viewed as ``(r0, s0, r1, s1, ...)`` summed over the
-    ``r`` axes (``tile`` first pads the shorter of shape and repeats with leading 1s)."""
+    ``r`` axes (``tile`` first pads the shorter of shape and repeats with leading 1s); the
+    sizes may be symbolic (a batch of any size tiled)."""
     x = orig_call.args[0]
-    dims = static_dims(x, "relax.tile")
+    dims = sizes_of(x, "relax.tile")
     reps = [int(r) for r in orig_call.attrs.repeats]
     n = max(len(dims), len(reps))
     dims, reps = [1] * (n - len(dims)) + dims, [1] * (n - len(reps)) + reps
