@@ -341,3 +341,29 @@ def test_padding_along_a_symbolic_length_has_its_gradient() -> None:
     torch.manual_seed(0)
     calls = [torch.randn(b, n, 8, dtype=torch.float64, requires_grad=True) for b, n in ((2, 6), (3, 9), (2, 13), (4, 5))]
     _same_as_eager_in_one_symbolic_variant(SequenceWindows(), calls, rtol=1e-12, atol=1e-12, grad_rtol=1e-12)
+
+
+class RowsFromEnd(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return (x * self.w)[idx]
+
+
+def test_negative_and_out_of_range_indices_along_a_symbolic_axis() -> None:
+    """``x[idx]`` along a symbolic batch: negative indices count from the end and an index out of
+    range raises, as in PyTorch (the symbolic variant read them unchecked: wrong rows, no error)."""
+    eager = RowsFromEnd()
+    tvm = add_tvm_dispatch(copy.deepcopy(eager), verify=False)
+    for b in (3, 4, 6):
+        x = torch.randn(b, 5, 8, dtype=torch.float64)
+        idx = torch.tensor([-1, 0, -b, 1])
+        torch.testing.assert_close(tvm(x, idx), eager(x, idx), rtol=0, atol=0)
+    assert tvm._tvm_dispatch.variants[-1].symbolic, tvm._tvm_dispatch.explain()
+    for idx in (torch.tensor([5]), torch.tensor([-6])):
+        with pytest.raises(IndexError):
+            eager(torch.randn(5, 5, 8, dtype=torch.float64), idx)
+        with pytest.raises(IndexError):
+            tvm(torch.randn(5, 5, 8, dtype=torch.float64), idx)
