@@ -13,6 +13,8 @@ no converter can take it with dropout. It is written out as ATen's
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -169,6 +171,19 @@ def index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tens
     return torch.where(hit.reshape(shape), fill.to(x.device), x)
 
 
+def nonnegative_index(decomposition: Callable) -> Callable:
+    """``decomposition`` (of ``index_add``/``index_copy``, which ATen refuses negative indices
+    for) after a check that every index is at least 0: the decomposition writes through
+    ``index_put``, which reads a negative index from the end, so a bad index would have been
+    written to the wrong row instead of raising."""
+
+    def checked(x: torch.Tensor, dim: int, index: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        torch._assert_async(torch.all(index >= 0), "index out of range")
+        return decomposition(x, dim, index, *args, **kwargs)
+
+    return checked
+
+
 # ops whose decomposition here can lay its result out differently from the kernel the trace ran
 # (``traced_layouts`` re-lays them out to the traced strides before decomposing)
 LAYOUT_CHANGING = frozenset({aten.scaled_dot_product_attention.default})
@@ -193,4 +208,6 @@ def decomposition_table() -> dict:
     table[aten._embedding_bag_forward_only.default] = embedding_bag
     table[aten.index_fill.int_Tensor] = index_fill
     table[aten.index_fill.int_Scalar] = index_fill
+    for op in (aten.index_add.default, aten.index_copy.default):
+        table[op] = nonnegative_index(table[op])
     return table

@@ -10,8 +10,9 @@ multi-output op's other outputs are refused where the frontend would hand back t
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -97,6 +98,24 @@ def take_flat(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return bb.emit(op.take(flat, wrapped, axis=0, mode="clip"))
 
 
+@converter("index_select.default")
+def index_select_checked(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``x.index_select(dim, idx)``: a ``take`` whose indices must lie in ``[0, size)`` (ATen
+    refuses negative ones too), folded into the range flag; the frontend's ``take`` read an index
+    out of range clipped, without an error. Over a 0-d ``x`` (a size of 1) the value itself,
+    shaped as the result (Relax's axis checks refuse the ``take``)."""
+    args = args_of(node)
+    x, index = importer.env[args[0]], importer.env[args[2]]
+    shape = list(x.ty.shape)
+    bb, op = importer.block_builder, relax.op
+    idx = bb.emit(op.astype(index, "int64"))
+    n = size_tensor(bb, _size(shape[int(args[1]) % len(shape)]) if shape else 1)
+    importer.range_flag(op.logical_and(op.greater_equal(idx, relax.const(0, "int64")), op.less(idx, n)))
+    if not shape:
+        return bb.emit(op.reshape(x, [int(d) for d in node.meta["val"].shape]))
+    return bb.emit(op.take(x, idx, axis=int(args[1]) % len(shape), mode="clip"))
+
+
 @converter("index.Tensor", wraps_default=True)
 def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
     """``x[idx]`` (``index.Tensor``, and so ``torch.take``): the frontend reads a negative
@@ -105,17 +124,28 @@ def index_from_end(importer: BridgeImporter, node: torch.fx.Node, default: Calla
     out of range raises like PyTorch), then the frontend's conversion runs on those."""
     args = args_of(node)
     x = importer.env[args[0]]
+    with checked_indices(importer, x, list(args[1])):
+        joint = _joint_index(importer, node, x, list(args[1]))
+        return joint if joint is not None else default(node)
+
+
+@contextlib.contextmanager
+def checked_indices(importer: BridgeImporter, x: relax.Expr, indices: list, clip: bool = False) -> Iterator[None]:
+    """For the block, each integer index tensor of ``x[indices]`` (one per axis, None where an
+    axis is whole) read through :func:`checked_index` against its axis' size, static or symbolic
+    (``clip`` for writes): what a conversion reads then never lies outside ``x``. The frontend's
+    own conversions read (and write) indices unchecked, negative ones out of bounds."""
     saved: dict[torch.fx.Node, relax.Expr] = {}
-    for axis, idx_node in enumerate(args[1]):
+    shape = x.ty.shape
+    for axis, idx_node in enumerate(indices):
         val = getattr(idx_node, "meta", {}).get("val")
-        size = x.ty.shape[axis] if x.ty.shape is not None else None
+        size = shape[axis] if shape is not None and axis < len(shape) else None
         if val is None or val.dtype in (torch.bool, torch.uint8) or size is None or idx_node in saved:
             continue
         saved[idx_node] = importer.env[idx_node]
-        importer.env[idx_node] = checked_index(importer, importer.env[idx_node], _size(size))
+        importer.env[idx_node] = checked_index(importer, importer.env[idx_node], _size(size), clip)
     try:
-        joint = _joint_index(importer, node, x, list(args[1]))
-        return joint if joint is not None else default(node)
+        yield
     finally:
         importer.env.update(saved)
 

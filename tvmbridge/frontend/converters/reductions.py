@@ -98,10 +98,11 @@ def prod(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return bb.emit(relax.op.prod(source, axis=[int(args[1])], keepdims=keep))
 
 
-@converter("sum.dim_IntList", "mean.dim", "index_select.default", wraps_default=True)
+@converter("sum.dim_IntList", "mean.dim", wraps_default=True)
 def zero_dim_safe(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
-    """Reductions and ``index_select`` over a 0-d tensor (dim 0 or -1 names the value itself),
-    which Relax's axis checks refuse: the value, in the result's dtype and shape."""
+    """Reductions over a 0-d tensor (dim 0 or -1 names the value itself), which Relax's axis
+    checks refuse: the value, in the result's dtype and shape (``index_select``'s own converter
+    does the same)."""
     x = importer.env[args_of(node)[0]]
     if x.ty.shape is None or len(x.ty.shape) > 0:
         return default(node)

@@ -16,7 +16,7 @@ import torch
 import tvm
 from tvm import relax
 
-from .indexing import checked_index, indexed_layout, linear_index
+from .indexing import checked_index, checked_indices, indexed_layout, linear_index
 from .registry import args_of, converter, kwargs_of
 
 if TYPE_CHECKING:
@@ -94,7 +94,11 @@ def index_put(importer: BridgeImporter, node: torch.fx.Node, default: Callable) 
     accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
     written = _put_mask(importer, node, accumulate)
     written = written if written is not None else _put_integer(importer, node, accumulate)
-    return written if written is not None else default(node)
+    if written is not None:
+        return written
+    # the frontend's own write (an index of run-time length): its indices checked and clipped first
+    with checked_indices(importer, importer.env[args[0]], list(args[1]), clip=True):
+        return default(node)
 
 
 def _scatter(importer: BridgeImporter, node: torch.fx.Node, src: relax.Expr, reduction: str) -> relax.Expr:
