@@ -227,3 +227,44 @@ def refusals_by_reason(outcomes: list[Outcome]) -> dict[str, list[str]]:
         if o.kind == "refused":
             groups[o.reason[:160]].add(o.op)
     return {k: sorted(v) for k, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))}
+
+
+def silent_on_error_input(info: Any, error_input: Any) -> str | None:
+    """One of PyTorch's ``error_inputs`` (a call ATen refuses) through the bridge: None where the
+    dispatched module raises too (at compile, or when called) or PyTorch refuses nothing here;
+    else what the compiled code returned instead of raising."""
+    from tvmbridge import add_tvm_dispatch
+
+    s = error_input.sample_input
+    leaves, spec = pytree.tree_flatten(((s.input, *s.args), dict(s.kwargs)))
+    tensors = tuple(t.detach().clone() for t in leaves if isinstance(t, torch.Tensor))
+    module = OneOp(info.op, spec, leaves)
+    try:
+        module(*tensors)
+        return None  # PyTorch accepts it here: nothing to compare
+    except Exception:  # noqa: BLE001
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            add_tvm_dispatch(module, tensors, verify=False)
+            out = module(*tensors)
+        except Exception:  # noqa: BLE001 - raised, as PyTorch does
+            return None
+    return f"{full_name(info)}: returned {[tuple(o.shape) for o in out]} where PyTorch raises {error_input.error_regex[:80]!r}"
+
+
+def error_sweep(infos: list, per_op: int = 12) -> Iterator[str]:
+    """What the claimed ops among ``infos`` return silently on PyTorch's error inputs."""
+    for info in infos:
+        if getattr(info, "error_inputs_func", None) is None:
+            continue
+        try:
+            errors = list(info.error_inputs(torch.device("cpu")))
+        except Exception:  # noqa: BLE001 - an OpInfo whose error inputs need another device
+            continue
+        if not errors or not claimed(info):
+            continue
+        for error_input in errors[:per_op]:
+            if (silent := silent_on_error_input(info, error_input)) is not None:
+                yield silent

@@ -171,15 +171,27 @@ def index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: torch.Tens
     return torch.where(hit.reshape(shape), fill.to(x.device), x)
 
 
-def nonnegative_index(decomposition: Callable) -> Callable:
-    """``decomposition`` (of ``index_add``/``index_copy``, which ATen refuses negative indices
-    for) after a check that every index is at least 0: the decomposition writes through
-    ``index_put``, which reads a negative index from the end, so a bad index would have been
-    written to the wrong row instead of raising."""
+def checked_index_write(decomposition: Callable) -> Callable:
+    """``decomposition`` (of ``index_add``/``index_copy``) after ATen's own checks, which the
+    decomposition leaves out: every index at least 0 (checked when the call runs: the
+    decomposition writes through ``index_put``, which reads a negative index from the end, so a
+    bad index would have been written to the wrong row instead of raising), and the source of
+    the input's shape with the index's length along ``dim`` (checked at the trace: a smaller
+    source was broadcast)."""
 
-    def checked(x: torch.Tensor, dim: int, index: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def checked(x: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if x.dim() > 0:
+            axis = dim % x.dim()
+            torch._check(
+                source.dim() == x.dim()
+                and all(source.shape[d] == (index.numel() if d == axis else x.shape[d]) for d in range(x.dim())),
+                lambda: (
+                    f"source tensor shape must match self tensor shape, excluding the specified dimension. "
+                    f"Got self.shape = {list(x.shape)} source.shape = {list(source.shape)}"
+                ),
+            )
         torch._assert_async(torch.all(index >= 0), "index out of range")
-        return decomposition(x, dim, index, *args, **kwargs)
+        return decomposition(x, dim, index, source, *args, **kwargs)
 
     return checked
 
@@ -209,5 +221,5 @@ def decomposition_table() -> dict:
     table[aten.index_fill.int_Tensor] = index_fill
     table[aten.index_fill.int_Scalar] = index_fill
     for op in (aten.index_add.default, aten.index_copy.default):
-        table[op] = nonnegative_index(table[op])
+        table[op] = checked_index_write(table[op])
     return table
