@@ -136,6 +136,20 @@ def test_a_symbolic_batch_runs_on_the_library():
         assert max(errs.values()) < 2e-5, errs
 
 
+def _eager_at_every_batch_in_one_symbolic_variant(model: torch.nn.Module, shapes: list[tuple]) -> None:
+    """A training step at each shape equals eager's; the second compiled one symbolic variant
+    that served the rest."""
+    module = add_tvm_dispatch(clone_module(model), verify=False)
+    for shape in shapes:
+        x = torch.randn(*shape)
+        got = run_step(module, (x,))
+        assert is_tvm(got[0][0])
+        errs = max_errors(got, run_step(clone_module(model), (x,)))
+        assert max(errs.values()) < 2e-5, errs
+    variants = dispatcher_of(module).variants
+    assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
+
+
 class Sequence1d(torch.nn.Module):
     """Mamba's and Whisper's 1-D convolutions (a causal depthwise one, a strided one, a dilated
     grouped one) and a dilated 2-D one: the bridge's own gradient formulas, not Relax's."""
@@ -155,16 +169,7 @@ class Sequence1d(torch.nn.Module):
 
 def test_one_dimensional_and_dilated_gradients_over_a_symbolic_batch():
     torch.manual_seed(0)
-    model = Sequence1d()
-    module = add_tvm_dispatch(clone_module(model), verify=False)
-    for n in (2, 3, 5):
-        x = torch.randn(n, 6, 12)
-        got = run_step(module, (x,))
-        assert is_tvm(got[0][0])
-        errs = max_errors(got, run_step(clone_module(model), (x,)))
-        assert max(errs.values()) < 2e-5, errs
-    variants = dispatcher_of(module).variants
-    assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
+    _eager_at_every_batch_in_one_symbolic_variant(Sequence1d(), [(n, 6, 12) for n in (2, 3, 5)])
 
 
 class CausalConvs(torch.nn.Module):
@@ -220,16 +225,7 @@ class Resize(torch.nn.Module):
 
 def test_interpolation_over_a_symbolic_batch():
     torch.manual_seed(0)
-    model = Resize()
-    module = add_tvm_dispatch(clone_module(model), verify=False)
-    for n in (2, 3, 5):
-        x = torch.randn(n, 3, 8, 10)
-        got = run_step(module, (x,))
-        assert is_tvm(got[0][0])
-        errs = max_errors(got, run_step(clone_module(model), (x,)))
-        assert max(errs.values()) < 2e-5, errs
-    variants = dispatcher_of(module).variants
-    assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
+    _eager_at_every_batch_in_one_symbolic_variant(Resize(), [(n, 3, 8, 10) for n in (2, 3, 5)])
 
 
 class PoolAndTile(torch.nn.Module):
@@ -249,16 +245,7 @@ class PoolAndTile(torch.nn.Module):
 
 def test_adaptive_pooling_and_tiling_over_a_symbolic_batch():
     torch.manual_seed(0)
-    model = PoolAndTile()
-    module = add_tvm_dispatch(clone_module(model), verify=False)
-    for n in (2, 3, 5):
-        x = torch.randn(n, 3, 7, 9)
-        got = run_step(module, (x,))
-        assert is_tvm(got[0][0])
-        errs = max_errors(got, run_step(clone_module(model), (x,)))
-        assert max(errs.values()) < 2e-5, errs
-    variants = dispatcher_of(module).variants
-    assert len(variants) == 2 and variants[1].symbolic, dispatcher_of(module).explain()
+    _eager_at_every_batch_in_one_symbolic_variant(PoolAndTile(), [(n, 3, 7, 9) for n in (2, 3, 5)])
 
 
 def test_bfloat16_autocast_matches_eager_autocast():
