@@ -195,22 +195,3 @@ def test_a_family_of_small_kernels_stays_serial_and_a_large_one_parallel():
         xs = [_x(s, i) for i, s in enumerate(shapes)]
         for got, x in zip(_run(mod, xs), xs):
             np.testing.assert_allclose(got, x / (1 + np.exp(-x)) + 1, rtol=1e-5, atol=1e-6)
-
-
-def test_a_flattened_operand_beside_its_factors_keeps_its_kernels():
-    """A kernel reading a ``(C, H*W)`` operand as ``(C, H, W)`` at two sizes: shared, the product
-    H*W would be a size of its own beside H and W (timm's resnet10t crashed in the backward with
-    such a family shared, a ReLU gradient reading a flattened residual gradient); kept apart, each
-    kernel computes its own sizes."""
-    sizes = [(8, 4, 4), (4, 8, 8)]
-
-    def body(i, x):
-        c, h, w = sizes[i]
-        return relax.op.multiply(relax.op.reshape(x, (2, c, h, w)), relax.const(3.0, "float32"))
-
-    mod = _module([(2, c, h * w) for c, h, w in sizes], body)
-    kernels = _kernels(mod)
-    assert len(kernels) == 2 and all(all(isinstance(d, tirx.IntImm) for d in f.params[0].shape) for f in kernels)
-    xs = [_x((2, c, h * w), i) for i, (c, h, w) in enumerate(sizes)]
-    for got, x, (c, h, w) in zip(_run(mod, xs), xs, sizes):
-        np.testing.assert_allclose(got, x.reshape(2, c, h, w) * 3, rtol=1e-6)

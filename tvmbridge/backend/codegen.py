@@ -38,6 +38,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.relax import vm_build
 
+from . import speculable_divisions
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -133,8 +135,15 @@ def _kernel_size(func: tvm.tirx.PrimFunc) -> int:
     return len(tvm.ir.save_json(func))
 
 
+def tir_pipeline(target: tvm.target.Target) -> str:
+    """The TIR pipeline kernels for ``target`` are built with: on a CPU, TVM's with divisions by
+    run-time sizes taken out of loops (``speculable_divisions``: LLVM's vectorizer miscompiles
+    them in a branch)."""
+    return speculable_divisions.PIPELINE if target.kind.name == "llvm" else "default"
+
+
 def _tir_build(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Module:
-    return tvm.tirx.build(mod, target=target)
+    return tvm.tirx.build(mod, target=target, pipeline=tir_pipeline(target))
 
 
 def build_kernels(group: tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Module:
@@ -246,7 +255,7 @@ def build_executable(
     # on one thread too: the kernels in groups, each through build_kernels (LLVM's verifier failures)
     if target.kind.name != "llvm" or list(context.instruments):
         with here:
-            return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline)
+            return tvm.compile(lowered, target=target, relax_pipeline=relax_pipeline, tir_pipeline=tir_pipeline(target))
     with target:
         mod = relax_pipeline(lowered)
     attrs = dict(mod.attrs) if mod.attrs else {}
@@ -261,7 +270,7 @@ def build_executable(
         if prebuilt is not None:
             prebuilt.cancel()
         with here:
-            return vm_build._vmlink(builder, target, tir, ext_libs=ext_libs, params=params)
+            return vm_build._vmlink(builder, target, tir, tir_pipeline(target), ext_libs=ext_libs, params=params)
 
     def build(group: tvm.IRModule) -> tvm.runtime.Module:
         with context:

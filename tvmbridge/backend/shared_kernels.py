@@ -138,23 +138,6 @@ def _expression(values: tuple[int, ...], sizes: dict[tuple[int, ...], tirx.Var])
     return None
 
 
-def _product_of_others(sizes: dict[tuple[int, ...], tirx.Var]) -> bool:
-    """Whether one parameter size is, in every member, the product of others (a flattened
-    ``(C, H*W)`` operand beside ``(C, H, W)`` ones): such a family is kept apart. Shared, the
-    kernel takes the product as a size of its own, bound separately from its factors; timm's
-    resnet10t crashed in the backward with its ReLU-gradient family shared so (a tensor handle
-    with a garbage data pointer; not understood yet), and with that family alone kept apart
-    trained as eager."""
-    items = list(sizes)
-    for values in items:
-        others = [v for v in items if v != values]
-        for count in (2, 3):
-            for combo in itertools.combinations_with_replacement(others, count):
-                if all(math.prod(t[i] for t in combo) == v for i, v in enumerate(values)):
-                    return True
-    return False
-
-
 def shared_kernel(funcs: Sequence[tirx.PrimFunc], tables: Sequence[list[int]]) -> tirx.PrimFunc | None:
     """The one kernel that is each of ``funcs`` (same code but for integer constants, ``tables``
     as :func:`families` gives them) at its sizes; None where a varying constant is not an
@@ -162,7 +145,7 @@ def shared_kernel(funcs: Sequence[tirx.PrimFunc], tables: Sequence[list[int]]) -
     if len({len(t) for t in tables}) != 1:
         return None
     sizes = _size_vars(funcs)
-    if not sizes or _product_of_others(sizes):
+    if not sizes:
         return None
     replacements: list[tirx.PrimExpr | None] = []
     for values in zip(*tables):

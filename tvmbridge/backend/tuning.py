@@ -31,6 +31,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir import analysis as s_tir_analysis
 
+from . import codegen
 from .flatten_hazard import flatten_hazard
 
 DATABASE_FILES = ("database_workload.json", "database_tuning_record.json")
@@ -224,7 +225,7 @@ def _latency_ms(mod: tvm.IRModule, target: tvm.target.Target, runs: int = 5) -> 
 
     try:
         func = mod["main"]
-        lib = tvm.compile(mod, target=target).mod
+        lib = tvm.compile(mod, target=target, tir_pipeline=codegen.tir_pipeline(target)).mod
         dev = tvm.cpu()
         from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 

@@ -23,6 +23,7 @@ import torch
 import tvm
 
 from ..backend.build import lower
+from ..backend.codegen import tir_pipeline
 from ..backend.cpu_schedules import cpu_rules
 from ..backend.gpu_schedules import gpu_schedule_rules
 from ..devices import target_for, tvm_device
@@ -58,7 +59,7 @@ def _run_all(
     """Every kernel built in one module (one code generation, one nvcc call on a GPU) and run on
     its own copy of its inputs; each kernel's buffers after the call."""
     mod = tvm.IRModule({name: f.without_attr("target").with_attr("global_symbol", name) for name, f in funcs.items()})
-    built = tvm.compile(mod, target=target)
+    built = tvm.compile(mod, target=target, tir_pipeline=tir_pipeline(target))  # as the bridge builds them
     dev = tvm_device(device)
     out = {}
     for name in funcs:
