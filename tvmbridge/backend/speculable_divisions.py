@@ -11,11 +11,14 @@ not and another lane does reads at an undefined address (timm's resnet10t segfau
 backward, reading a pointer's worth of float values as an address; a luckier address reads wrong
 numbers). The division is only ever by a size, which is positive wherever the loop runs at all.
 
-:func:`with_speculable_divisions` divides by ``max(n, 1)`` instead wherever ``n`` is built from
-tensor sizes and non-negative constants: the same quotient for every ``n >= 1``, and a divisor
-LLVM knows is not zero, so the division may run before the branch (LICM takes it out of the inner
-loop altogether) and the vectorizer predicates nothing. The pass runs after TVM's TIR pipeline,
-where no simplifier runs again to undo it; :data:`PIPELINE` names TVM's pipeline with it.
+:func:`with_speculable_divisions` computes every division by a size (an expression of tensor
+sizes and non-negative constants) that a loop does not change before that loop, by ``max(n, 1)``:
+the same quotient wherever the loop runs (``n >= 1`` there, else the division would trap), no trap
+where it does not, and no division left in the loop for the vectorizer to predicate (one per row
+instead of one per element, too). Dividing by ``max(n, 1)`` in place is not enough: LLVM folds the
+``max`` away under the loop's own ``n > 0`` guard and sinks the division back into the branch. The
+pass runs after TVM's TIR pipeline, where no simplifier runs again to undo it; :data:`PIPELINE`
+names TVM's pipeline with it (``tvm.tirx.build(..., pipeline=PIPELINE)``).
 """
 
 from __future__ import annotations
