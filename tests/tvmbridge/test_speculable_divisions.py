@@ -73,10 +73,10 @@ def test_llvm_reads_a_wrong_row_where_tvm_builds_the_kernel_as_it_is():
     script = (
         "from tvm.script import tirx as T\n"
         + BROADCAST_IN_A_BRANCH
-        + textwrap.dedent(f"""
+        + textwrap.dedent("""
         import numpy as np, tvm
-        target = tvm.target.Target({{"kind": "llvm", "mcpu": "skylake-avx512", "mattr": ["-fma"]}})
-        f = tvm.tirx.build(tvm.IRModule({{"kernel": kernel}}), target=target, pipeline="default")["kernel"]
+        target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512", "mattr": ["-fma"]})
+        f = tvm.tirx.build(tvm.IRModule({"kernel": kernel}), target=target, pipeline="default")["kernel"]
         rng = np.random.default_rng
         x = rng(0).standard_normal((2, 40, 16)).astype("float32"); x[..., 0::8] = -1.0
         y, w = rng(1).standard_normal((2, 16)).astype("float32"), rng(2).standard_normal(16).astype("float32")
@@ -135,9 +135,10 @@ def test_the_division_is_computed_once_per_row_before_the_inner_loop():
             inner.extend(_divisions(loop.body))
         return loop
 
-    tvm_ffi.structural_map(_lowered_kernel(), [(tirx.For, visit)])
+    kernel = _lowered_kernel()
+    tvm_ffi.structural_map(kernel, [(tirx.For, visit)])
     assert all(isinstance(d.b, tirx.IntImm) for d in inner), inner
-    hoisted = [b for b in _binds(_lowered_kernel()) if isinstance(b.value, (tirx.FloorDiv, tirx.FloorMod))]
+    hoisted = [b for b in _binds(kernel) if isinstance(b.value, (tirx.FloorDiv, tirx.FloorMod))]
     assert hoisted and all(isinstance(b.value.b, tirx.Max) for b in hoisted)
 
 
