@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from tests.helpers import bert_inputs, bert_layer, clone_module, max_errors, run_step
 from tvmbridge import add_tvm_dispatch
+from tvmbridge.backend import gemm_choice
 from tvmbridge.backend.gemm_choice import ChoiceCache, GemmChooser, GemmProblem, time_gemms
 from tvmbridge.kernels.gemm import onednn_available
 
@@ -32,6 +34,33 @@ class CountingTimer:
 def test_real_timing_measures_every_candidate():
     seconds = time_gemms(PROBLEM, PROBLEM.candidates())
     assert set(seconds) == {"torch", "onednn"} and all(0 < t < 1 for t in seconds.values())
+
+
+class SleepingLibraries:
+    """Fake libraries whose every call takes ``seconds``; counts the calls of each."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, lib: str):
+        def call(a, b, bias):
+            self.calls[lib] = self.calls.get(lib, 0) + 1
+            time.sleep(self.seconds)
+
+        return call
+
+
+@pytest.mark.parametrize("call_s, expected_calls", [(0.001, 4), (0.08, 2)])
+def test_timing_rounds_follow_the_budget(call_s, expected_calls, monkeypatch):
+    """Short calls: a warm-up round and at least three timed ones; calls whose warm-up round takes
+    the budget (a vocabulary GEMM): that round and one timed round."""
+    libs = SleepingLibraries(call_s)
+    monkeypatch.setattr(gemm_choice, "library_call", libs)
+    seconds = time_gemms(PROBLEM, ["torch", "onednn"], budget_s=0.1)
+    assert set(seconds) == {"torch", "onednn"} and all(t >= call_s for t in seconds.values())
+    counts = set(libs.calls.values())
+    assert (min(counts) >= 4) if expected_calls == 4 else counts == {2}
 
 
 @needs_onednn
