@@ -252,6 +252,41 @@ def test_random_ops_draw_per_call_like_pytorch(kind):
     assert outs[0].abs().sum() > 0
 
 
+class DeadDraws(nn.Module):
+    """Random values the output never reads (a discarded branch, as CANINE's final character
+    encoder under a classifier), drawn before a dropout that it does read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.lin(x)
+        F.dropout(h * 2, 0.3, training=True)  # discarded
+        torch.rand_like(h)  # discarded
+        h.new_empty(h.shape[0], 1).bernoulli_(0.5)  # discarded
+        return F.dropout(h, 0.5, training=True) * 3
+
+
+def test_random_values_nothing_reads_are_still_drawn_like_pytorch():
+    """Eager draws a discarded dropout's mask too: the compiled call draws the same stream, so the
+    dropout it keeps gets eager's mask and the generator ends where eager's does."""
+    torch.manual_seed(0)
+    m = DeadDraws().train()
+    tvm = clone_module(m)
+    add_tvm_dispatch(tvm, verify=False)  # the raw compiled result, not the first-call net's fallback
+    x = torch.randn(64, 6)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = m(x)
+        after_eager = torch.get_rng_state()
+        torch.manual_seed(seed)
+        got = tvm(x)
+        assert is_tvm(got)
+        assert torch.equal(torch.get_rng_state(), after_eager)
+        torch.testing.assert_close(got, want)
+
+
 def test_random_op_of_computed_values_is_refused():
     class Sample(nn.Module):
         def forward(self, p):

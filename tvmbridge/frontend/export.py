@@ -323,6 +323,18 @@ def _detach_no_grad_regions(ep: ExportedProgram) -> None:
         module.recompile()
 
 
+def _random_ops_kept() -> contextlib.AbstractContextManager[Any]:
+    """The decomposition's dead-code elimination keeping random ops whose values nothing reads.
+    Inside a tracing context FX treats random ops as pure unless inductor's ``fallback_random``
+    is set, and drops a dropout whose result the call discards (a head the loss does not use,
+    CANINE's final character encoder under a classifier); eager still draws its mask, so every
+    later draw of the call and the generator's state after it would differ from PyTorch's. Set for
+    the decomposition only (a config patch, restored after)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(fallback_random=True)
+
+
 def _decompose(module: torch.nn.Module, ep: ExportedProgram, stack_traces: bool = False) -> ExportedProgram:
     """``ep`` decomposed to core ATen. Its example inputs are set aside meanwhile: with them,
     torch's decomposition first unlifts the program with a guard function over every input's
@@ -333,7 +345,7 @@ def _decompose(module: torch.nn.Module, ep: ExportedProgram, stack_traces: bool 
     keep_traced_layouts(ep)
     examples = ep.example_inputs
     ep.example_inputs = None
-    with warnings.catch_warnings(), _stack_traces(stack_traces):
+    with warnings.catch_warnings(), _stack_traces(stack_traces), _random_ops_kept():
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         try:
             decomposed = ep.run_decompositions(decomposition_table())
