@@ -19,7 +19,7 @@ FAST_OPS = [
     "nn.functional.group_norm", "nn.functional.conv1d", "nn.functional.conv_transpose2d",
     "nn.functional.adaptive_avg_pool2d", "nn.functional.interpolate.bilinear", "nn.functional.interpolate.nearest",
     "_upsample_bilinear2d_aa", "nn.functional.pad.constant", "flip", "repeat", "logsumexp",
-    "linalg.vector_norm", "diag_embed",
+    "linalg.vector_norm", "diag_embed", "var_mean", "std_mean",
 ]
 
 

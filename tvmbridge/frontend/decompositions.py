@@ -196,6 +196,16 @@ def checked_index_write(decomposition: Callable) -> Callable:
     return checked
 
 
+def var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> tuple:
+    """``var_mean`` (a core op the default table leaves whole, no converter of its own) as the
+    ``var`` and ``mean`` the converters take."""
+    var = aten.var.correction(x, dim, correction=correction, keepdim=keepdim)
+    mean = aten.mean.dim(x, dim, keepdim) if dim is not None else aten.mean.default(x)
+    if dim is None and keepdim:
+        mean = mean.reshape([1] * x.dim())
+    return var, mean
+
+
 # ops whose decomposition here can lay its result out differently from the kernel the trace ran
 # (``traced_layouts`` re-lays them out to the traced strides before decomposing)
 LAYOUT_CHANGING = frozenset({aten.scaled_dot_product_attention.default})
@@ -216,6 +226,7 @@ def decomposition_table() -> dict:
     table[aten.multilabel_margin_loss_forward.default] = multilabel_margin_loss
     # grid sampling as gathers (inductor's form): TVM's grid_sample has no gradient
     table.update(torch._decomp.get_decompositions([aten.grid_sampler_2d.default]))
+    table[aten.var_mean.correction] = var_mean
     table[aten._embedding_bag.default] = embedding_bag
     table[aten._embedding_bag_forward_only.default] = embedding_bag
     table[aten.index_fill.int_Tensor] = index_fill
