@@ -129,6 +129,28 @@ def image_batch(key: str = "pixel_values", size: int | None = None) -> BatchMake
     return make
 
 
+def pixel_batch(size: int | None = None) -> BatchMaker:
+    """Images alone (a self-supervised model takes no labels: ViT-MAE's loss is its own)."""
+
+    def make(b: int, n: int, seed: int) -> Batch:
+        side = size or IMAGE
+        return {"pixel_values": torch.randn(b, 3, side, side, generator=_gen(seed))}
+
+    return make
+
+
+def image_text_batch() -> BatchMaker:
+    """Captions and images for a contrastive model (CLIP): ids, mask, pixels, ``return_loss``."""
+
+    def make(b: int, n: int, seed: int) -> Batch:
+        g = _gen(seed)
+        ids, mask = _ids_mask(b, n, 0, g)
+        pixels = torch.randn(b, 3, IMAGE, IMAGE, generator=g)
+        return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "return_loss": True}
+
+    return make
+
+
 def ctc_batch(samples_per_step: int = 20, vocab: int = 32) -> BatchMaker:
     """Raw audio (``length * 20`` samples, the last row padded with zeros and masked) and CTC
     character targets."""

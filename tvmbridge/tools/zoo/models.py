@@ -29,7 +29,9 @@ from .batches import (
     cls_batch,
     ctc_batch,
     image_batch,
+    image_text_batch,
     mlm_batch,
+    pixel_batch,
     rtd_batch,
     seq2seq_batch,
     whisper_batch,
@@ -139,6 +141,8 @@ VIT = dict(
     attention_probs_dropout_prob=0.1,
     num_labels=NUM_LABELS,
 )
+TINY_VIT = dict(image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64)  # no classification head's options (MAE, CLIP's vision tower)
 ROBERTA = dict(ENC, max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
 S2S = dict(
     vocab_size=VOCAB,
@@ -188,6 +192,17 @@ def _text_encoders() -> list[ZooEntry]:
              attention_dropout=0.1, mlp_dropout=0.1, embedding_dropout=0.1, local_attention=8,
              bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
           mlm_batch(token_types=False)),
+        E("canine-cls", "text-encoder",
+          hf("CanineForSequenceClassification", "CanineConfig", hidden_size=32, num_hidden_layers=2,
+             num_attention_heads=4, intermediate_size=64, num_hash_functions=4, num_hash_buckets=64,
+             downsampling_rate=4, max_position_embeddings=256, num_labels=3), cls_batch(),
+          note="its final character encoder's dropouts feed nothing the classifier reads: drawn all the same"),
+        E("esm-mlm", "text-encoder", hf("EsmForMaskedLM", "EsmConfig", **ENC, position_embedding_type="rotary",
+                                        pad_token_id=0, mask_token_id=3, token_dropout=True),
+          mlm_batch(token_types=False), note="token dropout: embeddings rescaled by each row's masked fraction"),
+        E("mobilebert-mlm", "text-encoder",
+          hf("MobileBertForMaskedLM", "MobileBertConfig", **ENC, embedding_size=16, intra_bottleneck_size=16,
+             true_hidden_size=16, num_feedforward_networks=2), mlm_batch()),
     ]
     # fmt: on
     return text
@@ -251,6 +266,14 @@ def _decoders() -> list[ZooEntry]:
         E("gemma3", "decoder", hf("Gemma3ForCausalLM", "Gemma3TextConfig", **DEC, head_dim=8), clm),
         E("lfm2", "decoder", hf("Lfm2ForCausalLM", "Lfm2Config", **DEC), clm,
           note="short causal convolutions between attention layers"),
+        E("gpt-bigcode", "decoder", hf("GPTBigCodeForCausalLM", "GPTBigCodeConfig", vocab_size=VOCAB, n_embd=32,
+                                       n_layer=2, n_head=4, n_positions=128, multi_query=True), clm,
+          note="multi-query attention"),
+        E("granite", "decoder", hf("GraniteForCausalLM", "GraniteConfig", **DEC, embedding_multiplier=2.0,
+                                   logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.1), clm),
+        E("cohere", "decoder", hf("CohereForCausalLM", "CohereConfig", **DEC), clm),
+        E("xlnet-lm", "decoder", hf("XLNetLMHeadModel", "XLNetConfig", vocab_size=VOCAB, d_model=32, n_layer=2,
+                                    n_head=4, d_inner=64), clm, note="two-stream relative attention"),
     ]
     # fmt: on
     return decoders
@@ -308,6 +331,16 @@ def _vision() -> list[ZooEntry]:
                                embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
                                hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
                                num_labels=NUM_LABELS), img),
+        E("swinv2", "vision", hf("Swinv2ForImageClassification", "Swinv2Config", image_size=IMAGE, patch_size=2,
+                                 embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
+                                 num_labels=NUM_LABELS), img),
+        E("vit-mae", "vision", hf("ViTMAEForPreTraining", "ViTMAEConfig", **TINY_VIT, decoder_hidden_size=32,
+                                  decoder_num_hidden_layers=1, decoder_num_attention_heads=4,
+                                  decoder_intermediate_size=64), pixel_batch(),
+          note="random masking: argsort of torch.rand noise in the forward"),
+        E("clip", "vision", hf("CLIPModel", "CLIPConfig", text_config=dict(ENC), vision_config=TINY_VIT,
+                               projection_dim=16), image_text_batch(),
+          note="two towers and the contrastive loss (return_loss=True)"),
     ]
     # fmt: on
     # fmt: off
@@ -320,6 +353,9 @@ def _vision() -> list[ZooEntry]:
                               hidden_sizes=[16, 32], depths=[1, 1], groups_width=8, num_labels=NUM_LABELS), img),
         E("mobilenet-v2", "cnn", hf("MobileNetV2ForImageClassification", "MobileNetV2Config", depth_multiplier=0.35,
                                     image_size=IMAGE, num_labels=NUM_LABELS), img),
+        E("convnextv2", "cnn", hf("ConvNextV2ForImageClassification", "ConvNextV2Config", hidden_sizes=[16, 32],
+                                  depths=[1, 1], num_stages=2, drop_path_rate=0.1, num_labels=NUM_LABELS), img,
+          note="global response normalization"),
     ]
     # fmt: on
     return vision + cnn
@@ -384,6 +420,13 @@ def _timm() -> list[ZooEntry]:
         ("fastvit_t8", dict(drop_rate=0.1)),
         ("mobilenetv4_conv_small", dict(drop_rate=0.1)),
         ("convit_tiny", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # a buffer rebuilt in forward at another size
+        ("nf_resnet26", dict(drop_rate=0.1)),  # weight standardization in the forward
+        ("poolformerv2_s12", dict(drop_rate=0.1)),  # one-group GroupNorm of large-mean activations
+        ("resnest14d", dict(drop_rate=0.1)),  # split attention: a softmax over the radix
+        ("pvt_v2_b0", dict(drop_rate=0.1)),  # spatial-reduction attention
+        ("eva02_tiny_patch14_224", dict(drop_rate=0.1, img_size=CNN_IMAGE, patch_size=8)),  # rotary, SwiGLU
+        ("gmlp_ti16_224", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # spatial gating
+        ("botnet26t_256", dict(drop_rate=0.1, img_size=CNN_IMAGE)),  # relative-position self-attention
     ]
     specs = [(n, kw, IMAGE) for n, kw in transformers_] + [(n, kw, CNN_IMAGE) for n, kw in cnns]
     return [
