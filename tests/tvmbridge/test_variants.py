@@ -459,3 +459,31 @@ def test_a_symbolic_compile_that_does_not_fit_its_call_compiles_that_shape(monke
             torch.testing.assert_close(got, want)
             got.backward()
     assert m._tvm_dispatch.calls_fallback == 0, m._tvm_dispatch.explain()
+
+
+class UnsqueezedHeads(nn.Module):
+    """GPTBigCode's multi-query split: ``h.unsqueeze(1)`` viewed to ``(b, n, -1, head_dim)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        h = self.lin(x).unsqueeze(1).view(b, n, -1, 8)
+        return (h * h.softmax(-1)).sum(-1)
+
+
+def test_a_view_to_symbolic_sizes_compiles_symbolic():
+    """TVM's view converter compared a size 1 with a symbolic length by Python truth and failed:
+    every new shape compiled for itself. One symbolic variant now serves them, as PyTorch."""
+    torch.manual_seed(0)
+    m = UnsqueezedHeads()
+    ref = clone_module(m)
+    add_tvm_dispatch(m, verify=False)
+    for shape in ((2, 5, 16), (3, 7, 16), (4, 2, 16)):
+        x = torch.randn(shape)
+        errs = max_errors(run_step(m, (x,)), run_step(ref, (x,)))
+        assert max(errs.values()) < 1e-5, errs
+    d = m._tvm_dispatch
+    assert len(d.variants) == 2 and d.variants[1].symbolic and d.variants[1].calls == 2, d.explain()

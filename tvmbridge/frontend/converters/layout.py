@@ -109,6 +109,20 @@ def squeeze_traced(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return importer.block_builder.emit(relax.op.reshape(importer.env[args_of(node)[0]], shape))
 
 
+@converter("view.default", "reshape.default", wraps_default=True)
+def view_symbolic(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
+    """A view or reshape to symbolic sizes (GPTBigCode's ``q.unsqueeze(1)...view(b, n, -1, 8)``
+    in a variant over every batch and length) as a reshape to the shape the trace gave it: TVM's
+    converter first tests whether the shape changes with ``==`` over the two lists, which for a
+    size 1 against a symbolic length asks Python for the truth of a symbolic equation and fails;
+    the call then compiled for its own shape instead."""
+    sizes = args_of(node)[1]
+    if all(isinstance(d, int) for d in sizes):
+        return default(node)
+    shape = [importer.prim(d) for d in node.meta["val"].shape]
+    return importer.block_builder.emit(relax.op.reshape(importer.env[args_of(node)[0]], shape))
+
+
 def _arange_constant(args: list, val: torch.Tensor) -> relax.Expr | None:
     """``arange`` of numbers as ATen computes it, a constant. TVM's converter sized
     ``arange(16, -16, -1)`` 34 (its length rule assumes a positive step: Funnel's relative
