@@ -141,8 +141,9 @@ VIT = dict(
     attention_probs_dropout_prob=0.1,
     num_labels=NUM_LABELS,
 )
-TINY_VIT = dict(image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=64)  # no classification head's options (MAE, CLIP's vision tower)
+TINY_VIT = dict(
+    image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+)  # no classification head's options (MAE, CLIP's vision tower)
 ROBERTA = dict(ENC, max_position_embeddings=130, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
 S2S = dict(
     vocab_size=VOCAB,
