@@ -267,6 +267,18 @@ def _decoders() -> list[ZooEntry]:
         E("gemma3", "decoder", hf("Gemma3ForCausalLM", "Gemma3TextConfig", **DEC, head_dim=8), clm),
         E("lfm2", "decoder", hf("Lfm2ForCausalLM", "Lfm2Config", **DEC), clm,
           note="short causal convolutions between attention layers"),
+    ]
+    # fmt: on
+    return decoders
+
+
+def _decoder_variants() -> list[ZooEntry]:
+    """Decoders that vary the common form: multi-query attention, scaled embeddings, residuals and
+    logits, parallel blocks, two-stream relative attention."""
+    E = ZooEntry
+    clm = clm_batch()
+    # fmt: off
+    return [
         E("gpt-bigcode", "decoder", hf("GPTBigCodeForCausalLM", "GPTBigCodeConfig", vocab_size=VOCAB, n_embd=32,
                                        n_layer=2, n_head=4, n_positions=128, multi_query=True), clm,
           note="multi-query attention"),
@@ -277,7 +289,6 @@ def _decoders() -> list[ZooEntry]:
                                     n_head=4, d_inner=64), clm, note="two-stream relative attention"),
     ]
     # fmt: on
-    return decoders
 
 
 def _handwritten() -> list[ZooEntry]:
@@ -444,7 +455,16 @@ def _timm() -> list[ZooEntry]:
 
 
 def _entries() -> list[ZooEntry]:
-    return _text_encoders() + _decoders() + _handwritten() + _encoder_decoders() + _vision() + _audio() + _timm()
+    return (
+        _text_encoders()
+        + _decoders()
+        + _decoder_variants()
+        + _handwritten()
+        + _encoder_decoders()
+        + _vision()
+        + _audio()
+        + _timm()
+    )
 
 
 MODELS: dict[str, ZooEntry] = {e.name: e for e in _entries()}
