@@ -199,11 +199,7 @@ def checked_index_write(decomposition: Callable) -> Callable:
 def var_mean(x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False) -> tuple:
     """``var_mean`` (a core op the default table leaves whole, no converter of its own) as the
     ``var`` and ``mean`` the converters take."""
-    var = aten.var.correction(x, dim, correction=correction, keepdim=keepdim)
-    mean = aten.mean.dim(x, dim, keepdim) if dim is not None else aten.mean.default(x)
-    if dim is None and keepdim:
-        mean = mean.reshape([1] * x.dim())
-    return var, mean
+    return aten.var.correction(x, dim, correction=correction, keepdim=keepdim), aten.mean.dim(x, dim, keepdim)
 
 
 # ops whose decomposition here can lay its result out differently from the kernel the trace ran

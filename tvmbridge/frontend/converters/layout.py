@@ -105,6 +105,11 @@ def squeeze_traced(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     of size 1, and with a symbolic axis listed (``squeeze(x, [0, 1])`` on a (batch, 1) gather
     in mBART's ``shift_tokens_right``) TVM's converter dropped the batch axis too: every row
     then read row 0's value."""
+    return _reshape_to_traced(importer, node)
+
+
+def _reshape_to_traced(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """The node's input reshaped to the shape the trace gave its output (symbolic sizes kept)."""
     shape = [importer.prim(d) for d in node.meta["val"].shape]
     return importer.block_builder.emit(relax.op.reshape(importer.env[args_of(node)[0]], shape))
 
@@ -119,8 +124,7 @@ def view_symbolic(importer: BridgeImporter, node: torch.fx.Node, default: Callab
     sizes = args_of(node)[1]
     if all(isinstance(d, int) for d in sizes):
         return default(node)
-    shape = [importer.prim(d) for d in node.meta["val"].shape]
-    return importer.block_builder.emit(relax.op.reshape(importer.env[args_of(node)[0]], shape))
+    return _reshape_to_traced(importer, node)
 
 
 def _arange_constant(args: list, val: torch.Tensor) -> relax.Expr | None:
