@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..errors import stage_errors
 from .artifacts import Artifacts, Stage
+from .collector import older_objects_frozen
 
 
 class Undeclared:
@@ -57,11 +58,19 @@ def run_stages(artifacts: Artifacts, stages: tuple[Stage, ...]) -> tuple[Artifac
     progress = artifacts.options.progress
     show_bar = sys.stderr.isatty() if progress is None else progress
     t_start = time.perf_counter()
+    with older_objects_frozen():
+        artifacts = _run_in_order(artifacts, stages, shown, seconds, show_bar)
+    seconds["total"] = time.perf_counter() - t_start
+    return artifacts, shown, seconds
+
+
+def _run_in_order(
+    artifacts: Artifacts, stages: tuple[Stage, ...], shown: dict[str, Any], seconds: dict[str, float], show_bar: bool
+) -> Artifacts:
     for stage in tqdm(stages, desc="tvmbridge compile", unit="stage", disable=not show_bar, leave=False):
         t = time.perf_counter()
         with stage_errors(stage.name):
             artifacts = run_stage(stage, artifacts)
             shown[stage.name] = stage.shows(artifacts)
         seconds[stage.name] = time.perf_counter() - t
-    seconds["total"] = time.perf_counter() - t_start
-    return artifacts, shown, seconds
+    return artifacts

@@ -20,6 +20,7 @@ import tvm
 from tvm import relax
 
 from .. import names
+from .collector import older_objects_frozen
 
 TRAIN = "train"
 INFER = "infer"
@@ -57,7 +58,7 @@ class Parts:
         exe = self._built.get(part)
         if exe is not None:
             return exe
-        with self._lock:
+        with self._lock, older_objects_frozen():
             if part not in self._built:
                 start = time.perf_counter()
                 exe, loaded, key = self._build(part_module(self._halves, part), self.keys.get(part, ""))
