@@ -42,6 +42,7 @@ from .outputs import OutputLayout, flatten_output, unflatten_output
 from .program_facts import (
     check_outputs,
     cloned_inputs,
+    coarsest_float,
     constant_outputs,
     copied_outputs,
     grad_sources,
@@ -128,6 +129,7 @@ class TracedModule:
     copied_outputs: frozenset[int] = frozenset()  # user outputs that are copies (program_facts.copied_outputs)
     returned_inputs: dict[int, int] = field(default_factory=dict)  # user output -> the input it is (returned_inputs)
     graph_digest: str = ""  # frontend.digest of the decomposed program
+    coarsest_float: torch.dtype | None = None  # the least precise float dtype of any value computed
 
     @property
     def exported(self) -> ExportedProgram:
@@ -457,6 +459,7 @@ def decompose_call(raw: RawTrace) -> TracedModule:
         copied_outputs=copied_outputs(ep, num_user_outputs),
         returned_inputs=returned_inputs(ep, num_user_outputs, written),
         graph_digest=program_digest(ep),
+        coarsest_float=coarsest_float(ep),
     )
 
 

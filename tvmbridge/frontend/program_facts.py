@@ -174,6 +174,19 @@ def returned_inputs(ep: ExportedProgram, num_user_outputs: int, written: list[in
     return found
 
 
+def coarsest_float(ep: ExportedProgram) -> torch.dtype | None:
+    """The least precise floating dtype any value of the program has (None: no float values).
+    A float64 model that computes a norm or a softmax in float32 (transformers' RMSNorm casts
+    to float32 and back) is only float32-accurate there: the safety net judges its outputs with
+    float32's tolerance, as it judges an autocast call with the autocast dtype's."""
+    found: set[torch.dtype] = set()
+    for node in ep.graph.nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                found.add(value.dtype)
+    return max(found, key=lambda d: torch.finfo(d).eps, default=None)
+
+
 def ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
     """Each shape symbol's range as export derived it (``None``: no upper bound)."""
     import math

@@ -42,6 +42,7 @@ class TraceFacts:
     copied_outputs: frozenset[int]
     returned_inputs: dict[int, int]
     graph_digest: str
+    coarsest_float: torch.dtype | None
 
     @classmethod
     def of(cls, traced: TracedModule) -> TraceFacts:

@@ -19,6 +19,7 @@ from .function import CompiledCallError
 from .verify import Discrepancy, GradientCheck, own_inputs, worst
 
 if TYPE_CHECKING:
+    from ..frontend.export import TracedModule
     from .dispatch import Dispatcher
     from .variants import Fitted, Variant
 
@@ -41,6 +42,13 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def computed_precision(traced: TracedModule) -> torch.dtype | None:
+    """The dtype the call's values are rounded to at their coarsest, for the tolerance: autocast's
+    where one was on, else the least precise float dtype the traced graph computes in (a float64
+    model's float32 norm); the outputs' own dtypes are taken with it (``verify.compare``)."""
+    return traced.autocast.dtype if traced.autocast is not None else traced.coarsest_float
+
+
 def run_checked(
     dispatcher: Dispatcher, variant: Variant, fitted: Fitted, args: tuple, kwargs: dict, needs_grad: bool
 ) -> Any:
@@ -58,7 +66,7 @@ def run_checked(
         raise
     after = rng_states(compiled.device)
     paths = labelled_output_tensors(eager_out)[0]
-    precision = traced.autocast.dtype if traced.autocast is not None else None  # autocast rounds to it
+    precision = computed_precision(traced)
     n_user = traced.num_user_outputs
     check = None
     if needs_grad:
