@@ -4,6 +4,7 @@ signature run PyTorch; errors PyTorch raises are raised."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -85,10 +86,13 @@ def test_a_wrong_gradient_is_caught_against_the_full_precision_reference(monkeyp
     tvm = add_tvm_dispatch(copy.deepcopy(eager), converters={"relu.default": _relu_wrong_gradient})
     x = torch.randn(5, 6)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        with pytest.warns(VerificationWarning, match="its gradients disagreed with PyTorch's"):
+        with pytest.warns(VerificationWarning, match="its gradients disagreed with PyTorch's") as record:
             got = _step(tvm, x)
         want = _step(eager, x)
     assert judged and not all(judged)  # the reference was there, and did not excuse the error
+    # the report sets the call's own noise beside the bridge's: a wrong gradient is far, eager's near
+    far, near = re.search(r"full-precision call's: compiled (\S+), PyTorch's own (\S+);", str(record[0].message)).groups()
+    assert float(far) > 10 * float(near)
     torch.testing.assert_close(got[1]["a.weight"], want[1]["a.weight"])  # PyTorch's values stand
 
 
