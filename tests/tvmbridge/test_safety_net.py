@@ -320,3 +320,23 @@ def test_a_float64_model_computing_in_float32_inside_is_judged_by_float32_s_nois
 
 def _exp_of_half(node, importer):
     return importer.block_builder.emit(relax.op.sqrt(relax.op.exp(importer.env[node.args[0]])))
+
+
+def test_the_tolerance_follows_the_operations_precision_not_the_inputs() -> None:
+    """A float32 model that widens a bfloat16 buffer (exactly) computes in float32: its net keeps
+    float32's tolerance; one that rounds to bfloat16 inside is judged at bfloat16's."""
+    from tvmbridge.frontend.export import trace
+
+    class Widens(torch.nn.Module):
+        def __init__(self, narrow: bool) -> None:
+            super().__init__()
+            self.narrow = narrow
+            self.register_buffer("scale", torch.rand(8, dtype=torch.bfloat16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * self.scale.float()
+            return y.bfloat16().float() if self.narrow else y
+
+    x = torch.randn(2, 8)
+    assert trace(Widens(False), (x,)).coarsest_float == torch.float32
+    assert trace(Widens(True), (x,)).coarsest_float == torch.bfloat16

@@ -175,12 +175,16 @@ def returned_inputs(ep: ExportedProgram, num_user_outputs: int, written: list[in
 
 
 def coarsest_float(ep: ExportedProgram) -> torch.dtype | None:
-    """The least precise floating dtype any value of the program has (None: no float values).
-    A float64 model that computes a norm or a softmax in float32 (transformers' RMSNorm casts
-    to float32 and back) is only float32-accurate there: the safety net judges its outputs with
-    float32's tolerance, as it judges an autocast call with the autocast dtype's."""
+    """The least precise floating dtype any operation of the program computes (None: none
+    computes floats). A float64 model that computes a norm or a softmax in float32
+    (transformers' RMSNorm casts to float32 and back) is only float32-accurate there: the
+    safety net judges its outputs with float32's tolerance, as it judges an autocast call with
+    the autocast dtype's. Inputs are not operations: a bfloat16 buffer widened exactly on its way
+    in leaves a float32 model float32-accurate, and its net as tight."""
     found: set[torch.dtype] = set()
     for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
         for value in pytree.tree_leaves(node.meta.get("val")):
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 found.add(value.dtype)
