@@ -1,0 +1,293 @@
+"""Everyday training code against PyTorch: what users do between steps, on zoo models.
+
+Each scenario runs twice from the same weights, once on a model with ``add_tvm_dispatch``
+(default options: the first-call net on) and once on an eager deep copy, under the same seeds:
+every loss, every gradient at every step and the final parameters are compared, and the bridge's
+compiled and PyTorch call counts and its warnings are reported. A scenario the model lacks (an
+attribute, an input) fails in eager too and is reported as not applicable.
+
+    python scripts/everyday.py                                  # bert-cls, every scenario
+    python scripts/everyday.py --models llama,resnet --scenarios to_double,batch_sizes
+
+Verdicts: ``OK`` (losses and gradients within ``--rtol`` of eager relative to each tensor's largest
+value, or 1e-3 of the scenario's largest where that is more; parameters within ``--param-atol``),
+``DIFF`` (further: a bug; the autocast scenario is judged at bfloat16's 4e-2), ``RAISED`` (the
+bridge raised where eager did not), ``N/A`` (eager raises too: the model lacks what it uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tvmbridge import add_tvm_dispatch  # noqa: E402
+from tvmbridge.tools.zoo.models import ZooEntry, get  # noqa: E402
+
+Record = list  # losses and gradients in order, then "params", then the final parameters
+Scenario = Callable[[ZooEntry, torch.nn.Module, torch.optim.Optimizer, Record], None]
+SCENARIOS: dict[str, Scenario] = {}
+RTOL_OF = {"autocast_later": 4e-2}  # bfloat16 autocast against eager autocast: bfloat16's noise
+
+
+def scenario(f: Scenario) -> Scenario:
+    SCENARIOS[f.__name__] = f
+    return f
+
+
+def _batch(e: ZooEntry, b: int = 4, n: int = 16, seed: int = 0) -> dict:
+    return dict(e.make_batch(b, n, seed))
+
+
+def _grads(m: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+
+def _step(e: ZooEntry, m: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict, seed: int, rec: Record) -> None:
+    """One step as a training loop writes it: forward, backward, clipping, AdamW."""
+    torch.manual_seed(seed)
+    _, loss = e.forward(m, batch)
+    loss.backward()
+    rec += [loss.detach().clone(), *_grads(m)]
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _layers(m: torch.nn.Module, kinds: tuple = (torch.nn.Linear, torch.nn.Conv2d)) -> list[torch.nn.Module]:
+    return [x for x in m.modules() if isinstance(x, kinds)]
+
+
+@scenario
+def freeze_mid(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    for p in m.get_input_embeddings().parameters():
+        p.requires_grad_(False)
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def param_replace(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    head = _layers(m, (torch.nn.Linear,))[-1]
+    head.weight = torch.nn.Parameter(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.02)
+    _step(e, m, torch.optim.AdamW(m.parameters(), lr=1e-3), _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def load_state(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    torch.manual_seed(9)
+    m.load_state_dict(e.build().state_dict())
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def dropout_p(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    for x in m.modules():
+        if isinstance(x, torch.nn.Dropout):
+            x.p = 0.3
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def eval_between(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    m.eval()
+    with torch.no_grad():
+        rec.append(e.forward(m, _batch(e, seed=5))[1])
+    rec.append(e.forward(m, _batch(e, seed=5))[1].detach())
+    m.train()
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def accumulate(e, m, opt, rec):
+    for s in range(2):
+        for k in range(2):
+            torch.manual_seed(10 * s + k)
+            _, loss = e.forward(m, _batch(e, seed=10 * s + k))
+            (loss / 2).backward()
+            rec.append(loss.detach())
+        rec += _grads(m)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
+@scenario
+def double_backward(e, m, opt, rec):
+    torch.manual_seed(1)
+    _, loss = e.forward(m, _batch(e))
+    params = [p for p in m.parameters() if p.requires_grad]
+    penalty = sum((g**2).sum() for g in torch.autograd.grad(loss, params, create_graph=True))
+    (loss + penalty).backward()
+    rec += [penalty.detach(), *_grads(m)]
+
+
+@scenario
+def to_double(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    m.double()
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in _batch(e, seed=1).items()}
+    _step(e, m, torch.optim.AdamW(m.parameters(), lr=1e-3), wide, 2, rec)
+
+
+@scenario
+def hook_after(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    _layers(m)[1].register_forward_hook(lambda mod, i, o: o * 2)
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def batch_sizes(e, m, opt, rec):
+    for i, b in enumerate([4, 1, 3, 4, 2]):
+        _step(e, m, opt, _batch(e, b=b, seed=i), i, rec)
+
+
+@scenario
+def kwargs_change(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    torch.manual_seed(2)
+    out = m(**_batch(e, seed=1), output_hidden_states=True)
+    (out.loss + out.hidden_states[-1].pow(2).mean()).backward()
+    rec += [out.loss.detach(), *_grads(m)]
+
+
+@scenario
+def inference_mode(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    with torch.inference_mode():
+        rec.append(e.forward(m, _batch(e, seed=3))[1].clone())
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def autocast_later(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(2)
+        _, loss = e.forward(m, _batch(e, seed=1))
+    loss.backward()
+    rec += [loss.detach().float(), *_grads(m)]
+
+
+@scenario
+def functional_call(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    params = {n: p.detach() * 1.01 for n, p in m.named_parameters()}
+    torch.manual_seed(3)
+    rec.append(e.forward(_Functional(m, params), _batch(e, seed=1))[1].detach())
+    _step(e, m, opt, _batch(e, seed=2), 2, rec)
+
+
+class _Functional(torch.nn.Module):
+    """``torch.func.functional_call`` of a module with other parameters, as a callable module."""
+
+    def __init__(self, module: torch.nn.Module, params: dict) -> None:
+        super().__init__()
+        self.inner, self.params = [module], params
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(self.inner[0], self.params, args, kwargs)
+
+
+@scenario
+def no_grad_first(e, m, opt, rec):
+    with torch.no_grad():
+        torch.manual_seed(0)
+        rec.append(e.forward(m, _batch(e))[1])
+    _step(e, m, opt, _batch(e), 1, rec)
+
+
+@scenario
+def input_gradient(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    batch = _batch(e, seed=1)
+    x = m.get_input_embeddings()(batch.pop("input_ids")).detach().requires_grad_(True)
+    torch.manual_seed(4)
+    out = m(inputs_embeds=x, **batch)
+    out.loss.backward()
+    rec += [out.loss.detach(), x.grad.clone()]
+
+
+def _run(e: ZooEntry, model: torch.nn.Module, name: str) -> tuple[Record, str | None]:
+    rec: Record = []
+    try:
+        SCENARIOS[name](e, model, torch.optim.AdamW(model.parameters(), lr=1e-3), rec)
+    except Exception as exc:  # noqa: BLE001 - reported
+        return rec, f"{type(exc).__name__}: {str(exc)[:200]}"
+    return [*rec, "params", *(p.detach().clone() for p in model.parameters())], None
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
+    """|a - b| relative to b's largest value, but never to less than ``floor``: a gradient that is
+    zero in exact arithmetic (a key bias under softmax) holds rounding residue only."""
+    if not a.numel():
+        return 0.0
+    return float((a.double() - b.double()).abs().max()) / max(float(b.double().abs().max()), floor, 1e-30)
+
+
+def judge(got: Record, want: Record, rtol: float, param_atol: float) -> tuple[str, str]:
+    """(verdict, detail) of a scenario's two records."""
+    if len(got) != len(want) or any(type(a) is not type(b) for a, b in zip(got, want)):
+        return "DIFF", f"{len(got)} records vs eager's {len(want)}"
+    cut = got.index("params")
+    floor = 1e-3 * max((float(b.double().abs().max()) for b in want[:cut] if b.numel()), default=0.0)
+    worst = max((_relative(a, b, floor) for a, b in zip(got[:cut], want[:cut])), default=0.0)
+    params = max(((a - b).abs().max().item() for a, b in zip(got[cut + 1 :], want[cut + 1 :]) if a.numel()), default=0)
+    verdict = "OK" if worst <= rtol and params <= param_atol else "DIFF"
+    return verdict, f"losses/gradients within {worst:.1e}, parameters within {params:.1e}"
+
+
+def run_scenario(model_name: str, name: str, rtol: float, param_atol: float) -> str:
+    e = get(model_name)
+    torch.manual_seed(0)
+    model = e.build().train()
+    ref = copy.deepcopy(model)
+    add_tvm_dispatch(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, error = _run(e, model, name)
+    want, eager_error = _run(e, ref, name)
+    log = model._tvm_dispatch.log
+    calls = f"compiled {log.calls_tvm}, PyTorch {log.calls_fallback}"
+    said = sorted({str(w.message).split("\n")[0][:150] for w in caught if "tvmbridge" in str(w.message)})
+    if eager_error is not None:
+        return f"{model_name:12s} {name:16s} N/A     eager raises {eager_error[:100]}"
+    if error is not None:
+        return f"{model_name:12s} {name:16s} RAISED  {error} | {calls}"
+    verdict, detail = judge(got, want, max(rtol, RTOL_OF.get(name, 0.0)), param_atol)
+    return f"{model_name:12s} {name:16s} {verdict:7s} {detail} | {calls} | {said}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="bert-cls")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
+    ap.add_argument("--rtol", type=float, default=1e-4)
+    ap.add_argument("--param-atol", type=float, default=2e-4, help="two AdamW steps of lr 1e-3 on noise-level signs")
+    args = ap.parse_args(argv)
+    verdicts = []
+    for model_name in args.models.split(","):
+        for name in args.scenarios.split(","):
+            line = run_scenario(model_name, name, args.rtol, args.param_atol)
+            verdicts.append(line.split()[2])
+            print(line, flush=True)
+    print({v: verdicts.count(v) for v in sorted(set(verdicts))})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
