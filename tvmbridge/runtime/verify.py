@@ -108,10 +108,8 @@ def compare(
     g, w = got[finite].double(), want[finite].double()
     if g.numel() == 0:
         return None
-    scale = max(float(w.abs().max()), floor)
     err = float((g - w).abs().max())
-    dtypes = [want.dtype] if precision is None else [want.dtype, precision]
-    tol = max(ATOL.get(d, 1e-6) for d in dtypes) + max(RTOL.get(d, 1e-3) for d in dtypes) * scale
+    tol = tolerance(want.dtype, precision, max(float(w.abs().max()), floor))
     if err <= tol:
         return None
     return Discrepancy(
@@ -119,6 +117,13 @@ def compare(
         f"max abs error {err:.3g} where the largest value is {float(w.abs().max()):.3g} (tolerance {tol:.2g})",
         err / tol,
     )
+
+
+def tolerance(dtype: torch.dtype, precision: torch.dtype | None, scale: float) -> float:
+    """The float noise allowed a tensor of ``dtype`` and largest magnitude ``scale`` computed at
+    ``precision`` (the coarser of the two counts)."""
+    dtypes = [dtype] if precision is None else [dtype, precision]
+    return max(ATOL.get(d, 1e-6) for d in dtypes) + max(RTOL.get(d, 1e-3) for d in dtypes) * scale
 
 
 def worst(
@@ -233,7 +238,10 @@ def _excused(
     precision: torch.dtype | None,
 ) -> bool:
     """Whether ``got`` is the full-precision gradient ``exact`` to the call's tolerance, or at
-    least as close to it as eager's own ``want`` is (never a structural difference). Nothing
+    least as close to it as eager's own ``want`` is, up to that tolerance (never a structural
+    difference): two roundings of an ill-conditioned call (T5's ReLU gates under bfloat16
+    autocast, 15% from float32 in eager itself) land on either side of each other, and the one
+    further from exact by less than the float noise the check allows anywhere is no bug. Nothing
     looser: a variant is trusted for every later call of its shape, and a gradient bug can hide
     inside an ill-conditioned first call's noise (regnet's did, at twice eager's error)."""
     if got is None or want is None or exact is None or got.shape != exact.shape or got.dtype != want.dtype:
@@ -243,7 +251,8 @@ def _excused(
     g, w, x = got.detach().double(), want.detach().double(), exact.detach().double()
     if not (torch.isfinite(g).all() and torch.isfinite(w).all() and torch.isfinite(x).all()):
         return False
-    return float((g - x).abs().max()) <= float((w - x).abs().max())
+    allowed = tolerance(want.dtype, precision, max(float(w.abs().max()), floor))
+    return float((g - x).abs().max()) <= float((w - x).abs().max()) + allowed
 
 
 def _gradients(
