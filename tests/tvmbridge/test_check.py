@@ -53,3 +53,16 @@ def test_a_dispatched_module_is_checked_on_its_own_code():
     add_tvm_dispatch(layer, x)
     assert check_double(layer, x).verdict == "noise"
     assert layer._tvm_dispatch is not None  # the user's module keeps its dispatch
+
+
+def test_a_model_computing_in_float32_inside_is_judged_at_float32_s_noise():
+    """A float64 copy of a model that casts to float32 itself (transformers' RMSNorm) shows
+    float32's noise: reported as such, not as a deviation; a wrong converter still is one."""
+    from .test_safety_net import _exp_of_half, _Float32Inside
+
+    model, x = _Float32Inside(), torch.randn(8, 512, dtype=torch.float64)
+    report = check_double(model, x)
+    assert report.computes_in == torch.float32 and report.verdict == "noise", str(report)
+    assert "computes in float32 inside" in str(report) and report.max_rel64 > 1e-10  # not float64's noise
+    assert check_double(model, x, converters={"exp.default": _exp_of_half}).verdict == "deviation"
+    assert check_double(bert_layer(small=True), bert_inputs(hidden=64)).computes_in == torch.float64
