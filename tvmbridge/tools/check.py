@@ -25,7 +25,6 @@ import torch.utils._pytree as pytree
 from ..options import CompileOptions, with_overrides
 from .localize import first_deviation, plain_copy
 
-
 # relative error still called noise, in units of the coarsest dtype's epsilon, for a model that
 # computes below float64 inside (a sum's rounding grows with its length)
 COARSER_NOISE = 100
