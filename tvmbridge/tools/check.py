@@ -121,7 +121,7 @@ def _compare(
     module: torch.nn.Module, args: tuple, kwargs: dict, dtype: torch.dtype, opts: CompileOptions
 ) -> tuple[dict[str, tuple[float, float]], torch.dtype]:
     """Errors per tensor, and the coarsest float dtype the compiled copy computes in."""
-    from ..runtime.dispatch import add_tvm_dispatch
+    from ..runtime.dispatch import add_tvm_dispatch, dispatcher_of
 
     tvm_module = plain_copy(module).to(dtype)  # a dispatched module: its own code is checked
     ref = copy.deepcopy(tvm_module)
@@ -131,7 +131,7 @@ def _compare(
         warnings.simplefilter("error", category=_fallback_warning())
         add_tvm_dispatch(tvm_module, args, kwargs, options=opts)
         got = _step(tvm_module, args, kwargs)
-    variants = tvm_module._tvm_dispatch.variants
+    variants = dispatcher_of(tvm_module).variants
     coarsest = [v.compiled.traced.coarsest_float or dtype for v in variants]
     return _errors(got, _step(ref, args, kwargs)), max(coarsest, key=lambda d: torch.finfo(d).eps, default=dtype)
 
