@@ -223,8 +223,7 @@ def _with_reference(
     autocast), the report shows the call's noise next to the bridge's."""
     if got is None or want is None or exact is None or got.shape != exact.shape or got.numel() == 0:
         return found
-    x = exact.detach().double()
-    bridge, eager = float((got.detach().double() - x).abs().max()), float((want.detach().double() - x).abs().max())
+    bridge, eager = _distance(got, exact), _distance(want, exact)
     detail = f"{found.detail}; from the full-precision call's: compiled {bridge:.3g}, PyTorch's own {eager:.3g}"
     return Discrepancy(found.name, detail, found.excess)
 
@@ -252,7 +251,12 @@ def _excused(
     if not (torch.isfinite(g).all() and torch.isfinite(w).all() and torch.isfinite(x).all()):
         return False
     allowed = tolerance(want.dtype, precision, max(float(w.abs().max()), floor))
-    return float((g - x).abs().max()) <= float((w - x).abs().max()) + allowed
+    return _distance(g, x) <= _distance(w, x) + allowed
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest elementwise difference, in float64."""
+    return float((a.detach().double() - b.detach().double()).abs().max())
 
 
 def _gradients(
