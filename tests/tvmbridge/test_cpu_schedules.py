@@ -472,10 +472,3 @@ def test_a_one_thread_target_makes_no_loop_parallel():
     x = _x((6, 10, 128))
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), _softmax(x * x), rtol=1e-5, atol=1e-6)
 
-
-def test_the_target_has_the_threads_of_tvm_s_pool(monkeypatch):
-    monkeypatch.delenv("TVMBRIDGE_NUM_CORES", raising=False)
-    threads = int(tvm.get_global_func("runtime.NumThreads")())
-    assert int(devices.target_for(torch.device("cpu")).attrs["num-cores"]) == threads
-    monkeypatch.setenv("TVMBRIDGE_NUM_CORES", "3")
-    assert int(devices.target_for(torch.device("cpu")).attrs["num-cores"]) == 3

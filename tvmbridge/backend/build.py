@@ -30,7 +30,7 @@ from ..ir import RewriteBindings, is_op, static_shape
 from ..kernels.barrier import drop_barriers, register_barrier
 from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
-from . import codegen, executable_cache
+from . import codegen, executable_cache, parallel_launch
 from .legalize_memo import MemoizedLegalization
 from .shared_kernels import ShareKernelsAcrossShapes
 
@@ -361,13 +361,13 @@ def _as_library(exe: tvm.runtime.Executable, target: tvm.target.Target) -> tvm.r
     on every core (``codegen.write_library``), where the in-memory one would be compiled by LLVM's
     JIT on one core when its first VM is made. Where no library can be written (no C compiler),
     the in-memory executable."""
-    if target.kind.name != "llvm" or codegen.compile_threads() <= 1:
+    if target.kind.name != "llvm" or (codegen.compile_threads() <= 1 and parallel_launch.launcher() is None):
         return exe
     with tempfile.TemporaryDirectory(prefix="tvmbridge-") as work:
         path = os.path.join(work, "executable.so")
         try:
             codegen.write_library(exe, path)
-            return relax.VMExecutable(tvm.runtime.load_module(path))  # mapped: the file may go
+            return relax.VMExecutable(parallel_launch.load_library(path))  # mapped: the file may go
         except Exception as exc:  # noqa: BLE001 - the in-memory executable is the same code
             _note_library(
                 f"tvmbridge: could not link the compiled code as a library ({_error_summary(exc)}); "

@@ -23,6 +23,7 @@ from tvm import relax
 from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest, enabled, max_bytes, warn_once
 from .codegen import kernel_asserts, write_library
 from .gemm_choice import machine
+from .parallel_launch import load_library
 
 __all__ = [
     "ExecutableCache",
@@ -57,7 +58,7 @@ def cache_key(
 
 
 def _read_executable(path: Path) -> relax.VMExecutable:
-    return relax.VMExecutable(tvm.runtime.load_module(str(path)))
+    return relax.VMExecutable(load_library(path))
 
 
 class ExecutableCache(DiskCache[tvm.runtime.Executable]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,25 @@ def _write(lib: tvm.runtime.Module, path: str) -> None:
 
 def _read(path: Path) -> tvm.runtime.Module:
     """A stored kernel library, loaded (raising on a file that is not one)."""
-    return tvm.runtime.load_module(str(path))
+    from ..backend.parallel_launch import load_library
+
+    return load_library(path)
+
+
+def _loaded(lib: tvm.runtime.Module) -> tvm.runtime.Module:
+    """A library compiled in memory, as a library loaded from a temporary file where a launcher
+    runs its parallel loops on PyTorch's threads (``backend.parallel_launch``)."""
+    from ..backend.parallel_launch import launcher
+
+    if launcher() is None:
+        return lib
+    with tempfile.TemporaryDirectory(prefix="tvmbridge-") as work:
+        path = Path(work) / "kernels.so"
+        try:
+            _write(lib, str(path))
+        except Exception:  # noqa: BLE001 - no C compiler: the in-memory library (TVM's pool)
+            return lib
+        return _read(path)
 
 
 def cached_kernel_library(name: str, make: Callable[[], tvm.IRModule], target: tvm.target.Target) -> tvm.runtime.Module:
@@ -30,7 +49,7 @@ def cached_kernel_library(name: str, make: Callable[[], tvm.IRModule], target: t
     source, TVM's libraries, torch's and tvm-ffi's versions) and the target (its CPU and
     features); ``make`` runs only to compile. With the disk cache off, compiled."""
     if not enabled():
-        return tvm.compile(make(), target=target).mod
+        return _loaded(tvm.compile(make(), target=target).mod)
     h = hashlib.sha256(name.encode())
     h.update(json.dumps(str(target.export()), sort_keys=True).encode())
     h.update(f"{code_digest()}{FORMAT}".encode())
@@ -40,4 +59,4 @@ def cached_kernel_library(name: str, make: Callable[[], tvm.IRModule], target: t
     if lib is not None:
         return lib
     lib = tvm.compile(make(), target=target).mod
-    return (cache.load(key) if cache.store(key, lib) else None) or lib
+    return (cache.load(key) if cache.store(key, lib) else None) or _loaded(lib)
