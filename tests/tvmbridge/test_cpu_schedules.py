@@ -20,6 +20,16 @@ TARGET = tvm.target.Target({**dict(devices.target_for(torch.device("cpu")).expor
 ONE_THREAD = tvm.target.Target({**dict(TARGET.export()), "num-cores": 1})
 
 
+GRAIN = cpu_schedules.MIN_PARALLEL_ELEMENTS
+
+
+@pytest.fixture(autouse=True)
+def _any_size_may_run_parallel(monkeypatch):
+    """The rules' loops at the small sizes these tests use, as a large kernel would get them (the
+    size below which a kernel stays serial is tested on its own)."""
+    monkeypatch.setattr(cpu_schedules, "MIN_PARALLEL_ELEMENTS", 0)
+
+
 def _module(shape: tuple[int, ...], body) -> tvm.IRModule:
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(shape, "float32"))
@@ -472,3 +482,17 @@ def test_a_one_thread_target_makes_no_loop_parallel():
     x = _x((6, 10, 128))
     np.testing.assert_allclose(vm["main"](tvm.runtime.tensor(x)).numpy(), _softmax(x * x), rtol=1e-5, atol=1e-6)
 
+
+
+def test_a_kernel_below_pytorch_s_grain_stays_serial(monkeypatch):
+    """Starting threads costs more than a small kernel's work (PyTorch's own ops stay on one
+    thread below 32768 elements): every loop of a kernel whose tensors are all smaller is serial,
+    still vectorized; one as large is parallel."""
+    monkeypatch.setattr(cpu_schedules, "MIN_PARALLEL_ELEMENTS", GRAIN)
+    small = (4, 8192 - 64)  # every tensor just below the grain
+    for shape, parallel in ((small, False), ((4, 8192), True)):
+        mod = _module(shape, lambda x: relax.op.nn.softmax(relax.op.multiply(x, x), axis=-1))
+        tir = _kernels(mod)
+        assert ("T.parallel" in tir) == parallel and "T.vectorized" in tir, tir
+        x = _x(shape)
+        np.testing.assert_allclose(_run(mod, x), _softmax(x * x), rtol=1e-5, atol=1e-6)

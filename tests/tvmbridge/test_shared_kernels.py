@@ -186,7 +186,7 @@ def test_a_family_of_small_kernels_stays_serial_and_a_large_one_parallel():
     """A shared kernel's sizes are symbolic, but its members' are known: where the largest
     member's tensors are small (per-channel vectors), the kernel is serial as each member alone
     would be (a parallel launch costs more than its work); a family of large kernels is parallel."""
-    for shapes, parallel in (([(2, 8), (2, 24), (2, 40)], False), ([(2, 4096), (3, 4096)], True)):
+    for shapes, parallel in (([(2, 8), (2, 24), (2, 40)], False), ([(2, 16384), (3, 16384)], True)):
         mod = _module(shapes, _silu_plus_one)
         (kernel,) = _kernels(mod)
         assert not all(isinstance(d, tirx.IntImm) for d in kernel.params[0].shape)  # shared

@@ -54,6 +54,7 @@ from ..ir import first_schedule
 from .elementwise_rule import Elementwise, selects_between_reads, static_numel, vector_lanes
 from .flatten_hazard import FlattenSafe
 from .rule_filters import Guarded, NoRepeatedWork, ReductionKernels
+from .shared_kernels import largest_tensor, static_largest
 from .vector_tails import split_into_vectors, with_tail_predicates
 
 
@@ -295,7 +296,19 @@ def scheduled_kernels(mod: tvm.IRModule, target: Target) -> Iterator[tuple[tvm.i
             sch = first_schedule(rules, func, target)
             if sch is not None:
                 func = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-        yield gv, (serial_loops(func) if one_thread else func)
+        yield gv, (serial_loops(func) if one_thread or too_small_to_share(func) else func)
+
+
+#: a kernel whose every tensor is smaller than this (elements) keeps its loops serial: PyTorch's
+#: own grain (``at::internal::GRAIN_SIZE``), below which its elementwise ops stay on one thread
+MIN_PARALLEL_ELEMENTS = 32768
+
+
+def too_small_to_share(func: tirx.PrimFunc) -> bool:
+    """Whether every tensor of ``func`` (each member's, for a kernel shared across sizes) is
+    below :data:`MIN_PARALLEL_ELEMENTS`: starting its threads costs more than they would save."""
+    bound = largest_tensor(func) or static_largest(func)
+    return bound is not None and bound < MIN_PARALLEL_ELEMENTS
 
 
 def serial_loops(func: tirx.PrimFunc) -> tirx.PrimFunc:

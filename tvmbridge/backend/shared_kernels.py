@@ -93,7 +93,7 @@ def index_simplified(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return tvm_ffi.structural_map(func, [((tirx.FloorDiv, tirx.FloorMod), analyzer.simplify)])
 
 
-def _largest(func: tirx.PrimFunc) -> int | None:
+def static_largest(func: tirx.PrimFunc) -> int | None:
     """The elements of the kernel's largest tensor; None unless every parameter is a tensor of
     static shape (a symbolic kernel serves its sizes already; a scalar parameter binds no size)."""
     largest = 0
@@ -203,7 +203,7 @@ class ShareKernelsAcrossShapes:
         self.max_elements = MAX_SHARED_ELEMENTS if max_elements is None else max_elements
 
     def _candidate(self, func: tirx.PrimFunc) -> bool:
-        largest = _largest(func)
+        largest = static_largest(func)
         return largest is not None and largest <= self.max_elements and not _scheduled(func)
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -216,7 +216,7 @@ class ShareKernelsAcrossShapes:
                 continue
             kernel = shared_kernel(funcs, tables)
             if kernel is not None:
-                bound = max(_largest(f) or 0 for f in funcs)  # every candidate's is known
+                bound = max(static_largest(f) or 0 for f in funcs)  # every candidate's is known
                 plan.append((members, kernel.with_attr(LARGEST_TENSOR_ATTR, tvm.tirx.IntImm("int64", bound))))
         if not plan:
             return mod
