@@ -125,7 +125,7 @@ def test_the_target_has_torch_s_threads_with_the_launcher(monkeypatch):
 def test_turned_off_tvm_s_pool_runs_the_loops(launcher_off, monkeypatch, tmp_path):
     monkeypatch.delenv("TVMBRIDGE_NUM_CORES", raising=False)
     assert parallel_launch.launcher() is None
-    assert parallel_launch.status() == "off: TVMBRIDGE_OPENMP=0"
+    assert parallel_launch.status() == "TVM's pool (TVMBRIDGE_OPENMP=0)"
     threads = int(tvm.get_global_func("runtime.NumThreads")())
     assert int(devices.target_for(torch.device("cpu")).attrs["num-cores"]) == threads
     path = tmp_path / "lib.so"

@@ -125,7 +125,8 @@ def openmp_runtime() -> Path | None:
     except OSError:
         return None
     own = [p for p in found if torch_dir.parent in p.resolve().parents]
-    return (own or found or [None])[0]
+    candidates = own or found
+    return candidates[0] if candidates else None
 
 
 def _compiler() -> str | None:
@@ -178,12 +179,12 @@ def launcher() -> Launcher | None:
 
 def _launcher() -> tuple[str, Launcher | None]:
     if os.environ.get("TVMBRIDGE_OPENMP", "1").strip().lower() in ("0", "false", "no", "off"):
-        return "off: TVMBRIDGE_OPENMP=0", None
+        return "TVM's pool (TVMBRIDGE_OPENMP=0)", None
     if "OpenMP" not in torch.__config__.parallel_info():
-        return "off: PyTorch's parallel backend is not OpenMP", None
+        return "TVM's pool (PyTorch's parallel backend is not OpenMP)", None
     omp, compiler = openmp_runtime(), _compiler()
     if omp is None or compiler is None:
-        return f"off: {'no OpenMP library loaded' if omp is None else 'no C compiler (cc)'}", None
+        return f"TVM's pool ({'no OpenMP library loaded' if omp is None else 'no C compiler (cc)'})", None
     h = hashlib.sha256(SOURCE.encode())
     h.update(f"{omp.resolve()}:{omp.stat().st_size}:{compiler}".encode())
     try:
@@ -195,18 +196,21 @@ def _launcher() -> tuple[str, Launcher | None]:
             if found is None and cache.store(h.hexdigest(), None):  # type: ignore[arg-type]
                 found = cache.load(h.hexdigest())
             if found is not None:
-                return f"on: {omp.name}", _verified(found, omp)
+                return f"PyTorch's OpenMP threads ({omp.name})", _verified(found, omp)
         with tempfile.TemporaryDirectory(prefix="tvmbridge-omp-") as work:  # no cache: built for this process
             path = Path(work) / "launch.so"
             _build(str(path), omp, compiler)
-            return f"on: {omp.name}", _verified(_load(path), omp)
+            return f"PyTorch's OpenMP threads ({omp.name})", _verified(_load(path), omp)
     except Exception as exc:  # noqa: BLE001 - TVM's pool runs the loops, as without a launcher
-        return f"off: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}", None
+        return (
+            f"TVM's pool (no launcher: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})",
+            None,
+        )
 
 
 def status() -> str:
-    """Whether TVM's parallel loops run on PyTorch's OpenMP threads (``on: <library>``) or on
-    TVM's pool (``off: <why>``)."""
+    """Where TVM's parallel loops run: ``PyTorch's OpenMP threads (<library>)``, or ``TVM's pool
+    (<why>)``."""
     launcher()
     return _STATUS[-1]
 

@@ -44,11 +44,14 @@ def cpu_name() -> str:
 
 
 def machine_line() -> str:
-    """The CPU, cores, torch threads, torch version and the GPU where one is visible: the line
-    every benchmark starts with."""
+    """The CPU, cores, torch threads, torch version, where TVM's parallel loops run and the GPU
+    where one is visible: the line every benchmark starts with."""
     import torch
 
+    from ..backend.parallel_launch import status
+
     line = f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    line += f", TVM's loops on {status()}"
     if torch.cuda.is_available():
         line += f"; GPU {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     return line
