@@ -18,6 +18,7 @@ MAX_CLASS_LINES = 250  # a class is not a place to hide a long function
 # Read top to bottom this is the compile: trace -> convert -> passes -> split -> build -> run.
 BRIDGE_LAYERS = {
     "errors": 0, "names": 0, "options": 0, "caches": 0, "sizes": 0, "disk_cache": 0, "devices": 1, "ir": 1,
+    "parallel_launch": 1,
     "kernels": 2, "frontend": 3, "passes": 4, "partition": 5, "backend": 6,
     "pipeline": 7, "runtime": 8, "dynamo": 9, "tools": 9, "__init__": 10, "__main__": 10,
 }

@@ -94,13 +94,13 @@ def rounds_every_op(target: tvm.target.Target) -> bool:
 def cpu_threads() -> int:
     """The threads a parallel loop of a TVM CPU kernel runs on in this process:
     ``TVMBRIDGE_NUM_CORES``, else PyTorch's (``torch.get_num_threads()``) where the loops run on
-    PyTorch's OpenMP threads (``backend.parallel_launch``), else the size of TVM's thread pool
+    PyTorch's OpenMP threads (``parallel_launch``), else the size of TVM's thread pool
     (``TVM_NUM_THREADS``, else half the logical CPUs on x86: one on a 2-vCPU machine, where a
     parallel loop only adds its launch, some 6 us, to every call of a kernel)."""
     value = os.environ.get("TVMBRIDGE_NUM_CORES", "").strip()
     if value:
         return max(1, int(value))
-    from .backend.parallel_launch import launcher
+    from .parallel_launch import launcher
 
     if launcher() is not None:
         return max(1, torch.get_num_threads())

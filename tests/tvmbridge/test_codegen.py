@@ -14,7 +14,7 @@ from tvm import relax
 from tests.helpers import Fn, bert_inputs, bert_layer, clone_module, max_errors, run_step
 from tvmbridge.backend import build as backend_build
 from tvmbridge.backend import codegen
-from tvmbridge.backend import parallel_launch
+from tvmbridge import parallel_launch
 from tvmbridge.backend.legalize_memo import MemoizedLegalization
 from tvmbridge.runtime.compiled import compile_training
 from tvmbridge.runtime.dispatch import add_tvm_dispatch, dispatcher_of

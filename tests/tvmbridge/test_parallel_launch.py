@@ -1,4 +1,4 @@
-"""TVM's parallel loops on PyTorch's OpenMP threads (``backend.parallel_launch``): the launcher
+"""TVM's parallel loops on PyTorch's OpenMP threads (``parallel_launch``): the launcher
 runs every task once on PyTorch's thread count, loses no error, serves the libraries the bridge
 loads (built now or read from the disk cache), and turned off leaves TVM's pool in charge."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import tvm
 from tvm import relax
 
 from tvmbridge import add_tvm_dispatch, devices
-from tvmbridge.backend import build, parallel_launch
+from tvmbridge import parallel_launch
+from tvmbridge.backend import build
 from tvmbridge.backend.executable_cache import ExecutableCache
 
 LAUNCHER = parallel_launch.launcher()
@@ -31,10 +32,10 @@ def threads():
 def launcher_off(monkeypatch):
     """The process as with ``TVMBRIDGE_OPENMP=0`` (the launcher looked up again after)."""
     monkeypatch.setenv("TVMBRIDGE_OPENMP", "0")
-    parallel_launch.launcher.cache_clear()
+    parallel_launch.resolve.cache_clear()
     yield
     monkeypatch.undo()
-    parallel_launch.launcher.cache_clear()
+    parallel_launch.resolve.cache_clear()
 
 
 def _module(n: int = 1 << 16) -> tvm.IRModule:

@@ -23,6 +23,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, te
 
+from .. import parallel_launch
 from ..caches import CACHES
 from ..devices import prepare_cpu_runtime, rounds_every_op, tvm_device
 from ..errors import stage_errors
@@ -30,7 +31,7 @@ from ..ir import RewriteBindings, is_op, static_shape
 from ..kernels.barrier import drop_barriers, register_barrier
 from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
-from . import codegen, executable_cache, parallel_launch
+from . import codegen, executable_cache
 from .legalize_memo import MemoizedLegalization
 from .shared_kernels import ShareKernelsAcrossShapes
 

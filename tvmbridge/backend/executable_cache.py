@@ -21,9 +21,9 @@ import tvm
 from tvm import relax
 
 from ..disk_cache import FORMAT, DiskCache, cache_dir, code_digest, enabled, max_bytes, warn_once
+from ..parallel_launch import load_library
 from .codegen import kernel_asserts, write_library
 from .gemm_choice import machine
-from .parallel_launch import load_library
 
 __all__ = [
     "ExecutableCache",

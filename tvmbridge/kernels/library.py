@@ -22,15 +22,15 @@ def _write(lib: tvm.runtime.Module, path: str) -> None:
 
 def _read(path: Path) -> tvm.runtime.Module:
     """A stored kernel library, loaded (raising on a file that is not one)."""
-    from ..backend.parallel_launch import load_library
+    from ..parallel_launch import load_library
 
     return load_library(path)
 
 
 def _loaded(lib: tvm.runtime.Module) -> tvm.runtime.Module:
     """A library compiled in memory, as a library loaded from a temporary file where a launcher
-    runs its parallel loops on PyTorch's threads (``backend.parallel_launch``)."""
-    from ..backend.parallel_launch import launcher
+    runs its parallel loops on PyTorch's threads (``parallel_launch``)."""
+    from ..parallel_launch import launcher
 
     if launcher() is None:
         return lib

@@ -48,7 +48,7 @@ def machine_line() -> str:
     where one is visible: the line every benchmark starts with."""
     import torch
 
-    from ..backend.parallel_launch import status
+    from ..parallel_launch import status
 
     line = f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
     line += f", TVM's loops on {status()}"

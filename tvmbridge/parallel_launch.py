@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import tvm
 
-from ..disk_cache import DiskCache, cache_dir, enabled
+from .disk_cache import DiskCache, cache_dir, enabled
 
 SOURCE = r"""
 #include <omp.h>
@@ -165,19 +165,22 @@ def _verified(launcher: Launcher, omp: Path) -> Launcher:
     return launcher
 
 
-_STATUS: list[str] = []
-
-
-@functools.cache
 def launcher() -> Launcher | None:
     """The OpenMP launcher of this process, or None where TVM's own pool runs the loops (the
     reason in :func:`status`)."""
-    reason, found = _launcher()
-    _STATUS.append(reason)
-    return found
+    return resolve()[1]
 
 
-def _launcher() -> tuple[str, Launcher | None]:
+def status() -> str:
+    """Where TVM's parallel loops run: ``PyTorch's OpenMP threads (<library>)``, or ``TVM's pool
+    (<why>)``."""
+    return resolve()[0]
+
+
+@functools.cache
+def resolve() -> tuple[str, Launcher | None]:
+    """Where this process runs TVM's parallel loops, and the launcher where it is PyTorch's
+    threads (built, or read from the disk cache, and verified once per process)."""
     if os.environ.get("TVMBRIDGE_OPENMP", "1").strip().lower() in ("0", "false", "no", "off"):
         return "TVM's pool (TVMBRIDGE_OPENMP=0)", None
     if "OpenMP" not in torch.__config__.parallel_info():
@@ -206,13 +209,6 @@ def _launcher() -> tuple[str, Launcher | None]:
             f"TVM's pool (no launcher: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})",
             None,
         )
-
-
-def status() -> str:
-    """Where TVM's parallel loops run: ``PyTorch's OpenMP threads (<library>)``, or ``TVM's pool
-    (<why>)``."""
-    launcher()
-    return _STATUS[-1]
 
 
 def load_library(path: str | os.PathLike) -> tvm.runtime.Module:
