@@ -296,7 +296,7 @@ def scheduled_kernels(mod: tvm.IRModule, target: Target) -> Iterator[tuple[tvm.i
             sch = first_schedule(rules, func, target)
             if sch is not None:
                 func = sch.mod["main"].with_attr("tirx.is_scheduled", True)
-        yield gv, (serial_loops(func) if one_thread or too_small_to_share(func) else func)
+        yield gv, (serial_loops(func) if one_thread or too_small_for_threads(func) else func)
 
 
 #: a kernel whose every tensor is smaller than this (elements) keeps its loops serial: PyTorch's
@@ -304,7 +304,7 @@ def scheduled_kernels(mod: tvm.IRModule, target: Target) -> Iterator[tuple[tvm.i
 MIN_PARALLEL_ELEMENTS = 32768
 
 
-def too_small_to_share(func: tirx.PrimFunc) -> bool:
+def too_small_for_threads(func: tirx.PrimFunc) -> bool:
     """Whether every tensor of ``func`` (each member's, for a kernel shared across sizes) is
     below :data:`MIN_PARALLEL_ELEMENTS`: starting its threads costs more than they would save."""
     bound = largest_tensor(func) or static_largest(func)
