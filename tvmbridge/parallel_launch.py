@@ -124,7 +124,8 @@ def openmp_runtime() -> Path | None:
                 found.append(path)
     except OSError:
         return None
-    own = [p for p in found if torch_dir.parent in p.resolve().parents]
+    torch_libs = (torch_dir, torch_dir.with_name("torch.libs"))  # its own copy, or the wheel's vendored one
+    own = [p for p in found if any(d in p.resolve().parents for d in torch_libs)]
     candidates = own or found
     return candidates[0] if candidates else None
 
