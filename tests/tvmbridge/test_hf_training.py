@@ -43,10 +43,10 @@ def _collate(rows: list[dict]) -> dict:
             "labels": torch.tensor([r["label"] for r in rows])}
 
 
-def _train(model: torch.nn.Module, out_dir: str) -> list[float]:
+def _train(model: torch.nn.Module, out_dir: str, **options) -> list[float]:
     args = transformers.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=5,
                                           logging_steps=1, report_to=[], seed=0, use_cpu=True, save_strategy="no",
-                                          disable_tqdm=True)
+                                          disable_tqdm=True, **options)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_rows(), data_collator=_collate)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -66,6 +66,45 @@ def test_trainer_with_default_arguments_matches_the_eager_trainer(tmp_path) -> N
     dispatch = model._tvm_dispatch
     assert dispatch.calls_fallback == 0
     assert len(dispatch.variants) <= 2 and any(v.symbolic for v in dispatch.variants), dispatch.explain()
+
+
+def test_trainer_with_gradient_checkpointing_trains_compiled_and_matches(tmp_path) -> None:
+    """``gradient_checkpointing=True`` installs transformers' ``make_inputs_require_grads`` forward
+    hook on the input embeddings, which the hook refusal took for a hook compiled code would miss:
+    every such model raised. Its whole effect is autograd's, so the model compiles; checkpointing
+    itself is the capture set's business there."""
+    fields = transformers.TrainingArguments.__dataclass_fields__  # renamed in transformers 5
+    checkpointing = {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": True}
+    eager = _train(_bert(), str(tmp_path / "eager"), **checkpointing)
+    model = add_tvm_dispatch(_bert())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VerificationWarning)
+        tvm = _train(model, str(tmp_path / "tvm"), **checkpointing)
+    assert model.bert.embeddings.word_embeddings._forward_hooks  # the hook is there, and kept
+    assert len(tvm) == len(eager) == 5
+    for a, b in zip(tvm, eager):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (tvm, eager)
+    assert model._tvm_dispatch.calls_fallback == 0 and model._tvm_dispatch.calls_tvm == 5
+
+
+def test_a_frozen_base_with_input_gradients_enabled_trains_its_head_compiled() -> None:
+    """PEFT's recipe: the base frozen, ``enable_input_require_grads`` so gradients reach what
+    is trainable after the embeddings; here only the classifier trains."""
+    eager = _bert()
+    for p in eager.bert.parameters():
+        p.requires_grad_(False)
+    eager.enable_input_require_grads()
+    model = add_tvm_dispatch(copy.deepcopy(eager))
+    batch = _collate(_rows(4))
+    grads = []
+    for m in (model, eager):
+        torch.manual_seed(0)
+        out = m(**batch)
+        out.loss.backward()
+        grads.append([out.loss.detach()] + [p.grad for p in m.parameters() if p.requires_grad])
+    assert model._tvm_dispatch.calls_tvm == 1 and len(grads[0]) == len(grads[1]) == 3
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_dynamic_padding_loop_one_symbolic_variant_exact() -> None:

@@ -5,13 +5,19 @@ does besides (keep the activation in a list, count calls, log a statistic) happe
 trace's fake tensors, and never on a compiled call: a feature extractor's list held one fake
 tensor and stayed so. The hooks on the dispatched module itself run around every call, as always.
 
-transformers' output-capturing hooks (``output_hidden_states=True``) are the exception: they act
-only on a collector the model's own forward sets for its call, so what they do is in the trace (the
-hidden states are outputs) and, in a call that asks for nothing, they do nothing.
+Two kinds are exceptions. transformers' output-capturing hooks (``output_hidden_states=True``)
+act only on a collector the model's own forward sets for its call, so what they do is in the trace
+(the hidden states are outputs) and, in a call that asks for nothing, they do nothing. And a
+forward hook whose whole code is ``output.requires_grad_(...)`` (transformers'
+``enable_input_require_grads``, which gradient checkpointing and PEFT install on the input
+embeddings) only asks autograd to track an intermediate value: compiled code computes the
+gradients of everything that requires one through it regardless.
 """
 
 from __future__ import annotations
 
+import dis
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,11 +34,34 @@ GLOBAL_HOOK_DICTS = (
     "_global_backward_pre_hooks",
 )
 _CALL_SCOPED_MODULES = frozenset({"transformers.utils.output_capturing"})
+_MARKING_OPS = frozenset(  # what ``output.requires_grad_(True)`` compiles to, and nothing else
+    {"LOAD_FAST", "LOAD_METHOD", "LOAD_ATTR", "LOAD_CONST", "CALL", "POP_TOP", "RETURN_VALUE", "RETURN_CONST"}
+)
+
+
+def marks_output_for_grad(hook: Callable[..., Any]) -> bool:
+    """A plain function whose only statement is ``<its last argument>.requires_grad_(<constant>)``:
+    read off its bytecode (no other name, no closure, no global, no nested code)."""
+    if not isinstance(hook, types.FunctionType):
+        return False
+    code = hook.__code__
+    if code.co_freevars or code.co_names != ("requires_grad_",) or code.co_argcount < 3:
+        return False
+    if any(isinstance(c, types.CodeType) for c in code.co_consts):
+        return False
+    output = code.co_varnames[code.co_argcount - 1]
+    steps = [i for i in dis.get_instructions(code) if i.opname not in ("RESUME", "PRECALL", "CACHE", "NOP")]
+    loads = [i for i, ins in enumerate(steps) if ins.opname in ("LOAD_METHOD", "LOAD_ATTR")]
+    return (
+        bool(loads)
+        and all(k > 0 and steps[k - 1].opname == "LOAD_FAST" and steps[k - 1].argval == output for k in loads)
+        and all(ins.opname in _MARKING_OPS for ins in steps)
+    )
 
 
 def call_scoped(hook: Callable[..., Any]) -> bool:
     """A hook whose whole effect is on the call it runs in (see the module's docstring)."""
-    return getattr(hook, "__module__", None) in _CALL_SCOPED_MODULES
+    return getattr(hook, "__module__", None) in _CALL_SCOPED_MODULES or marks_output_for_grad(hook)
 
 
 def _kind(dict_name: str) -> str:
