@@ -38,7 +38,7 @@ from .batches import (
 )
 from .handwritten import NanoGPT, TransformerTranslator, nanogpt_batch, translation_batch
 
-FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "timm")
+FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "timm", "torchvision")
 # timm's CNNs downsample 32x: at 32x32 their last stages see 1x1 maps, where train-mode BatchNorm
 # over a batch of 2 normalizes 2 values to +-1 and its float32 gradient is noise times 1/|x1-x2|
 # (eager's own gradient is then further from float64 than the gradient's size). 64x64 keeps 2x2.
@@ -454,6 +454,17 @@ def _timm() -> list[ZooEntry]:
     ]
 
 
+def _torchvision() -> list[ZooEntry]:
+    """torchvision's classifiers (``torchvision_models``), at ``CNN_IMAGE``."""
+    from .torchvision_models import SPECS, torchvision_model
+
+    batch = image_batch("x", CNN_IMAGE)
+    return [
+        ZooEntry(f"tv-{n}", "torchvision", torchvision_model(n, **kw), batch, external_loss=True, note=note)
+        for n, kw, note in SPECS
+    ]
+
+
 def _entries() -> list[ZooEntry]:
     return (
         _text_encoders()
@@ -464,6 +475,7 @@ def _entries() -> list[ZooEntry]:
         + _vision()
         + _audio()
         + _timm()
+        + _torchvision()
     )
 
 
