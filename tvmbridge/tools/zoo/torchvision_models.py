@@ -63,7 +63,7 @@ SPECS: list[tuple[str, dict[str, Any], str]] = [  # (name, constructor arguments
     ("mnasnet0_5", {}, ""),
     ("googlenet", {"aux_logits": False, "init_weights": True}, "branch concatenations"),
     ("efficientnet_b0", {}, "stochastic depth per sample"),
-    ("regnet_y_400mf", {}, "squeeze-excitation on grouped convolutions; float32 gradients wrong raw"),
+    ("regnet_y_400mf", {}, "squeeze-excitation; at 64x64 a float32 step within noise of a ReLU kink"),
     ("convnext_tiny", {}, "layer scale, stochastic depth"),
     ("vit", {}, "torchvision's VisionTransformer, 2 narrow layers"),
     ("swin", {}, "torchvision's SwinTransformer, shifted windows"),
