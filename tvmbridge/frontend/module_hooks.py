@@ -17,6 +17,7 @@ gradients of everything that requires one through it regardless.
 from __future__ import annotations
 
 import dis
+import functools
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,10 +42,13 @@ _MARKING_OPS = frozenset(  # what ``output.requires_grad_(True)`` compiles to, a
 
 def marks_output_for_grad(hook: Callable[..., Any]) -> bool:
     """A plain function whose only statement is ``<its last argument>.requires_grad_(<constant>)``:
-    read off its bytecode (no other name, no closure, no global, no nested code)."""
-    if not isinstance(hook, types.FunctionType):
-        return False
-    code = hook.__code__
+    read off its bytecode (no other name, no closure, no global, no nested code). The guards ask
+    on every call: the reading is kept per code object."""
+    return isinstance(hook, types.FunctionType) and _only_marks_output(hook.__code__)
+
+
+@functools.lru_cache(maxsize=256)
+def _only_marks_output(code: types.CodeType) -> bool:
     if code.co_freevars or code.co_names != ("requires_grad_",) or code.co_argcount < 3:
         return False
     if any(isinstance(c, types.CodeType) for c in code.co_consts):
