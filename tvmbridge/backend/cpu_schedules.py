@@ -53,6 +53,7 @@ from tvm.target import Target
 from ..ir import first_schedule
 from .elementwise_rule import Elementwise, selects_between_reads, static_numel, vector_lanes
 from .flatten_hazard import FlattenSafe
+from .inline_budget import kept_as_blocks
 from .rule_filters import Guarded, NoRepeatedWork, ReductionKernels
 from .shared_kernels import largest_tensor, static_largest
 from .vector_tails import split_into_vectors, with_tail_predicates
@@ -140,12 +141,13 @@ def _inline_elementwise_chains(sch: s_tir.Schedule, infos: list) -> bool:
     """Inline injective blocks whose consumers are all injective (a dropout multiply after a
     softmax, a subtract before an exp), or that one reduction alone reads, once per element (the
     ``exp`` of a softmax's sum): no full-size intermediate between them. A producer read by a
-    reduction and by other blocks stays, so nothing is computed twice. True if anything was
-    inlined."""
+    reduction and by other blocks stays, so nothing is computed twice, and so does a block too
+    large to copy into its readers (:mod:`.inline_budget`). True if anything was inlined."""
     injective = {sch.get(i.block_rv).name_hint for i in infos if i.is_injective()}
+    kept = kept_as_blocks(sch, [i.block_rv for i in infos], {sch.get(infos[-1].block_rv).name_hint})
     changed = False
     for info in reversed(infos[:-1]):
-        if not info.is_injective():
+        if not info.is_injective() or sch.get(info.block_rv).name_hint in kept:
             continue
         consumers = sch.get_consumers(info.block_rv)
         if consumers and (
@@ -195,7 +197,7 @@ class SpatialParallel(CPUScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
-        if not infos:
+        if not infos or kept_as_blocks(sch, [i.block_rv for i in infos], {sch.get(infos[-1].block_rv).name_hint}):
             return None
         for info in infos[:-1]:
             if not info.is_injective():

@@ -8,7 +8,8 @@ parallel row loop, a column one before it), and a chain of them (BatchNorm's per
 and shift, from the variance through its square root) is inlined into its last link, so it is one
 loop per operand and not a loop per step, which LLVM vectorized and unrolled step by step (most
 of a BatchNorm-heavy CNN's object-code time). A kernel with several outputs (a ``split``, a
-gradient returned beside its input's) gets a loop nest per output.
+gradient returned beside its input's) gets a loop nest per output, and so does a block whose
+inlined expression would grow past :mod:`.inline_budget`'s budget.
 
 ``Elementwise(fuse=False)``, tried after the fused rule, keeps each output's loops as they are
 (the outermost parallel, the innermost vectorized): the fused schedule is refused where
@@ -28,6 +29,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 from tvm.target.codegen import llvm_get_vector_width
 
+from .inline_budget import kept_as_blocks
 from .shared_kernels import largest_tensor
 from .vector_tails import split_into_vectors, with_tail_predicates
 
@@ -70,17 +72,21 @@ class Elementwise(CPUScheduleRule):
         outputs = _output_blocks(sch, infos)
         if not outputs:
             return None
-        broadcasts = _inline_into_outputs(sch, infos, outputs)
+        names = {sch.get(o).name_hint for o in outputs}
+        kept = kept_as_blocks(sch, [i.block_rv for i in infos], names)
+        # a kept block is a loop nest of its own, before the outputs that read it
+        nests = [i.block_rv for i in infos if sch.get(i.block_rv).name_hint in kept | names]
+        broadcasts = _inline_into_outputs(sch, infos, outputs, kept)
         if broadcasts is None:
             return None
         bound = largest_tensor(func)
         small = bound is not None and bound < _MIN_PARALLEL  # a symbolic size known to be small
         partial: list[str] = []  # outputs whose last vector is partial
-        if len(outputs) == 1:
-            if not _schedule_output(sch, target, outputs[0], broadcasts, self.fuse, small, partial):
+        if len(nests) == 1:
+            if not _schedule_output(sch, target, nests[0], broadcasts, self.fuse, small, partial):
                 return None
         else:
-            for block in outputs:
+            for block in nests:
                 _schedule_output(sch, target, block, [], self.fuse, small, partial)
         return with_tail_predicates(sch, partial) if partial else sch
 
@@ -96,10 +102,11 @@ def _output_blocks(sch: s_tir.Schedule, infos: list) -> list[s_tir.schedule.SBlo
     ]
 
 
-def _inline_into_outputs(sch: s_tir.Schedule, infos: list, outputs: list) -> list | None:
+def _inline_into_outputs(sch: s_tir.Schedule, infos: list, outputs: list, kept: set[str]) -> list | None:
     """Every other block inlined into its consumers, except broadcast operands (returned, each
-    chain of them inlined into its last link); None where a block cannot be inlined."""
-    names = {sch.get(o).name_hint for o in outputs}
+    chain of them inlined into its last link) and the ``kept`` blocks (too large to copy into
+    their readers: :mod:`.inline_budget`); None where a block cannot be inlined."""
+    names = {sch.get(o).name_hint for o in outputs} | kept
     sizes = [static_numel(sch, sch.get_loops(o)) for o in outputs]
     total = max(s for s in sizes if s is not None) if all(s is not None for s in sizes) else None
     broadcasts: list[s_tir.schedule.SBlockRV] = []
