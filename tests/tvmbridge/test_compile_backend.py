@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 from typing import Iterator
 
@@ -658,3 +659,37 @@ def test_a_graph_captured_under_no_grad_is_traced_under_it() -> None:
     for (name, a), b in zip(model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(a, b, msg=name)
     _all_compiled(backend)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
+def test_a_whole_compiled_train_step_leaves_the_bridges_backward_to_autograd() -> None:
+    """``torch.compile(train_step)``: forward, ``loss.backward()``, clipping and the optimizer in
+    one compiled function. Autograd calls the bridge's backward from a frame dynamo is compiling;
+    dynamo traced it (and the first-call check's PyTorch reference inside it) into graphs of its
+    own, compiled by this backend. It must stay opaque: every graph dynamo passes is the user's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    backend = tvmbridge.compile_backend()
+    step = torch.compile(_train_step, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the optimizer's graphs run PyTorch
+        for batch in (8, 8, 5):
+            x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 4, (batch,), generator=g)
+            torch.testing.assert_close(step(model, opts[0], x, y), _train_step(ref, opts[1], x, y))
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    traces = [n.meta.get("stack_trace") or "" for c in backend.graphs for n in c.source.graph.nodes]
+    package = os.path.dirname(tvmbridge.__file__)
+    assert not [t for t in traces if package in t], "dynamo traced the bridge's own code"
+    assert any(c.dispatcher.calls_tvm > 0 for c in backend.graphs), backend.explain()

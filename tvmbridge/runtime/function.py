@@ -180,6 +180,7 @@ class TVMFunction(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
+    @torch.compiler.disable  # autograd calls it from a frame dynamo may be compiling (a compiled train step)
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: differentiate PyTorch's forward instead
             return (None, *_eager_vjp(ctx, grad_outputs))
