@@ -62,6 +62,12 @@ class AttributeWriteError(ConversionError):
         super().__init__("trace", f"{message} ({hint})" if hint else message)
 
 
+def module_name(module: object) -> str:
+    """How warnings name a dispatched module: its class, or what it says it is (a torch.compile
+    graph names the user's line that made it)."""
+    return getattr(module, "_tvmbridge_description", None) or type(module).__name__
+
+
 def describe(exc: BaseException) -> str:
     """``Type: first line of the message``: enough to name a failure without TVM's backtrace."""
     text = str(exc).strip()

@@ -682,8 +682,8 @@ def test_a_whole_compiled_train_step_leaves_the_bridges_backward_to_autograd() -
     backend = tvmbridge.compile_backend()
     step = torch.compile(_train_step, backend=backend)
     g = torch.Generator().manual_seed(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)  # the optimizer's graphs run PyTorch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for batch in (8, 8, 5):
             x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 4, (batch,), generator=g)
             torch.testing.assert_close(step(model, opts[0], x, y), _train_step(ref, opts[1], x, y))
@@ -693,3 +693,6 @@ def test_a_whole_compiled_train_step_leaves_the_bridges_backward_to_autograd() -
     package = os.path.dirname(tvmbridge.__file__)
     assert not [t for t in traces if package in t], "dynamo traced the bridge's own code"
     assert any(c.dispatcher.calls_tvm > 0 for c in backend.graphs), backend.explain()
+    # the optimizer's graph runs PyTorch, and the warning says which graph (the user's line) and why
+    said = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert any("a torch.compile graph (adam" in m and "an optimizer's step" in m for m in said), said

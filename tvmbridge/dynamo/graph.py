@@ -16,6 +16,8 @@ bridge compiles calls of tensors, so :class:`InputPlan` sorts the graph's inputs
 from __future__ import annotations
 
 import operator
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,6 +285,20 @@ def prepared(gm: torch.fx.GraphModule, plan: InputPlan, outputs: OutputPlan | No
     return gm
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def source_line(graph: torch.fx.GraphModule) -> str:
+    """Where the user's code made the graph's first op (``file.py:12 in step``), from the stack
+    dynamo recorded; empty where it recorded none. Warnings name a graph by it."""
+    for node in graph.graph.nodes:
+        frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+        if node.op == "call_function" and frames:
+            path, line, fn = frames[-1]
+            return f"{os.path.basename(path)}:{line} in {fn}"
+    return ""
+
+
 class GraphCall(torch.nn.Module):
     """``graph(*inputs)`` called with the compiled call's arguments: the sizes it takes are read
     from the tensors they are dims of. ``graph`` is a submodule, so its own attributes (constant
@@ -296,6 +312,8 @@ class GraphCall(torch.nn.Module):
         self.graph = graph
         self.plan = plan
         self.grad_enabled = grad_enabled
+        origin = source_line(graph)
+        self._tvmbridge_description = f"a torch.compile graph ({origin})" if origin else "a torch.compile graph"
 
     def forward(self, *args: Any) -> Any:
         """The graph on the call's arguments, its sizes filled in from the tensors."""

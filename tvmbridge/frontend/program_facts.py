@@ -244,7 +244,11 @@ def updated_tensors(
     inputs = tuple(i for i in written if i < num_user)
     params = [n for n in names if state.is_parameter[state.names.index(n)]]
     if params:
-        raise ConversionError("trace", f"the module writes its own parameters in forward ({', '.join(params)})")
+        raise ConversionError(
+            "trace",
+            f"the module writes its own parameters in forward ({', '.join(params)}): a parameter update, "
+            "such as an optimizer's step, runs in PyTorch",
+        )
     if any(tensors[i].requires_grad for i in inputs):
         raise ConversionError(
             "trace",

@@ -37,6 +37,7 @@ from ..errors import (
     RecompileWarning,
     VerificationWarning,
     caller_stacklevel,
+    module_name,
 )
 from ..frontend.call_state import replace_buffer
 from ..frontend.signature import opaque_argument_reason
@@ -243,7 +244,7 @@ class Dispatcher:
             return Selection.pytorch(refused)
         if reason is not None and reason.structural and self.log.first_time(reason.key):
             warnings.warn(
-                f"tvmbridge: {type(self.module).__name__} compiles another variant for a call whose "
+                f"tvmbridge: {module_name(self.module)} compiles another variant for a call whose "
                 f"arguments differ from the sample's: {reason.message}; if the caller always calls it this "
                 "way, pass that call as the sample to compile once",
                 RecompileWarning,
@@ -299,7 +300,7 @@ class Dispatcher:
         self.log.discarded_variant(reason)
         if warn:
             warnings.warn(
-                f"tvmbridge: {type(self.module).__name__}: {reason.message}; PyTorch runs these calls "
+                f"tvmbridge: {module_name(self.module)}: {reason.message}; PyTorch runs these calls "
                 "from now on (please report this: it is a bug of the bridge)",
                 VerificationWarning,
                 stacklevel=caller_stacklevel(),
@@ -311,7 +312,7 @@ class Dispatcher:
         """PyTorch runs the call, with a warning the first time for each reason."""
         if self.log.ran_pytorch(reason) and self.options.warn_on_fallback:
             warnings.warn(
-                f"tvmbridge: fell back to PyTorch for {type(self.module).__name__}: {reason.message}",
+                f"tvmbridge: fell back to PyTorch for {module_name(self.module)}: {reason.message}",
                 FallbackWarning,
                 stacklevel=caller_stacklevel(),
             )
@@ -321,7 +322,7 @@ class Dispatcher:
     # --- reporting
     def explain(self) -> str:
         """What the last call did and why, and how often each path ran."""
-        return self.log.explain(type(self.module).__name__, self.variants)
+        return self.log.explain(module_name(self.module), self.variants)
 
     def report(self) -> CaptureReport:
         """Captured bytes, PyTorch's saved bytes for the same call, recompute cost (runs the

@@ -17,7 +17,7 @@ import torch
 
 from analysis.tensors import tensor_leaves
 
-from ..errors import AttributeWriteError, ConversionError
+from ..errors import AttributeWriteError, ConversionError, module_name
 from ..options import CompileOptions
 from ..pipeline.parts import INFER, TRAIN
 from .compiled import CompiledModule, compile_training
@@ -181,7 +181,7 @@ class VariantSet:
             self.variants = (*self.variants, variant)
         if self.options.verbose:
             print(
-                f"tvmbridge: {type(self.module).__name__} variant {len(self.variants)} ({variant.label}; {said}): "
+                f"tvmbridge: {module_name(self.module)} variant {len(self.variants)} ({variant.label}; {said}): "
                 f"{compiled.summary()}"
             )
         return variant
