@@ -6,17 +6,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 import tvm
-from tvm import relax, s_tir, tirx
+from tvm import relax, s_tir, te, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 
 from tvmbridge import devices
-from tvmbridge.backend import build, inline_budget
+from tvmbridge.backend import build, cpu_schedules, inline_budget
 
 TARGET = devices.target_for(torch.device("cpu"))
 
 
-def _chain(n: int, links: int, link) -> tvm.IRModule:
-    """``links`` applications of ``link`` to a (4, n) input, then ``+ x``: one fused kernel."""
+def _chain(n: int, links: int, link, last=lambda y, x: relax.op.add(y, x)) -> tvm.IRModule:
+    """``links`` applications of ``link`` to a (4, n) input, then ``last(y, x)`` (``y + x``): one
+    fused kernel."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((4, n), "float32"))
     with bb.function("main", [x]):
@@ -24,7 +25,7 @@ def _chain(n: int, links: int, link) -> tvm.IRModule:
             y = x
             for _ in range(links):
                 y = bb.emit(link(y, n))
-            out = bb.emit_output(relax.op.add(y, x))
+            out = bb.emit_output(last(y, x))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -65,6 +66,37 @@ def test_a_doubling_chain_keeps_blocks_and_computes_the_same_values() -> None:
     vm = build.load(build.compile_module(mod, TARGET), torch.device("cpu"))
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_array_equal(got, np.roll(x, links, axis=1) + x)
+
+
+def _rolls_then_sum(n: int, links: int) -> tirx.PrimFunc:
+    """One kernel: ``links`` rolls of a (4, n) input (each reading the last twice), then
+    ``sum(y * x, axis=1)``, as a fused reduction with that prologue would be."""
+    x = te.placeholder((4, n), name="x")
+
+    def roll(y: te.Tensor, i: int) -> te.Tensor:
+        return te.compute((4, n), lambda a, b: tirx.if_then_else(b == 0, y[a, n - 1], y[a, b - 1]), name=f"r{i}")
+
+    y = x
+    for i in range(links):
+        y = roll(y, i)
+    k = te.reduce_axis((0, n), name="k")
+    out = te.compute((4,), lambda a: te.sum(y[a, k] * x[a, k], axis=k), name="out")
+    return te.create_prim_func([x, out])
+
+
+def test_a_reduction_after_a_doubling_chain_is_scheduled_and_right() -> None:
+    """The reduction rules inline every block: they leave such a kernel to the next rule, or
+    unscheduled (serial), instead of copying the chain whole."""
+    n, links = 16, 40
+    func = _rolls_then_sum(n, links)
+    assert _kept(func)
+    with TARGET:
+        sch = cpu_schedules.default_cpu_schedule(func, TARGET)
+    lib = tvm.compile(sch.mod if sch is not None else tvm.IRModule({"main": func}), target=TARGET)
+    x = np.random.default_rng(0).standard_normal((4, n)).astype("float32")
+    out = tvm.runtime.tensor(np.zeros(4, "float32"))
+    lib["main"](tvm.runtime.tensor(x), out)
+    np.testing.assert_allclose(out.numpy(), (np.roll(x, links, axis=1) * x).sum(1), rtol=1e-5, atol=1e-5)
 
 
 def test_an_ordinary_chain_inlines_whole() -> None:

@@ -54,7 +54,7 @@ from ..ir import first_schedule
 from .elementwise_rule import Elementwise, selects_between_reads, static_numel, vector_lanes
 from .flatten_hazard import FlattenSafe
 from .inline_budget import kept_as_blocks
-from .rule_filters import Guarded, NoRepeatedWork, ReductionKernels
+from .rule_filters import Guarded, NoRepeatedWork, ReductionKernels, WithinInlineBudget
 from .shared_kernels import largest_tensor, static_largest
 from .vector_tails import split_into_vectors, with_tail_predicates
 
@@ -197,7 +197,7 @@ class SpatialParallel(CPUScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         infos = normalize_prim_func(sch)
-        if not infos or kept_as_blocks(sch, [i.block_rv for i in infos], {sch.get(infos[-1].block_rv).name_hint}):
+        if not infos:
             return None
         for info in infos[:-1]:
             if not info.is_injective():
@@ -263,10 +263,10 @@ def cpu_rules() -> list[CPUScheduleRule]:
     scalar reductions, and dense matmuls are offloaded.)"""
     rules = [
         ReductionKernels(RowReduction()),
-        ReductionKernels(dlight.cpu.Reduction(), single_output=True),
+        ReductionKernels(WithinInlineBudget(dlight.cpu.Reduction()), single_output=True),
         Elementwise(),
         Elementwise(fuse=False),  # where the fused schedule has a flatten hazard
-        SpatialParallel(),
+        WithinInlineBudget(SpatialParallel()),
     ]
     return [Guarded(NoRepeatedWork(FlattenSafe(r))) for r in rules]
 

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import tvm_ffi
 from tvm import s_tir, tirx
+from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
 from ..sizes import evaluate_dim
 from .flatten_hazard import children
+from .inline_budget import kept_as_blocks
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 _BUGS = (AttributeError, NameError, TypeError)  # what a mistake in Python code raises, not a refusal
@@ -107,6 +109,24 @@ class ReductionKernels(CPUScheduleRule):
         if not any(reduces(b) for b in found):
             return None
         if self.single_output and any(len(b.writes) > 1 for b in found):
+            return None
+        return self.rule.apply(func, target, tunable)
+
+
+class WithinInlineBudget(CPUScheduleRule):
+    """``rule``, which inlines every block (dlight's reduction), only for kernels where that stays
+    within :mod:`.inline_budget`'s budget: a chain that doubles per link is left to the next rule,
+    or unscheduled (serial, compiled in seconds), instead of copied whole."""
+
+    def __init__(self, rule: CPUScheduleRule) -> None:
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos and kept_as_blocks(sch, [i.block_rv for i in infos], {sch.get(infos[-1].block_rv).name_hint}):
             return None
         return self.rule.apply(func, target, tunable)
 
