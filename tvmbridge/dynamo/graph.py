@@ -293,7 +293,7 @@ def source_line(graph: torch.fx.GraphModule) -> str:
     dynamo recorded; empty where it recorded none. Warnings name a graph by it."""
     for node in graph.graph.nodes:
         frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-        if node.op == "call_function" and frames:
+        if frames:
             path, line, fn = frames[-1]
             return f"{os.path.basename(path)}:{line} in {fn}"
     return ""
