@@ -246,8 +246,8 @@ def updated_tensors(
     if params:
         raise ConversionError(
             "trace",
-            f"the module writes its own parameters in forward ({', '.join(params)}): a parameter update, "
-            "such as an optimizer's step, runs in PyTorch",
+            f"the module writes its own parameters in forward ({', '.join(params)}): the bridge compiles "
+            "forward and backward, not parameter updates (an optimizer's step runs in PyTorch)",
         )
     if any(tensors[i].requires_grad for i in inputs):
         raise ConversionError(
