@@ -122,6 +122,7 @@ def test_records_for_another_target_are_ignored_with_a_warning(tmp_path, other):
     assert any("have no record" in m for m in said), said
 
 
+@pytest.mark.slow  # measures a default record per kernel (~45 s on 2 cores): the default run is near its limit
 def test_a_record_that_does_not_compile_leaves_the_database_out(tmp_path):
     """A record for this target whose schedule replays but does not compile (here a loop bound
     to a GPU thread) makes the compile warn and use the default schedules; it does not fail."""
