@@ -2,7 +2,9 @@
 corrupt, resumable."""
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 import warnings
 
 import pytest
@@ -68,30 +70,47 @@ def _tuning_warnings(tuning_db: str) -> list[str]:
     return [str(w.message) for w in caught if "tuning database" in str(w.message)]
 
 
-def _database_of_defaults(tmp_path, retarget=None, schedule=None) -> list:
-    """A database in ``tmp_path`` with one record per kernel of Tiny's compile: the measured
-    default schedule (as a tuning run commits it), or ``schedule(task module)``'s trace, made for
-    ``retarget`` instead of this machine when given."""
-    import tvm
+@functools.cache
+def _measured_defaults() -> tuple:
+    """Tiny's kernels with their default schedules measured (as a tuning run commits them), once
+    per session: each measurement starts a build and a run process (seconds per kernel)."""
     from tvm.s_tir import meta_schedule as ms
 
     from tvmbridge.backend.tuning import _recording_builder, default_record, open_database
     from tvmbridge.tools.tune import module_tasks
 
-    tasks, target = module_tasks(Tiny(), (torch.randn(4, 16),), work_dir=str(tmp_path))
+    with tempfile.TemporaryDirectory() as work_dir:
+        tasks, target = module_tasks(Tiny(), (torch.randn(4, 16),), work_dir=work_dir)
+        database = open_database(work_dir, create=True)
+        builder, runner = _recording_builder(), ms.runner.LocalRunner()
+        measured = []
+        for task in tasks:
+            mod = task.dispatched[0]
+            record = default_record(mod, target, database.commit_workload(mod), builder, runner)
+            assert record is not None and 0 < float(record.run_secs[0]) < 1, task.task_name
+            measured.append((mod, record))
+    return tuple(measured)
+
+
+def _database_of_defaults(tmp_path, retarget=None, schedule=None) -> list:
+    """A database in ``tmp_path`` with one record per kernel of Tiny's compile: the measured
+    default schedule, or ``schedule(task module)``'s trace, made for ``retarget`` instead of this
+    machine when given."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmbridge.backend.tuning import open_database
+
     database = open_database(tmp_path, create=True)
-    builder, runner = _recording_builder(), ms.runner.LocalRunner()
     records = []
-    for task in tasks:
-        mod = task.dispatched[0]
-        record = default_record(mod, target, database.commit_workload(mod), builder, runner)
-        assert record is not None and 0 < float(record.run_secs[0]) < 1, task.task_name
-        if schedule is not None and (trace := schedule(mod)) is not None:
-            record = ms.database.TuningRecord(trace, record.workload, run_secs=[1e-9], target=target,
-                                              args_info=record.args_info)
+    for mod, measured in _measured_defaults():
+        trace, run_secs, target = measured.trace, measured.run_secs, measured.target
+        if schedule is not None and (custom := schedule(mod)) is not None:
+            trace, run_secs = custom, [1e-9]
         if retarget is not None:
-            record = ms.database.TuningRecord(record.trace, record.workload, run_secs=record.run_secs,
-                                              target=tvm.target.Target(retarget), args_info=record.args_info)
+            target = tvm.target.Target(retarget)
+        record = ms.database.TuningRecord(trace, database.commit_workload(mod), run_secs=run_secs,
+                                          target=target, args_info=measured.args_info)
         database.commit_tuning_record(record)
         records.append(record)
     return records
@@ -106,7 +125,7 @@ def test_records_made_for_the_tasks_apply_to_the_compile(tmp_path):
 
 @pytest.mark.parametrize(
     "other",
-    [{"kind": "cuda", "arch": "sm_90"}, pytest.param({"kind": "llvm", "mcpu": "another cpu"}, marks=pytest.mark.slow)],
+    [{"kind": "cuda", "arch": "sm_90"}, {"kind": "llvm", "mcpu": "another cpu"}],
 )
 def test_records_for_another_target_are_ignored_with_a_warning(tmp_path, other):
     """A database tuned on another machine (a GPU, or another CPU model) is not applied here: a
@@ -122,7 +141,6 @@ def test_records_for_another_target_are_ignored_with_a_warning(tmp_path, other):
     assert any("have no record" in m for m in said), said
 
 
-@pytest.mark.slow  # measures a default record per kernel (~45 s on 2 cores): the default run is near its limit
 def test_a_record_that_does_not_compile_leaves_the_database_out(tmp_path):
     """A record for this target whose schedule replays but does not compile (here a loop bound
     to a GPU thread) makes the compile warn and use the default schedules; it does not fail."""
