@@ -73,16 +73,15 @@ def run_checked(
         differentiable = [i < n_user and d for i, d in enumerate(compiled.differentiable)]
         leaves = [paths[i][1] if d else None for i, d in enumerate(differentiable)]
         # run at the first backward, only if a gradient is outside the tolerance
-        reference = functools.partial(
-            _full_precision, dispatcher, compiled, inputs, paths, differentiable, precision, before
-        )
+        again = functools.partial(_eager_again, dispatcher, compiled, inputs, paths, differentiable, precision, before)
         check = GradientCheck(
             leaves,
             inputs,
             variant.tensor_names(),
             lambda found: _gradients_checked(dispatcher, variant, args, kwargs, found),
             precision,
-            reference,
+            reference=functools.partial(again, full_precision=True),
+            shaken=functools.partial(again, full_precision=False),
         )
     set_rng_states(before, compiled.device)
     found: str | None  # what went wrong, if anything
@@ -111,7 +110,7 @@ def run_checked(
     return eager_out
 
 
-def _full_precision(
+def _eager_again(
     dispatcher: Dispatcher,
     compiled: Any,
     inputs: list[torch.Tensor],
@@ -119,17 +118,21 @@ def _full_precision(
     differentiable: list[bool],
     precision: torch.dtype | None,
     rng: dict[str, torch.Tensor],
+    full_precision: bool,
 ) -> list[torch.Tensor | None] | None:
-    """The same call in full precision (autocast off; without autocast, float32 in float64),
-    from the call's generator state ``rng`` (the same dropout masks; the generator is left as
-    it was): the values the gradient check judges against (``GradientCheck``). None where it
+    """PyTorch's differentiable outputs of the same call again, from the call's generator state
+    ``rng`` (the same dropout masks; the generator is left as it was), for the gradient check
+    (``GradientCheck``): in full precision (autocast off; without autocast, float32 in float64),
+    the values to judge against, or else at the call's precision from every float input one
+    rounding away (:func:`one_rounding_away`), a sample of rounding's own spread. None where it
     cannot serve: PyTorch fails so, or its outputs are not eager's to the call's tolerance (a
     random op that draws differently by dtype, say)."""
     now = rng_states(compiled.device)
     set_rng_states(rng, compiled.device)
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            out, _ = dispatcher.eager.call(compiled, inputs, full_precision=True)
+            tensors = inputs if full_precision else one_rounding_away(inputs)
+            out, _ = dispatcher.eager.call(compiled, tensors, full_precision=full_precision)
     except Exception:  # noqa: BLE001 - no reference: the check stays at the dtype's tolerance
         return None
     finally:
@@ -141,6 +144,22 @@ def _full_precision(
     if worst(pairs, precision) is not None:
         return None
     return [ref_paths[i][1] if d else None for i, d in enumerate(differentiable)]
+
+
+def one_rounding_away(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each float tensor times ``1 +- eps`` of its dtype elementwise (signs from a private,
+    fixed-seed generator: the global one is not drawn from), differentiably, so that gradients
+    reach the tensors themselves; other tensors as they are."""
+    generators: dict[torch.device, torch.Generator] = {}
+    out = []
+    for t in tensors:
+        if not t.is_floating_point() or t.numel() == 0:
+            out.append(t)
+            continue
+        gen = generators.setdefault(t.device, torch.Generator(t.device).manual_seed(0))
+        signs = torch.randint(0, 2, t.shape, generator=gen, device=t.device).to(t.dtype) * 2 - 1
+        out.append(t + t * (signs * torch.finfo(t.dtype).eps))
+    return out
 
 
 def _gradients_checked(
