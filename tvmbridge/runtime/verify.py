@@ -289,8 +289,8 @@ def _excused(
     return _distance(g, x) <= _distance(w, x) + allowed
 
 
-# how far beyond the larger of PyTorch's two roundings' errors a compiled gradient may land, in
-# a call that rounding alone moves further than the tolerance
+# how many times eager's own distance to the full-precision gradient a compiled one may be, in a
+# call that rounding alone moves further than the tolerance
 ROUNDING_SPREAD = 2.0
 
 
@@ -305,10 +305,14 @@ def _within_rounding_spread(
     """Whether the call is too ill-conditioned to tell ``got`` from rounding: PyTorch's own
     gradient from inputs one rounding away (``shaken``) differs from ``want`` by more than the
     tolerance, and ``got`` is no further from the full-precision ``exact`` than
-    ``ROUNDING_SPREAD`` times the further of PyTorch's two. A deep CNN's train-mode BatchNorms
-    over a few values per channel (DPN, DLA at 64x64) amplify float32 rounding so; the same
-    compile in float64 then matches PyTorch's float64 to 1e-14. In a well-conditioned call the
-    two PyTorch runs agree and nothing is excused here."""
+    ``ROUNDING_SPREAD`` times eager's own distance to it. A deep CNN's train-mode BatchNorms
+    over a few values per channel (DLA at 64x64) amplify float32 rounding so; the same compile
+    in float64 then matches PyTorch's float64 to 1e-14. The shaken run is evidence of the
+    ill-conditioning, never the bound: where the perturbation breaks exact ties (nearest
+    upsampling's copies under a max), it lands on another subgradient, as far from ``exact`` as
+    a wrong compiled one (timm's HRNet: both 0.042, eager 2e-5), and excusing up to its
+    distance would pass it. In a well-conditioned call the two PyTorch runs agree and nothing
+    is excused here."""
     if got is None or want is None or shaken is None or exact is None:
         return False
     tensors = (got, want, shaken, exact)
@@ -319,8 +323,7 @@ def _within_rounding_spread(
     allowed = tolerance(want.dtype, precision, max(float(want.abs().max()), floor))
     if _distance(shaken, want) <= allowed:
         return False
-    spread = max(_distance(want, exact), _distance(shaken, exact))
-    return _distance(got, exact) <= ROUNDING_SPREAD * spread + allowed
+    return _distance(got, exact) <= ROUNDING_SPREAD * _distance(want, exact) + allowed
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
