@@ -424,3 +424,5 @@ def test_one_rounding_away_moves_each_float_by_an_ulp_differentiably_and_leaves_
     assert torch.all(step <= 2 * eps * x.detach().double().abs()) and bool((step > 0).all())
     moved.sum().backward()
     assert x.grad is not None and torch.allclose(x.grad, torch.ones(100), atol=2 * eps)
+    mask = torch.tensor([0.0, float("-inf"), 1.0, float("inf")])
+    assert torch.equal(one_rounding_away([mask])[0].isfinite(), mask.isfinite())  # no NaN from -inf

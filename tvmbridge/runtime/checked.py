@@ -149,7 +149,8 @@ def _eager_again(
 def one_rounding_away(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each float tensor times ``1 +- eps`` of its dtype elementwise (signs from a private,
     fixed-seed generator: the global one is not drawn from), differentiably, so that gradients
-    reach the tensors themselves; other tensors as they are."""
+    reach the tensors themselves; infinities (an additive attention mask's) and other tensors as
+    they are."""
     generators: dict[torch.device, torch.Generator] = {}
     out = []
     for t in tensors:
@@ -158,7 +159,8 @@ def one_rounding_away(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             continue
         gen = generators.setdefault(t.device, torch.Generator(t.device).manual_seed(0))
         signs = torch.randint(0, 2, t.shape, generator=gen, device=t.device).to(t.dtype) * 2 - 1
-        out.append(t + t * (signs * torch.finfo(t.dtype).eps))
+        moved = t + t * (signs * torch.finfo(t.dtype).eps)
+        out.append(torch.where(torch.isfinite(t), moved, t))  # -inf * -eps would add +inf: a NaN
     return out
 
 
