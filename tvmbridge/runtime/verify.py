@@ -310,8 +310,8 @@ def _within_rounding_spread(
     in float64 then matches PyTorch's float64 to 1e-14. The shaken run is evidence of the
     ill-conditioning, never the bound: the perturbation may land on another subgradient
     (exact ties broken otherwise, most likely), as far from ``exact`` as a wrong compiled one
-    (timm's HRNet: both 0.042, eager 2e-5), and excusing up to its distance would pass it. In a well-conditioned call the two PyTorch runs agree and nothing
-    is excused here."""
+    (timm's HRNet: both 0.042, eager 2e-5), and excusing up to its distance would pass it.
+    In a well-conditioned call the two PyTorch runs agree and nothing is excused here."""
     if got is None or want is None or shaken is None or exact is None:
         return False
     tensors = (got, want, shaken, exact)
