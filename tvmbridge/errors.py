@@ -98,7 +98,9 @@ class FallbackWarning(UserWarning):
 class VerificationWarning(FallbackWarning):
     """A compiled variant disagreed with PyTorch on its first call (or failed while running): it
     was discarded and that call signature runs PyTorch from then on; the message names the worst
-    tensor. Please report it: it is a bug of the bridge."""
+    tensor. Please report it: it is a bug of the bridge. Also: a call too ill-conditioned to check
+    the variant's gradients (that backward used PyTorch's; a later call is checked), or a
+    variant discarded after several such calls; the message says which."""
 
 
 class RecompileWarning(UserWarning):

@@ -42,6 +42,11 @@ class CallLog:
         self.last_decision = f"ran PyTorch: {reason.message}"
         return self.first_time(reason.key)
 
+    def pytorch_gradients(self, message: str) -> None:
+        """Count a backward whose gradients are PyTorch's (a compiled forward's check undecided)."""
+        with self.lock:
+            self.fallback_reasons[message] += 1
+
     def first_time(self, key: str) -> bool:
         """Whether ``key`` is new; it is not from now on."""
         with self.lock:

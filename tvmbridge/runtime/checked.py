@@ -164,11 +164,32 @@ def one_rounding_away(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+# how many backwards of a variant may leave its gradient check unsettled (a call too
+# ill-conditioned to tell a bug from rounding) before the variant is discarded
+UNSETTLED_CHECKS = 3
+
+
 def _gradients_checked(
     dispatcher: Dispatcher, variant: Variant, args: tuple, kwargs: dict, found: Discrepancy | None
 ) -> None:
+    """Trust the variant's gradients, check them again on its next call (this backward used
+    PyTorch's: ``found`` unsettled, a few times at most), or discard the variant."""
+    trust = variant.trust
     if found is None:
-        variant.trust.gradients = True
+        trust.gradients = True
+    elif found.unsettled and trust.unsettled + 1 < UNSETTLED_CHECKS:
+        trust.unsettled += 1
+        dispatcher.unsettled(
+            variant,
+            f"its gradients could not be checked on this call, too ill-conditioned to tell rounding from "
+            f"a bug ({found}); this backward used PyTorch's gradients and its next call is checked again",
+        )
+    elif found.unsettled:
+        message = (
+            f"its gradients disagreed with PyTorch's on each of its first {UNSETTLED_CHECKS} backwards, "
+            f"in calls too ill-conditioned to tell rounding from a bug (the last: {found})"
+        )
+        dispatcher.discard(variant, args, kwargs, message, bug=False)
     else:
         dispatcher.discard(
             variant, args, kwargs, f"its gradients disagreed with PyTorch's on its first backward: {found}"

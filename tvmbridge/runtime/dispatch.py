@@ -294,19 +294,33 @@ class Dispatcher:
                 outs[i] = tensors[j]
         return traced.output_of(outs)
 
-    def discard(self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True) -> Mismatch:
-        """Drop a variant that failed or disagreed with PyTorch (see ``VariantSet.discard``)."""
+    def discard(
+        self, variant: Variant, args: tuple, kwargs: dict, message: str, warn: bool = True, bug: bool = True
+    ) -> Mismatch:
+        """Drop a variant that failed or disagreed with PyTorch (see ``VariantSet.discard``);
+        ``bug``: whether the evidence shows the bridge wrong (else it could not be checked)."""
         reason = self.variant_set.discard(variant, args, kwargs, message, len(self.log.discarded))
         self.log.discarded_variant(reason)
         if warn:
+            why = " (please report this: it is a bug of the bridge)" if bug else ""
             warnings.warn(
-                f"tvmbridge: {module_name(self.module)}: {reason.message}; PyTorch runs these calls "
-                "from now on (please report this: it is a bug of the bridge)",
+                f"tvmbridge: {module_name(self.module)}: {reason.message}; PyTorch runs these calls from now on{why}",
                 VerificationWarning,
                 stacklevel=caller_stacklevel(),
             )
         self.log.first_time(reason.key)
         return reason
+
+    def unsettled(self, variant: Variant, message: str) -> None:
+        """A backward whose gradient check could not decide used PyTorch's gradients: counted
+        with the reasons PyTorch ran, warned of once per variant."""
+        self.log.pytorch_gradients(f"gradients of variant '{variant.label}': {message}")
+        if self.log.first_time(f"unsettled {id(variant)}") and self.options.warn_on_fallback:
+            warnings.warn(
+                f"tvmbridge: {module_name(self.module)}: variant '{variant.label}': {message}",
+                VerificationWarning,
+                stacklevel=caller_stacklevel(),
+            )
 
     def fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
         """PyTorch runs the call, with a warning the first time for each reason."""
