@@ -164,6 +164,104 @@ def test_a_tensor_kept_on_the_module_is_never_a_fake_one():
             assert type(m.last) is torch.Tensor and torch.equal(m.last, y.detach())
 
 
+class ScaledByAttributes(torch.nn.Module):
+    """Tensors on the module that are neither parameters nor buffers: the trace bakes them in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale = torch.tensor(2.0)
+        self.table = {"bias": torch.ones(4)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale + self.table["bias"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["tensor_reassigned", "tensor_in_place", "dict_entry_replaced", "dict_entry_in_place", "dict_reassigned"],
+)
+def test_a_tensor_attribute_changed_after_compiling_is_not_read_stale(change: str) -> None:
+    """A tensor kept on the module outside its parameters and buffers was compiled in as a
+    constant, and a variant kept running it after the user changed it (silently wrong outputs
+    and gradients); now any change (reassigned, written in place, an entry of a dict replaced or
+    written) stops the variant from fitting."""
+    torch.manual_seed(0)
+    ref = ScaledByAttributes()
+    m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 4),), verify=False)
+    x = torch.randn(3, 4)
+    for mod in (m, ref):
+        mod(x).sum().backward()
+        if change == "tensor_reassigned":
+            mod.scale = torch.tensor(3.0)
+        elif change == "tensor_in_place":
+            mod.scale.fill_(3.0)
+        elif change == "dict_entry_replaced":
+            mod.table["bias"] = torch.zeros(4)
+        elif change == "dict_entry_in_place":
+            mod.table["bias"].fill_(7.0)
+        else:
+            mod.table = {"bias": torch.full((4,), 5.0)}
+        mod.zero_grad()
+    for mod in (m, ref):
+        mod.out = mod(x)
+        mod.out.sum().backward()
+    torch.testing.assert_close(m.out, ref.out)
+    torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad)
+    what = "table" if "dict" in change else "scale"
+    assert f"ScaledByAttributes.{what}" in m._tvm_dispatch.variants[-1].why  # a recompile that names it
+
+
+class EvalCache(torch.nn.Module):
+    """LeViT's attention biases: in eval mode, a dict filled in place on first use (a trace left a
+    fake tensor in it, and the next eager call crashed on it); emptied by ``train()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bias = torch.nn.Parameter(torch.randn(4))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def train(self, mode: bool = True) -> EvalCache:
+        super().train(mode)
+        if mode:
+            self.cache = {}
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.lin(x) + self.bias * 2
+        if "cpu" not in self.cache:
+            self.cache["cpu"] = self.bias * 2
+        return self.lin(x) + self.cache["cpu"]
+
+
+def test_a_cache_dict_filled_in_place_in_eval_is_filled_by_pytorch_and_compiled_again_after_training() -> None:
+    torch.manual_seed(0)
+    ref = EvalCache()
+    m = add_tvm_dispatch(copy.deepcopy(ref), verify=False)
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (m, ref)]
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for mod, opt in zip((m, ref), opts):
+                mod.train()
+                mod(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mod.eval()
+                with torch.no_grad():
+                    mod.outs = [mod(x) for _ in range(2)]
+            assert all(type(t) is torch.Tensor for t in m.cache.values())  # never a tracer's fake
+            for got, want in zip(m.outs, ref.outs):
+                torch.testing.assert_close(got, want)  # the second eval: the cache as trained
+    deferred = [w for w in caught if "compiling deferred" in str(w.message)]
+    assert deferred and "EvalCache.cache" in str(deferred[0].message)
+    assert not any("on every call" in str(w.message) for w in caught)  # not refused for good
+    assert sum(v.label.startswith("eval") for v in m._tvm_dispatch.variants) == 2
+
+
 def test_lstm_weights_stay_real_after_a_trace():
     """nn.LSTM rebuilds its private weight list from the tensors swapped in for the trace."""
     m = add_tvm_dispatch(torch.nn.LSTM(4, 6, batch_first=True), (torch.randn(2, 3, 4),), verify=False)

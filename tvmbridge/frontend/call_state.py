@@ -49,7 +49,18 @@ def is_plain(value: Any) -> bool:
     return False
 
 
-Attributes = dict[tuple[int, str], tuple[str, Any, bool]]  # (module id, name) -> (label, value, plain)
+# (module id, name) -> (label, value, plain, contents: a dict's, list's or set's own entries)
+Attributes = dict[tuple[int, str], tuple[str, Any, bool, Any]]
+MUTABLE = (dict, list, set)
+
+
+def _contents(value: Any, plain: bool) -> Any:
+    """A mutable container's entries as they are now (a shallow copy, compared by identity): a
+    forward that fills a cache in place (``self.cache[key] = t``, LeViT's attention biases in
+    eval mode) changes no attribute's identity; None for anything else."""
+    if plain or not isinstance(value, MUTABLE):
+        return None
+    return list(value.items()) if isinstance(value, dict) else list(value)
 
 
 def module_attributes(module: torch.nn.Module) -> Attributes:
@@ -64,18 +75,32 @@ def module_attributes(module: torch.nn.Module) -> Attributes:
                     f"{path or type(m).__name__}.{name}",
                     copy.deepcopy(value) if plain else value,
                     plain,
+                    _contents(value, plain),
                 )
     return found
 
 
-def _same(was: tuple[str, Any, bool], now: tuple[str, Any, bool]) -> bool:
-    (_, old, plain), new = was, now[1]
+def _same(was: tuple[str, Any, bool, Any], now: tuple[str, Any, bool, Any]) -> bool:
+    (_, old, plain, entries), new, now_entries = was, now[1], now[3]
+    if entries is not None:
+        return (
+            old is new
+            and len(entries) == len(now_entries)
+            and all(_same_entry(a, b) for a, b in zip(entries, now_entries))
+        )
     return old is new or (plain and type(old) is type(new) and old == new)
+
+
+def _same_entry(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 2:  # a dict's (key, value)
+        return (a[0] is b[0] or (is_plain(a[0]) and a[0] == b[0])) and a[1] is b[1]
+    return a is b
 
 
 def changed_attributes(module: torch.nn.Module, before: Attributes) -> list[str]:
     """The labels of attributes assigned, added or deleted since ``before`` that a later call may
-    read: plain values (a counter, a flag), and public objects (``self.last = y``). A private
+    read: plain values (a counter, a flag), public objects (``self.last = y``) and public
+    dicts, lists and sets filled in place (a cache: ``self.cache[key] = t``). A private
     object (``_flat_weights``, which ``nn.LSTM`` rebuilds from its swapped weights) is a cache
     its module rebuilds itself: it is put back, not reported."""
     now = module_attributes(module)
@@ -84,7 +109,7 @@ def changed_attributes(module: torch.nn.Module, before: Attributes) -> list[str]
         was, current = before.get(key), now.get(key)
         if was is not None and current is not None and _same(was, current):
             continue
-        label, _, plain = was or current  # type: ignore[misc]  # one of them is there
+        label, _, plain, _ = was or current  # type: ignore[misc]  # one of them is there
         if plain or (current is not None and current[2]) or not key[1].startswith("_"):
             changed.append(label)
     return sorted(changed)
@@ -96,9 +121,17 @@ def restore_attributes(module: torch.nn.Module, before: Attributes) -> None:
     for key, m in modules.items():
         for name in [n for n in vars(m) if n not in MODULE_INTERNALS and (key, n) not in before]:
             delattr(m, name)
-    for (owner, name), (_, value, plain) in before.items():
+    for (owner, name), (_, value, plain, entries) in before.items():
         if owner in modules:
             object.__setattr__(modules[owner], name, copy.deepcopy(value) if plain else value)
+            if entries is not None:  # filled in place: emptied and filled again as it was
+                value.clear()
+                if isinstance(value, dict):
+                    value.update(entries)
+                elif isinstance(value, list):
+                    value.extend(entries)
+                else:
+                    value.update(entries)
 
 
 @dataclass(frozen=True)

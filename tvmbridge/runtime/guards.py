@@ -226,25 +226,48 @@ class SymbolicDims:
         return None
 
 
-def _module_checks(path: str, m: torch.nn.Module) -> list[tuple[str, dict, str, Any, bool]]:
-    """``(label, dict holding the value, key, expected value, compare by identity)`` for every
-    attribute of ``m`` that the compiled code may depend on."""
+Check = tuple[str, dict, str, Any, bool, Any]  # label, holder, key, expected, by identity, contents
+
+
+def _module_checks(path: str, m: torch.nn.Module) -> list[Check]:
+    """``(label, dict holding the value, key, expected value, compare by identity, contents)``
+    for every attribute of ``m`` that the compiled code may depend on; ``contents``: what
+    :func:`_contents` gives for it now (None: nothing inside to check)."""
     label = path or type(m).__name__
-    checks = []
+    checks: list[Check] = []
     for name, value in vars(m).items():
-        if name in MODULE_INTERNALS or isinstance(value, (torch.Tensor, torch.nn.Module)):
+        if name in MODULE_INTERNALS or isinstance(value, torch.nn.Module):
             continue
         if is_plain(value):  # a copy: an in-place edit of a list must show
-            checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False))
+            checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False, None))
             continue
-        checks.append((f"{label}.{name}", vars(m), name, value, True))
+        checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value)))
         fields = getattr(value, "__dict__", None) or {}
         for sub, v in fields.items():  # a config object's fields
             if is_plain(v):
-                checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False))
+                checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False, None))
     for name, child in m._modules.items():
-        checks.append((f"{label}.{name} (the submodule)", m._modules, name, child, True))
+        checks.append((f"{label}.{name} (the submodule)", m._modules, name, child, True, None))
     return checks
+
+
+def _contents(value: Any) -> tuple | None:
+    """What the trace read inside a tensor or a container that is no parameter or buffer: a
+    tensor's version, a dict's, list's, tuple's or set's entries by identity and the versions of
+    the tensors among them. The trace bakes such a tensor into the compiled code as a constant
+    (``self.scale = torch.tensor(2.0)``, a cache dict of LeViT's attention biases), so a later
+    change (reassigned, written in place, an entry replaced) must not fit the variant."""
+    if isinstance(value, torch.Tensor):
+        return (value._version,)
+    if isinstance(value, dict):
+        entries: Any = [x for item in value.items() for x in item]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        entries = value
+    else:
+        return None
+    return tuple(
+        x if is_plain(x) else (id(x), x._version) if isinstance(x, torch.Tensor) else (id(x),) for x in entries
+    )
 
 
 def _same(value: Any, expected: Any, by_identity: bool) -> bool:
@@ -263,7 +286,7 @@ class StateGuard:
         self.state = state
         self.keys = [tensor_key(t) for t in state.tensors(module)]
         self.with_grad = with_grad  # state positions the compiled backward computes a gradient for
-        self.checks: list[tuple[str, dict, str, Any, bool]] = []
+        self.checks: list[Check] = []
         self.hooks: list[tuple[str, dict, int]] = []
         for path, m in module.named_modules(remove_duplicate=False):
             self.checks += _module_checks(path, m)
@@ -282,11 +305,17 @@ class StateGuard:
         return (sub._parameters if leaf in sub._parameters else sub._buffers), leaf
 
     def check(self, module: torch.nn.Module) -> Mismatch | None:
-        for label, holder, name, expected, by_identity in self.checks:
+        for label, holder, name, expected, by_identity, contents in self.checks:
             value = holder.get(name, _MISSING)
             if not _same(value, expected, by_identity):
-                shown = "gone" if value is _MISSING else "another object" if by_identity else repr(value)
-                return Mismatch(label, f"{label} is {shown}, compiled for {expected!r}")
+                if by_identity:
+                    shown = "gone" if value is _MISSING else "another object"
+                    return Mismatch(label, f"{label} is {shown} than the {type(expected).__name__} compiled for")
+                return Mismatch(
+                    label, f"{label} is {'gone' if value is _MISSING else repr(value)}, compiled for {expected!r}"
+                )
+            if contents is not None and _contents(value) != contents:
+                return Mismatch(label, f"{label} was changed in place since compiling (an entry, or a tensor's values)")
         for label, hooks, n in self.hooks:
             if counted(hooks) != n:
                 return Mismatch(

@@ -149,6 +149,7 @@ class VariantSet:
             if not self.variants and not self.options.fallback:
                 raise
             return Selection.pytorch(self.remember_failure(key, exc))
+        self.deferred.discard(key)  # deferring helped (a cache filled): it may again, once emptied
         with TRACING.reading():
             fit = variant.fit(self.module, self.signature, args, kwargs)
         if fit.fitted is None:
