@@ -499,3 +499,24 @@ def test_a_right_variant_whose_first_check_was_unsettled_is_trusted_at_a_call_th
     assert results[1] is None and variant.trust.gradients and variant.trust.unsettled == 1
     _assert_step_equal(_step(tvm, x), _step(eager, x))
     assert len(results) == 2  # trusted: no further checks
+
+
+def test_an_output_outside_the_tolerance_is_judged_again_against_the_full_precision_call() -> None:
+    """A forward can be as ill-conditioned as a backward (LeViT's classifier BatchNorm1d over a
+    batch of 2: eager's running variance 0.011 from float64's, tolerance 0.0041, the compiled one
+    0.0064 from eager's): an output passes at most eager's own distance from the full-precision
+    one; nothing is excused where that run is not the same computation (eager far from it)."""
+    from tvmbridge.runtime.verify import rejudged_outputs
+
+    torch.manual_seed(0)
+    exact = torch.randn(64).double() * 4
+    noise = torch.randn(64).sign().double()
+    eager = (exact + 0.011 * noise).float()
+    near = (exact - 0.0105 * noise).float()  # as far as eager, on the other side: 0.02 from eager
+    far = (exact + 0.05 * noise).float()
+    assert rejudged_outputs([("buffer v", near, eager)], [exact], None) is None
+    found = rejudged_outputs([("buffer v", far, eager)], [exact], None)
+    assert found is not None and "full-precision call's: compiled 0.05" in found.detail
+    unrelated = exact + 3.0  # eager is not within REFERENCE_REACH tolerances of it: no judge
+    found = rejudged_outputs([("buffer v", near, eager)], [unrelated], None)
+    assert found is not None and "full-precision" not in found.detail
