@@ -16,7 +16,7 @@ import torch
 from ..frontend.outputs import labelled_output_tensors
 from .eager import update_targets
 from .function import CompiledCallError
-from .verify import Discrepancy, GradientCheck, own_inputs, rejudged_outputs, worst
+from .verify import Discrepancy, GradientCheck, own_inputs, rejudged_outputs, same_computation, worst
 
 if TYPE_CHECKING:
     from ..frontend.export import TracedModule
@@ -153,8 +153,8 @@ def _eager_again(
     (``GradientCheck``): in full precision (autocast off; without autocast, float32 in float64),
     the values to judge against, or else at the call's precision from every float input one
     rounding away (:func:`one_rounding_away`), a sample of rounding's own spread. None where it
-    cannot serve: PyTorch fails so, or its outputs are not eager's to the call's tolerance (a
-    random op that draws differently by dtype, say)."""
+    cannot serve: PyTorch fails so, or its outputs are not the same computation's
+    (``verify.same_computation``: a random op that draws differently by dtype, say)."""
     now = rng_states(compiled.device)
     set_rng_states(rng, compiled.device)
     try:
@@ -169,7 +169,7 @@ def _eager_again(
     if len(ref_paths) != len(paths):
         return None
     pairs = [(where, ref.to(want.dtype), want) for (where, want), (_, ref) in zip(paths, ref_paths)]
-    if worst(pairs, precision) is not None:
+    if not same_computation(pairs, precision):
         return None
     return [ref_paths[i][1] if d else None for i, d in enumerate(differentiable)]
 
