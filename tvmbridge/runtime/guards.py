@@ -316,8 +316,11 @@ class StateGuard:
                 continue
             if not _same(value, expected, by_identity):
                 if by_identity:
-                    shown = "gone" if value is _MISSING else "another object"
-                    return Mismatch(label, f"{label} is {shown} than the {type(expected).__name__} compiled for")
+                    kind = type(expected).__name__
+                    shown = (
+                        f"gone (compiled with a {kind})" if value is _MISSING else f"another {kind} than compiled for"
+                    )
+                    return Mismatch(label, f"{label} is {shown}")
                 return Mismatch(
                     label, f"{label} is {'gone' if value is _MISSING else repr(value)}, compiled for {expected!r}"
                 )
