@@ -9,10 +9,12 @@ backward. A disagreement discards the variant and this call returns PyTorch's re
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import VerificationWarning, caller_stacklevel, module_name
 from ..frontend.outputs import labelled_output_tensors
 from .eager import update_targets
 from .function import CompiledCallError
@@ -207,7 +209,8 @@ def _gradients_checked(
         trust.gradients = True
     elif found.unsettled and trust.unsettled + 1 < UNSETTLED_CHECKS:
         trust.unsettled += 1
-        dispatcher.unsettled(
+        _unsettled(
+            dispatcher,
             variant,
             f"its gradients could not be checked on this call, too ill-conditioned to tell rounding from "
             f"a bug ({found}); this backward used PyTorch's gradients and its next call is checked again",
@@ -221,4 +224,16 @@ def _gradients_checked(
     else:
         dispatcher.discard(
             variant, args, kwargs, f"its gradients disagreed with PyTorch's on its first backward: {found}"
+        )
+
+
+def _unsettled(dispatcher: Dispatcher, variant: Variant, message: str) -> None:
+    """A backward whose gradient check could not decide used PyTorch's gradients: counted with
+    the reasons PyTorch ran, warned of once per variant."""
+    dispatcher.log.pytorch_gradients(f"gradients of variant '{variant.label}': {message}")
+    if dispatcher.log.first_time(f"unsettled {id(variant)}") and dispatcher.options.warn_on_fallback:
+        warnings.warn(
+            f"tvmbridge: {module_name(dispatcher.module)}: variant '{variant.label}': {message}",
+            VerificationWarning,
+            stacklevel=caller_stacklevel(),
         )

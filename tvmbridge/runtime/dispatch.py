@@ -311,17 +311,6 @@ class Dispatcher:
         self.log.first_time(reason.key)
         return reason
 
-    def unsettled(self, variant: Variant, message: str) -> None:
-        """A backward whose gradient check could not decide used PyTorch's gradients: counted
-        with the reasons PyTorch ran, warned of once per variant."""
-        self.log.pytorch_gradients(f"gradients of variant '{variant.label}': {message}")
-        if self.log.first_time(f"unsettled {id(variant)}") and self.options.warn_on_fallback:
-            warnings.warn(
-                f"tvmbridge: {module_name(self.module)}: variant '{variant.label}': {message}",
-                VerificationWarning,
-                stacklevel=caller_stacklevel(),
-            )
-
     def fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
         """PyTorch runs the call, with a warning the first time for each reason."""
         if self.log.ran_pytorch(reason) and self.options.warn_on_fallback:
