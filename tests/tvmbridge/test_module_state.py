@@ -212,6 +212,52 @@ def test_a_tensor_attribute_changed_after_compiling_is_not_read_stale(change: st
     assert f"ScaledByAttributes.{what}" in m._tvm_dispatch.variants[-1].why  # a recompile that names it
 
 
+class GrowingStack(torch.nn.Module):
+    """A forward that reads what the module has: its layers, and an optional attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if getattr(self, "gain", None) is not None:
+            x = x * self.gain
+        if "shift" in self._buffers:
+            x = x + self._buffers["shift"]
+        return x
+
+
+@pytest.mark.parametrize("change", ["layer_appended", "attribute_added", "buffer_registered"])
+def test_a_name_added_to_the_module_after_compiling_is_not_missed(change: str) -> None:
+    """A trusted variant kept running after a layer was appended to a ``ModuleList`` or an
+    attribute the forward looks up with a default was set: the guard checked every name the module
+    had when compiled, never one added after (silently wrong outputs and gradients)."""
+    torch.manual_seed(0)
+    ref = GrowingStack()
+    m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 4),))
+    x = torch.randn(3, 4)
+    for _ in range(3):  # checked on its first calls, then trusted
+        m(x).sum().backward()
+    added = torch.nn.Linear(4, 4)
+    for mod in (m, ref):
+        if change == "layer_appended":
+            mod.layers.append(copy.deepcopy(added))
+        elif change == "attribute_added":
+            mod.gain = 3.0
+        else:
+            mod.register_buffer("shift", torch.full((4,), 0.5))
+        mod.zero_grad()
+        mod.out = mod(x)
+        mod.out.sum().backward()
+    torch.testing.assert_close(m.out, ref.out)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    what = {"layer_appended": "layers.2 (a submodule)", "attribute_added": "gain (an attribute)"}
+    assert what.get(change, "shift (a buffer)") in m._tvm_dispatch.variants[-1].why
+
+
 class EvalCache(torch.nn.Module):
     """LeViT's attention biases: in eval mode, a dict filled in place on first use (a trace left a
     fake tensor in it, and the next eager call crashed on it); emptied by ``train()``."""

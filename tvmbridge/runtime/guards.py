@@ -1,30 +1,22 @@
 """What a compiled variant depends on, checked cheaply at every call, with the reason it does not fit.
 
 In the spirit of torch.compile's guards: the compiled code is specialised on the call (tensor
-shapes, dtypes, devices, which inputs require grad, the non-tensor arguments), on the module's
-state layout (which parameters and buffers, tied how, with what shape, dtype, device and
-``requires_grad``), on every plain Python attribute of every submodule (``p``, ``eps``,
-``training``, flags, a config object's fields: whatever ``forward`` may have read while tracing),
-on the submodules themselves and on the hooks present. Any difference is a :class:`Mismatch`
-naming what changed; the dispatcher then runs PyTorch instead of stale compiled code.
+shapes, dtypes, devices, which inputs require grad, the non-tensor arguments: here) and on the
+module (:mod:`.state_guard`). Any difference is a :class:`Mismatch` naming what changed; the
+dispatcher then runs PyTorch instead of stale compiled code.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.nn.modules import module as nn_module
 
-from ..frontend.call_state import MODULE_INTERNALS, AutocastState, ModuleState, is_plain
-from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
+from ..frontend.call_state import AutocastState
 from ..sizes import evaluate_dims
-
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -65,7 +57,7 @@ def tensor_key(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device)
 
 
-def _describe_tensor_difference(what: str, got: torch.Tensor, want: tuple) -> Mismatch:
+def describe_tensor_difference(what: str, got: torch.Tensor, want: tuple) -> Mismatch:
     shape, dtype, device = want
     if tuple(got.shape) != shape:
         if len(got.shape) != len(shape):
@@ -77,7 +69,7 @@ def _describe_tensor_difference(what: str, got: torch.Tensor, want: tuple) -> Mi
     return Mismatch(f"{what} device", f"{what} is on {got.device}, compiled for {device}")
 
 
-def _short(value: Any) -> str:
+def short_value(value: Any) -> str:
     """A value as a message shows it: a tensor by its shape and dtype, anything else by a short repr."""
     if isinstance(value, torch.Tensor):
         return f"<tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}>"
@@ -135,7 +127,7 @@ class InputGuard:
             if name not in self.kwargs:
                 return Mismatch(
                     f"{name} given",
-                    f"{name}={_short(kwargs[name])} is given, compiled with it left at its default",
+                    f"{name}={short_value(kwargs[name])} is given, compiled with it left at its default",
                     structural=True,
                 )
         return Mismatch(
@@ -165,7 +157,7 @@ class InputGuard:
                 if reason is not None:
                     return reason
             elif tensor_key(x) != want:
-                return _describe_tensor_difference(self.labels[i], x, want)
+                return describe_tensor_difference(self.labels[i], x, want)
         return self.dims.check_derived(derived, sizes) if self.dims is not None else None
 
 
@@ -193,7 +185,7 @@ class SymbolicDims:
         _, dtype, device = key
         dims = self.leaf_dims[leaf]
         if x.dim() != len(dims) or x.dtype != dtype or x.device != device:
-            return _describe_tensor_difference(label, x, (tuple(1 for _ in dims), dtype, device))
+            return describe_tensor_difference(label, x, (tuple(1 for _ in dims), dtype, device))
         for d, (want, got) in enumerate(zip(dims, x.shape)):
             reason = self._bind(f"{label} dim {d}", want, int(got), sizes, derived)
             if reason is not None:
@@ -224,131 +216,3 @@ class SymbolicDims:
             if want != got:
                 return Mismatch(what, f"{what} is {got}, but the compiled code needs {expr} = {want}")
         return None
-
-
-Check = tuple[str, dict, str, Any, bool, Any]  # label, holder, key, expected, by identity, contents
-
-
-def _module_checks(path: str, m: torch.nn.Module) -> list[Check]:
-    """``(label, dict holding the value, key, expected value, compare by identity, contents)``
-    for every attribute of ``m`` that the compiled code may depend on; ``contents``: what
-    :func:`_contents` gives for it now (None: nothing inside to check)."""
-    label = path or type(m).__name__
-    checks: list[Check] = []
-    for name, value in vars(m).items():
-        if name in MODULE_INTERNALS or isinstance(value, torch.nn.Module):
-            continue
-        if is_plain(value):  # a copy: an in-place edit of a list must show
-            checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False, None))
-            continue
-        checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value)))
-        fields = getattr(value, "__dict__", None) or {}
-        for sub, v in fields.items():  # a config object's fields
-            if is_plain(v):
-                checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False, None))
-    for name, child in m._modules.items():
-        checks.append((f"{label}.{name} (the submodule)", m._modules, name, child, True, None))
-    return checks
-
-
-CONTAINERS = (dict, list, tuple, set, frozenset)
-
-
-def _contents(value: Any) -> tuple | None:
-    """What the trace read inside a tensor or a container that is no parameter or buffer: a
-    tensor's version, a dict's, list's, tuple's or set's entries by identity and the versions of
-    the tensors among them. The trace bakes such a tensor into the compiled code as a constant
-    (``self.scale = torch.tensor(2.0)``, a cache dict of LeViT's attention biases), so a later
-    change (reassigned, written in place, an entry replaced) must not fit the variant."""
-    if isinstance(value, torch.Tensor):
-        return (value._version,)
-    if isinstance(value, dict):
-        entries: Any = [x for item in value.items() for x in item]
-    elif isinstance(value, CONTAINERS):
-        entries = value
-    else:
-        return None
-    return tuple(
-        x if is_plain(x) else (id(x), x._version) if isinstance(x, torch.Tensor) else (id(x),) for x in entries
-    )
-
-
-def _same(value: Any, expected: Any, by_identity: bool) -> bool:
-    if value is expected:
-        return True
-    return not by_identity and type(value) is type(expected) and value == expected
-
-
-class StateGuard:
-    """The module's state layout and tensor metadata, attributes, submodules and hooks.
-
-    :meth:`check` runs first: once it passed, the submodules are the compiled ones, so
-    :meth:`tensors` reads each parameter and buffer straight from its owner's dict."""
-
-    def __init__(self, module: torch.nn.Module, state: ModuleState, with_grad: set[int]) -> None:
-        self.state = state
-        self.keys = [tensor_key(t) for t in state.tensors(module)]
-        self.with_grad = with_grad  # state positions the compiled backward computes a gradient for
-        self.checks: list[Check] = []
-        self.hooks: list[tuple[str, dict, int]] = []
-        for path, m in module.named_modules(remove_duplicate=False):
-            self.checks += _module_checks(path, m)
-            if path:  # the module's own hooks run around the dispatched forward, as always
-                self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]
-        self.hooks += [(h, getattr(nn_module, h), counted(getattr(nn_module, h))) for h in GLOBAL_HOOK_DICTS]
-        self.slots = [self._slot(module, name) for name in state.names]
-        self.alias_slots = [
-            (self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()
-        ]
-
-    @staticmethod
-    def _slot(module: torch.nn.Module, name: str) -> tuple[dict, str]:
-        owner, _, leaf = name.rpartition(".")
-        sub = module.get_submodule(owner) if owner else module
-        return (sub._parameters if leaf in sub._parameters else sub._buffers), leaf
-
-    def check(self, module: torch.nn.Module) -> Mismatch | None:
-        for label, holder, name, expected, by_identity, contents in self.checks:
-            value = holder.get(name, _MISSING)
-            if contents is not None and isinstance(expected, CONTAINERS):  # another dict of the same entries fits
-                if type(value) is not type(expected) or _contents(value) != contents:
-                    return Mismatch(label, f"{label} holds other entries than compiled for (or one was written to)")
-                continue
-            if not _same(value, expected, by_identity):
-                if by_identity:
-                    kind = type(expected).__name__
-                    shown = (
-                        f"gone (compiled with a {kind})" if value is _MISSING else f"another {kind} than compiled for"
-                    )
-                    return Mismatch(label, f"{label} is {shown}")
-                return Mismatch(
-                    label, f"{label} is {'gone' if value is _MISSING else repr(value)}, compiled for {expected!r}"
-                )
-            if contents is not None and _contents(value) != contents:
-                return Mismatch(label, f"{label} was changed in place since compiling (an entry, or a tensor's values)")
-        for label, hooks, n in self.hooks:
-            if counted(hooks) != n:
-                return Mismatch(
-                    label,
-                    f"{label}: {counted(hooks)} registered, compiled with {n} (hooks do not run inside compiled code)",
-                    recompile=False,
-                )
-        return None
-
-    def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
-        """The state tensors for this call, or why there are none that fit (after :meth:`check`)."""
-        tensors = [holder.get(leaf) for holder, leaf in self.slots]
-        for j, (t, (shape, dtype, device)) in enumerate(zip(tensors, self.keys)):
-            name = self.state.names[j]
-            if t is None:
-                return None, Mismatch(f"{name} gone", f"{name} is no longer a parameter or buffer of the module")
-            if t.shape != shape or t.dtype != dtype or t.device != device:
-                return None, _describe_tensor_difference(name, t, (shape, dtype, device))
-            if t.requires_grad and j not in self.with_grad:
-                return None, Mismatch(f"{name} requires_grad", f"{name} requires grad, compiled without its gradient")
-        for (holder, leaf), j in self.alias_slots:
-            if holder.get(leaf) is not tensors[j]:
-                name = self.state.names[j]
-                alias = next(a for a, n in self.state.aliases.items() if n == name)
-                return None, Mismatch(f"{alias} tie", f"{alias} is no longer tied to {name}")
-        return cast(list[torch.Tensor], tensors), None  # none is None (checked above)

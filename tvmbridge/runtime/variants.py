@@ -23,7 +23,8 @@ from ..errors import ConversionError
 from ..frontend.call_state import AutocastState
 from ..frontend.signature import canonical_call
 from .compiled import CompiledModule
-from .guards import InputGuard, Mismatch, StateGuard, SymbolicDims, autocast_mismatch, tensor_key
+from .guards import InputGuard, Mismatch, SymbolicDims, autocast_mismatch, tensor_key
+from .state_guard import StateGuard
 from .verify import Trust
 
 

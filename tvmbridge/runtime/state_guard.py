@@ -1,0 +1,270 @@
+"""The module's side of a variant's guard: its state layout (parameters and buffers, tied how,
+with what shape, dtype, device and ``requires_grad``), every plain Python attribute of every
+submodule (``p``, ``eps``, ``training``, a config object's fields: whatever ``forward`` may have
+read while tracing), the names each module has, its submodules and the hooks present. Checked at
+every call: thousands of attributes on a whole model, so first in a few passes in C
+(:class:`BatchedChecks`), and attribute by attribute only to say what differs."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from itertools import repeat
+from typing import Any, cast
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from ..frontend.call_state import MODULE_INTERNALS, ModuleState, is_plain
+from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
+from .guards import Mismatch, describe_tensor_difference, short_value, tensor_key
+
+_MISSING = object()
+
+
+Check = tuple[str, dict, str, Any, bool, Any]  # label, holder, key, expected, by identity, contents
+
+
+def _module_checks(path: str, m: torch.nn.Module) -> list[Check]:
+    """``(label, dict holding the value, key, expected value, compare by identity, contents)``
+    for every attribute of ``m`` that the compiled code may depend on; ``contents``: what
+    :func:`_contents` gives for it now (None: nothing inside to check)."""
+    label = path or type(m).__name__
+    checks: list[Check] = []
+    for name, value in vars(m).items():
+        if name in MODULE_INTERNALS or isinstance(value, torch.nn.Module):
+            continue
+        if is_plain(value) or _plain_entries(value):  # a copy: an in-place edit of a list must show
+            checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False, None))
+            continue
+        checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value)))
+        fields = getattr(value, "__dict__", None) or {}
+        for sub, v in fields.items():  # a config object's fields
+            if is_plain(v):
+                checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False, None))
+    for name, child in m._modules.items():
+        checks.append((f"{label}.{name} (the submodule)", m._modules, name, child, True, None))
+    return checks
+
+
+Layout = tuple[str, str, dict, frozenset]  # owner's label, what it names, the dict, its names when compiled
+
+
+def _module_layouts(path: str, m: torch.nn.Module) -> list[Layout]:
+    """The dicts of names ``m``'s forward looks things up in: its attributes, submodules,
+    parameters and buffers, and its config objects' fields. A name added there since compiling
+    (a layer appended to a ``ModuleList``, ``self.scale = 2.0`` where forward has
+    ``getattr(self, "scale", None)``) is a change the compiled code did not see."""
+    label = path or type(m).__name__
+    layouts = [
+        (label, "an attribute", vars(m)),
+        (label, "a submodule", m._modules),
+        (label, "a parameter", m._parameters),
+        (label, "a buffer", m._buffers),
+    ]
+    for name, value in vars(m).items():
+        fields = getattr(value, "__dict__", None)
+        if name not in MODULE_INTERNALS and not isinstance(value, torch.nn.Module) and type(fields) is dict:
+            layouts.append((f"{label}.{name}", "a field", fields))
+    return [(owner, kind, h, frozenset(h)) for owner, kind, h in layouts if type(h) in _DICTS]
+
+
+def _added(layout: Layout) -> str | None:
+    """A name in the dict that it did not have when compiled. Not counted among attributes and
+    fields: a private name (``_code``, which an FX graph module sets on first use; torch's and
+    the bridge's own internals: ``add_tvm_dispatch`` sets ``forward`` after compiling)."""
+    _, kind, holder, known = layout
+    public = kind not in ("an attribute", "a field")
+    return next((k for k in holder if k not in known and (public or _public(k))), None)
+
+
+def _public(name: Any) -> bool:
+    return not (isinstance(name, str) and name.startswith("_")) and name not in MODULE_INTERNALS
+
+
+CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _plain_entries(value: Any) -> bool:
+    """A dict or set of plain values only (a model's config dict): compared as a copy, by equality."""
+    if isinstance(value, dict) and type(value) in (dict, OrderedDict):
+        return all(is_plain(k) and is_plain(v) for k, v in value.items())
+    return type(value) in (set, frozenset, list) and all(is_plain(v) for v in value)
+
+
+def _contents(value: Any) -> tuple | None:
+    """What the trace read inside a tensor or a container that is no parameter or buffer: a
+    tensor's version, a dict's, list's, tuple's or set's entries by identity and the versions of
+    the tensors among them. The trace bakes such a tensor into the compiled code as a constant
+    (``self.scale = torch.tensor(2.0)``, a cache dict of LeViT's attention biases), so a later
+    change (reassigned, written in place, an entry replaced) must not fit the variant."""
+    if isinstance(value, torch.Tensor):
+        return (value._version,)
+    if isinstance(value, dict):
+        entries: Any = [x for item in value.items() for x in item]
+    elif isinstance(value, CONTAINERS):
+        entries = value
+    else:
+        return None
+    return tuple(
+        x if is_plain(x) else (id(x), x._version) if isinstance(x, torch.Tensor) else (id(x),) for x in entries
+    )
+
+
+def _same(value: Any, expected: Any, by_identity: bool) -> bool:
+    if value is expected:
+        return True
+    return not by_identity and type(value) is type(expected) and _equal(value, expected)
+
+
+def _equal(value: Any, expected: Any) -> bool:
+    """``value == expected``, where a tensor put into a container since compiling makes the
+    comparison ambiguous (an error): not equal."""
+    try:
+        return bool(value == expected)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+_DICTS = (dict, OrderedDict)  # read with ``dict.get`` in C: no Python-level ``get`` of theirs to honour
+
+
+class BatchedChecks:
+    """The state guard's checks as a few passes in C (``map`` over the holders): whether every
+    attribute is as compiled, without a Python loop step per attribute (a whole model has
+    thousands). Only answers yes or no; the guard's own loop says what differs."""
+
+    def __init__(self, checks: list[Check], hooks: list[tuple[str, dict, int]], layouts: list[Layout]) -> None:
+        self.layouts = layouts
+        self.layout_holders = [layout[2] for layout in layouts]
+        self.layout_sizes = list(map(len, self.layout_holders))
+        fast = [c for c in checks if type(c[1]) in _DICTS and c[5] is None]
+        plain = [c for c in fast if not c[4]]
+        same = [c for c in fast if c[4]]
+        self.plain_holders, self.plain_keys = [c[1] for c in plain], [c[2] for c in plain]
+        self.plain_values, self.plain_types = [c[3] for c in plain], [type(c[3]) for c in plain]
+        self.same_holders, self.same_keys = [c[1] for c in same], [c[2] for c in same]
+        self.same_ids = [id(c[3]) for c in same]  # the expected objects stay alive in the checks
+        self.rest = [c for c in checks if type(c[1]) not in _DICTS or c[5] is not None]
+        self.hookless = [h for _, h, n in hooks if n == 0 and not h]  # a hook there would be missed
+        self.hooked = [c for c in hooks if c[2] != 0 or c[1]]
+
+    def fit(self) -> bool:
+        if list(map(len, self.layout_holders)) != self.layout_sizes and not self._settled_layouts():
+            return False
+        values = list(map(dict.get, self.plain_holders, self.plain_keys, repeat(_MISSING)))
+        if list(map(type, values)) != self.plain_types or not _equal(values, self.plain_values):
+            return False
+        found = map(dict.get, self.same_holders, self.same_keys, repeat(_MISSING))
+        if list(map(id, found)) != self.same_ids or any(self.hookless):
+            return False
+        return not any(_differs(c) for c in self.rest) and all(counted(h) == n for _, h, n in self.hooked)
+
+    def _settled_layouts(self) -> bool:
+        """False where a dict of names gained one; else the sizes are taken as they are now (only
+        module internals came, or a name went, which its own check sees)."""
+        for i, layout in enumerate(self.layouts):
+            if len(layout[2]) != self.layout_sizes[i]:
+                if _added(layout) is not None:
+                    return False
+                self.layout_sizes[i] = len(layout[2])
+        return True
+
+
+def _differs(check: Check) -> bool:
+    _, holder, name, expected, by_identity, contents = check
+    value = holder.get(name, _MISSING)
+    if contents is not None and isinstance(expected, CONTAINERS):  # another dict of the same entries fits
+        return type(value) is not type(expected) or _contents(value) != contents
+    return not _same(value, expected, by_identity) or (contents is not None and _contents(value) != contents)
+
+
+def _mismatch(check: Check) -> Mismatch:
+    """What differs in a check that :func:`_differs` failed."""
+    label, holder, name, expected, by_identity, contents = check
+    value = holder.get(name, _MISSING)
+    if contents is not None and isinstance(expected, CONTAINERS):
+        return Mismatch(label, f"{label} holds other entries than compiled for (or one was written to)")
+    if _same(value, expected, by_identity):
+        return Mismatch(label, f"{label} was changed in place since compiling (an entry, or a tensor's values)")
+    if not by_identity:
+        return Mismatch(
+            label,
+            f"{label} is {'gone' if value is _MISSING else short_value(value)}, compiled for {short_value(expected)}",
+        )
+    kind = type(expected).__name__
+    shown = f"gone (compiled with a {kind})" if value is _MISSING else f"another {kind} than compiled for"
+    return Mismatch(label, f"{label} is {shown}")
+
+
+class StateGuard:
+    """The module's state layout and tensor metadata, attributes, submodules and hooks.
+
+    :meth:`check` runs first: once it passed, the submodules are the compiled ones, so
+    :meth:`tensors` reads each parameter and buffer straight from its owner's dict."""
+
+    def __init__(self, module: torch.nn.Module, state: ModuleState, with_grad: set[int]) -> None:
+        self.state = state
+        self.keys = [tensor_key(t) for t in state.tensors(module)]
+        self.with_grad = with_grad  # state positions the compiled backward computes a gradient for
+        self.checks: list[Check] = []
+        self.hooks: list[tuple[str, dict, int]] = []
+        self.layouts: list[Layout] = []
+        for path, m in module.named_modules(remove_duplicate=False):
+            self.checks += _module_checks(path, m)
+            self.layouts += _module_layouts(path, m)
+            if path:  # the module's own hooks run around the dispatched forward, as always
+                self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]
+        self.hooks += [(h, getattr(nn_module, h), counted(getattr(nn_module, h))) for h in GLOBAL_HOOK_DICTS]
+        self.slots = [self._slot(module, name) for name in state.names]
+        self.alias_slots = [
+            (self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()
+        ]
+        self.batched = BatchedChecks(self.checks, self.hooks, self.layouts)
+
+    @staticmethod
+    def _slot(module: torch.nn.Module, name: str) -> tuple[dict, str]:
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        return (sub._parameters if leaf in sub._parameters else sub._buffers), leaf
+
+    def check(self, module: torch.nn.Module) -> Mismatch | None:
+        return None if self.batched.fit() else self.difference()
+
+    def difference(self) -> Mismatch | None:
+        """The first check that fails, with what differs (the per-attribute loop)."""
+        for check in self.checks:
+            if _differs(check):
+                return _mismatch(check)
+        for layout in self.layouts:
+            if (name := _added(layout)) is not None:
+                label = f"{layout[0]}.{name}"
+                return Mismatch(
+                    label, f"{label} ({layout[1]}) was added since compiling (the compiled code never read it)"
+                )
+        for label, hooks, n in self.hooks:
+            if counted(hooks) != n:
+                return Mismatch(
+                    label,
+                    f"{label}: {counted(hooks)} registered, compiled with {n} (hooks do not run inside compiled code)",
+                    recompile=False,
+                )
+        return None
+
+    def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
+        """The state tensors for this call, or why there are none that fit (after :meth:`check`)."""
+        tensors = [holder.get(leaf) for holder, leaf in self.slots]
+        for j, (t, (shape, dtype, device)) in enumerate(zip(tensors, self.keys)):
+            name = self.state.names[j]
+            if t is None:
+                return None, Mismatch(f"{name} gone", f"{name} is no longer a parameter or buffer of the module")
+            if t.shape != shape or t.dtype != dtype or t.device != device:
+                return None, describe_tensor_difference(name, t, (shape, dtype, device))
+            if t.requires_grad and j not in self.with_grad:
+                return None, Mismatch(f"{name} requires_grad", f"{name} requires grad, compiled without its gradient")
+        for (holder, leaf), j in self.alias_slots:
+            if holder.get(leaf) is not tensors[j]:
+                name = self.state.names[j]
+                alias = next(a for a, n in self.state.aliases.items() if n == name)
+                return None, Mismatch(f"{alias} tie", f"{alias} is no longer tied to {name}")
+        return cast(list[torch.Tensor], tensors), None  # none is None (checked above)
