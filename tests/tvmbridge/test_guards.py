@@ -70,6 +70,8 @@ CHANGES: dict[str, Callable[[torch.nn.Module], None]] = {
     "a submodule replaced": lambda m: setattr(m.block, "linear", torch.nn.Linear(4, 4)),
     "a forward hook": _hook,
     "eval()": lambda m: m.eval(),
+    "a submodule's forward set": lambda m: setattr(m.block.linear, "forward", lambda x: x),
+    "a submodule's class swapped": lambda m: setattr(m.block, "__class__", type("Other", (Block,), {})),
 }
 UNCHANGED: dict[str, Callable[[torch.nn.Module], None]] = {
     "nothing": lambda m: None,
@@ -78,7 +80,7 @@ UNCHANGED: dict[str, Callable[[torch.nn.Module], None]] = {
     "another empty cache dict": _set("cache", {}),
     "train() again": lambda m: m.train(),
     "a parameter's values": lambda m: m.block.linear.weight.data.add_(1.0),
-    "the dispatch's own attributes": lambda m: setattr(m.block, "forward", m.block.forward),
+    "the dispatch's own attributes on the module": lambda m: m.__dict__.update(forward=m.forward, _tvm_dispatch=None),
 }
 
 

@@ -258,6 +258,36 @@ def test_a_name_added_to_the_module_after_compiling_is_not_missed(change: str) -
     assert what.get(change, "shift (a buffer)") in m._tvm_dispatch.variants[-1].why
 
 
+class Doubled(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("change", ["forward_patched", "class_swapped"])
+def test_a_submodule_given_another_forward_after_compiling_runs_it(change: str) -> None:
+    """A submodule's forward patched on the instance, or its class swapped (what some adapter
+    and quantization tools do), after a variant was trusted: the compiled code is the old forward."""
+    torch.manual_seed(0)
+    ref = GrowingStack()
+    m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 4),))
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        m(x).sum().backward()
+    for mod in (m, ref):
+        layer = mod.layers[1]
+        if change == "forward_patched":
+            layer.forward = lambda h, layer=layer: torch.nn.functional.linear(h, layer.weight) * 0.5
+        else:
+            layer.__class__ = Doubled
+        mod.zero_grad()
+        mod.out = mod(x)
+        mod.out.sum().backward()
+    torch.testing.assert_close(m.out, ref.out)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert "layers.1" in m._tvm_dispatch.variants[-1].why
+
+
 class EvalCache(torch.nn.Module):
     """LeViT's attention biases: in eval mode, a dict filled in place on first use (a trace left a
     fake tensor in it, and the next eager call crashed on it); emptied by ``train()``."""

@@ -31,13 +31,16 @@ def _module_checks(path: str, m: torch.nn.Module) -> list[Check]:
     :func:`_contents` gives for it now (None: nothing inside to check)."""
     label = path or type(m).__name__
     checks: list[Check] = []
+    internals = _internals(path)
     for name, value in vars(m).items():
-        if name in MODULE_INTERNALS or isinstance(value, torch.nn.Module):
+        if name in internals or isinstance(value, torch.nn.Module):
             continue
         if is_plain(value) or _plain_entries(value):  # a copy: an in-place edit of a list must show
             checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False, None))
             continue
         checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value)))
+        if name == "forward":  # a submodule's own forward (a dispatched one counts its calls): by identity
+            continue
         fields = getattr(value, "__dict__", None) or {}
         for sub, v in fields.items():  # a config object's fields
             if is_plain(v):
@@ -66,20 +69,31 @@ def _module_layouts(path: str, m: torch.nn.Module) -> list[Layout]:
         fields = getattr(value, "__dict__", None)
         if name not in MODULE_INTERNALS and not isinstance(value, torch.nn.Module) and type(fields) is dict:
             layouts.append((f"{label}.{name}", "a field", fields))
-    return [(owner, kind, h, frozenset(h)) for owner, kind, h in layouts if type(h) in _DICTS]
+    internals = _internals(path)  # names that may come and go: taken as known
+    return [
+        (owner, kind, h, frozenset(h) | (internals if kind == "an attribute" else frozenset()))
+        for owner, kind, h in layouts
+        if type(h) in _DICTS
+    ]
+
+
+def _internals(path: str) -> frozenset[str]:
+    """torch's and the bridge's own names in a module's ``__dict__``: not what forward reads.
+    ``add_tvm_dispatch`` sets the dispatched module's ``forward`` after compiling; a submodule's
+    ``forward`` set on the instance is the user's, and what a call runs."""
+    return MODULE_INTERNALS if not path else MODULE_INTERNALS - {"forward"}
 
 
 def _added(layout: Layout) -> str | None:
     """A name in the dict that it did not have when compiled. Not counted among attributes and
-    fields: a private name (``_code``, which an FX graph module sets on first use; torch's and
-    the bridge's own internals: ``add_tvm_dispatch`` sets ``forward`` after compiling)."""
+    fields: a private name (``_code``, which an FX graph module sets on first use)."""
     _, kind, holder, known = layout
     public = kind not in ("an attribute", "a field")
-    return next((k for k in holder if k not in known and (public or _public(k))), None)
+    return next((k for k in holder if k not in known and (public or not _private(k))), None)
 
 
-def _public(name: Any) -> bool:
-    return not (isinstance(name, str) and name.startswith("_")) and name not in MODULE_INTERNALS
+def _private(name: Any) -> bool:
+    return isinstance(name, str) and name.startswith("_")
 
 
 CONTAINERS = (dict, list, tuple, set, frozenset)
@@ -134,7 +148,14 @@ class BatchedChecks:
     attribute is as compiled, without a Python loop step per attribute (a whole model has
     thousands). Only answers yes or no; the guard's own loop says what differs."""
 
-    def __init__(self, checks: list[Check], hooks: list[tuple[str, dict, int]], layouts: list[Layout]) -> None:
+    def __init__(
+        self,
+        checks: list[Check],
+        hooks: list[tuple[str, dict, int]],
+        layouts: list[Layout],
+        classes: list[tuple[str, torch.nn.Module, type]],
+    ) -> None:
+        self.modules, self.classes = [c[1] for c in classes], [c[2] for c in classes]
         self.layouts = layouts
         self.layout_holders = [layout[2] for layout in layouts]
         self.layout_sizes = list(map(len, self.layout_holders))
@@ -151,6 +172,8 @@ class BatchedChecks:
 
     def fit(self) -> bool:
         if list(map(len, self.layout_holders)) != self.layout_sizes and not self._settled_layouts():
+            return False
+        if list(map(type, self.modules)) != self.classes:
             return False
         values = list(map(dict.get, self.plain_holders, self.plain_keys, repeat(_MISSING)))
         if list(map(type, values)) != self.plain_types or not _equal(values, self.plain_values):
@@ -210,7 +233,9 @@ class StateGuard:
         self.checks: list[Check] = []
         self.hooks: list[tuple[str, dict, int]] = []
         self.layouts: list[Layout] = []
+        self.classes: list[tuple[str, torch.nn.Module, type]] = []  # ``__class__`` swapped: another forward
         for path, m in module.named_modules(remove_duplicate=False):
+            self.classes.append((path or type(m).__name__, m, type(m)))
             self.checks += _module_checks(path, m)
             self.layouts += _module_layouts(path, m)
             if path:  # the module's own hooks run around the dispatched forward, as always
@@ -220,7 +245,7 @@ class StateGuard:
         self.alias_slots = [
             (self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()
         ]
-        self.batched = BatchedChecks(self.checks, self.hooks, self.layouts)
+        self.batched = BatchedChecks(self.checks, self.hooks, self.layouts, self.classes)
 
     @staticmethod
     def _slot(module: torch.nn.Module, name: str) -> tuple[dict, str]:
@@ -236,6 +261,9 @@ class StateGuard:
         for check in self.checks:
             if _differs(check):
                 return _mismatch(check)
+        for label, m, cls in self.classes:
+            if type(m) is not cls:
+                return Mismatch(label, f"{label} is now a {type(m).__name__}, compiled for a {cls.__name__}")
         for layout in self.layouts:
             if (name := _added(layout)) is not None:
                 label = f"{layout[0]}.{name}"
