@@ -193,6 +193,49 @@ def test_a_wrong_output_is_wrong(monkeypatch):
     assert compare.Mismatch(**result.worst).excess > 1
 
 
+class _Chaotic(torch.nn.Module):
+    """An MLP whose output scales with ``1 + 100 * sum(gain - 1)``: rounding the gains moves every
+    tensor of the step by about 1e-5 relative, while eager and float64 agree (the gains are 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _MLP()
+        self.gain = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return self.mlp(x) * (1 + 100 * (self.gain - 1).sum())
+
+
+def test_a_step_that_rounding_moves_is_judged_by_its_rounding_spread(monkeypatch):
+    """TVM's tensors 2e-5 relative from eager's: beyond ten times eager's own distance to float64
+    in this call, within what one rounding of the parameters moves (chaotic calls, as timm's
+    skresnet18 and mixnet_s at a batch of two): EXACT. 1e-3 off stays WRONG."""
+    entry = ZooEntry("chaotic", "timm", _Chaotic, _mlp_batch, external_loss=True)
+    _skew_outputs(monkeypatch, 1 + 2e-5)
+    close = run_case(entry, verify=False, timing=False)
+    assert close.verdict == "EXACT", close
+    _skew_outputs(monkeypatch, 1.001)
+    far = run_case(entry, verify=False, timing=False)
+    assert far.verdict == "WRONG" and far.worst["spread"] > 0, far
+
+
+def test_the_rounding_spread_runs_beside_the_step_and_leaves_it_alone():
+    from tvmbridge.tools.zoo.harness import ROLES, Case, RoundingSpread, compile_options
+
+    case = Case(ZooEntry("chaotic", "timm", _Chaotic, _mlp_batch, external_loss=True), compile_options(False)[0])
+    batch = _mlp_batch(*FIRST, 1)
+    spread = RoundingSpread(case, batch)
+    got = case.call("eager", batch, "step", backward=True)
+    eager = case.models["eager"]
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in eager.named_parameters()}
+    moved = spread.distance("loss", got["loss"])
+    assert 0 < moved < 1e-3 * abs(got["loss"].item())  # a rounding's worth, amplified a hundredfold
+    assert spread.distance("grad:gain", got["grad:gain"]) > 0
+    assert tuple(case.models) == ROLES and tuple(case.callables) == ROLES
+    for n, p in eager.named_parameters():
+        assert torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1]), n
+
+
 # --- mixed precision ---------------------------------------------------------------------------
 # under bfloat16 autocast the default run trains one model (the rest are slow, as above)
 AUTOCAST_SAMPLE = ("bert-cls",)

@@ -38,24 +38,27 @@ class Mismatch:
     allowance: float = 0.0  # added to the tolerance (parameters after AdamW: see Case.train_step)
     scale_tol: float = SCALE_TOL  # times max(1, ref_max) (AUTOCAST_SCALE_TOL under autocast)
     dtype_step: float = 0.0  # times ref_max: one step of a bfloat16/float16 tensor's dtype at its largest value
+    spread: float = 0.0  # max|eager' - eager|, eager' from parameters one rounding away (harness.RoundingSpread)
 
     @property
     def passed(self) -> bool:
         """err <= 10 * noise + 1e-6 * max(1, max|ref|) (+ the allowance, and for a tensor in a
         16-bit dtype one step of it at max|ref|: two roundings of one value may differ by that
-        alone), and nothing structural differs."""
+        alone), and nothing structural differs; the noise is the larger of eager's distance to
+        float64 and the rounding spread, where that was measured."""
         return not self.why and self.excess <= 1.0
 
     @property
     def excess(self) -> float:
         """How far beyond its tolerance (inf for a None/shape/NaN-pattern mismatch)."""
-        tol = NOISE_FACTOR * self.noise + self.scale_tol * max(1.0, self.ref_max) + self.allowance
+        tol = NOISE_FACTOR * max(self.noise, self.spread) + self.scale_tol * max(1.0, self.ref_max) + self.allowance
         tol += self.dtype_step * self.ref_max
         return math.inf if self.why or not math.isfinite(self.err) else self.err / tol if self.err else 0.0
 
     def text(self) -> str:
         what = self.why or (
             f"err={self.err:.2e} noise={self.noise:.2e} tvm-ref={self.tvm_ref:.2e} |ref|={self.ref_max:.2e}"
+            + (f" spread={self.spread:.2e}" if self.spread else "")
         )
         return f"{self.step}: {self.tensor} {what}"
 
