@@ -97,21 +97,31 @@ def overlapping(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor])
 
 def unalias(results: list[_Result], owned: Sequence[torch.Tensor | None] = ()) -> list[_Result]:
     """``results`` with every tensor that shares memory with an earlier one, or with one of
-    ``owned`` (the caller's inputs, the incoming gradients), replaced by a copy.
+    ``owned`` (the caller's inputs, the incoming gradients, saved values: a compact one's own
+    bytes, another's whole storage), replaced by a copy.
 
     TVM hands one buffer out as several values where its graph computes one value twice (two
     parallel Linears' equal gradients, ``h + 0`` and ``h * 1``, a gradient that *is* the output
     gradient). PyTorch's results never share memory that way: an in-place edit of one (gradient
     accumulation, clipping, ``optimizer.step``) would change the others. A sweep over address
     ranges, so hundreds of gradients cost a sort."""
-    spans = []  # (device, start, is_result, stop, index): owned storages whole, results as they are
+    # (device index, start, is_result, stop, index): owned storages whole, results as they are; on
+    # every call over every gradient and saved value, so the cheapest of torch's accessors
+    spans = []
     for t in owned:
-        if t is not None and t.numel():
+        if t is None or not t.numel():
+            continue
+        if t.is_contiguous():  # its own bytes: what an edit of an aliasing result would change
+            start = t.data_ptr()
+            spans.append((t.get_device(), start, 0, start + t.nbytes, -1))
+        else:  # an expanded or strided view: its whole storage
             storage = t.untyped_storage()
-            spans.append((str(t.device), storage.data_ptr(), 0, storage.data_ptr() + storage.nbytes(), -1))
+            start = storage.data_ptr()
+            spans.append((t.get_device(), start, 0, start + storage.nbytes(), -1))
     for i, t in enumerate(results):
-        if t is not None and t.numel():
-            spans.append((str(t.device), t.data_ptr(), 1, t.data_ptr() + t.numel() * t.element_size(), i))
+        if t is not None and (size := t.nbytes):
+            start = t.data_ptr()
+            spans.append((t.get_device(), start, 1, start + size, i))
     out = list(results)
     device, end = None, -1
     for dev, start, is_result, stop, i in sorted(spans):  # at one address, owned (0) sorts first
