@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tvmbridge import ConversionError, FallbackWarning, UnsupportedOpError, add_tvm_dispatch
 
-from tvmbridge.runtime.function import overlapping
+from tvmbridge.runtime.function import overlapping, unalias
 
 from ..helpers import clone_module, is_tvm, max_errors, relative_errors, run_step
 
@@ -391,6 +391,38 @@ def test_which_outputs_share_memory_with_captured_values_is_the_test_of_every_pa
 
     tensors, others = views(outs), views(caps)
     assert overlapping(tensors, others) == [any(pair(t, o) for o in others) for t in tensors]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12)), min_size=0, max_size=10),
+       st.lists(st.tuples(st.integers(0, 60), st.integers(0, 12), st.booleans()), min_size=0, max_size=6))
+def test_results_sharing_memory_are_copied_as_a_test_of_every_pair_says(outs, owned_spans):
+    """``unalias`` (one sort over address ranges) leaves no two results sharing memory and none
+    over an owned tensor's storage (an owned view may start inside a result), and copies no
+    result that overlaps nothing."""
+    base = torch.zeros(80)
+    results = [base[start:start + n] for start, n in outs]
+    owned = [base[start:start + n] if compact else base[start:start + 2 * n:2] for start, n, compact in owned_spans]
+
+    def span(t, whole):
+        if whole:
+            return t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()
+        return t.data_ptr(), t.data_ptr() + (t.numel() - 1) * t.stride(0) * t.element_size() + t.element_size()
+
+    def hits(a, b, whole):
+        if a.numel() == 0 or b.numel() == 0:
+            return False
+        (a0, a1), (b0, b1) = span(a, False), span(b, whole)
+        return a0 < b1 and b0 < a1
+
+    got = unalias(results, owned)
+    for i, (r, g) in enumerate(zip(results, got)):
+        assert torch.equal(g, r)
+        assert not any(hits(g, q, False) for q in got[:i]), (i, outs, owned_spans)
+        assert not any(hits(g, o, True) for o in owned), (i, outs, owned_spans)
+        alone = not any(hits(r, q, False) for j, q in enumerate(results) if j != i)
+        if alone and not any(hits(r, o, True) for o in owned):
+            assert g is r, (i, outs, owned_spans)
 
 
 # --- ops the frontend got wrong ------------------------------------------------------------------------

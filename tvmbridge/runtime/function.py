@@ -97,8 +97,8 @@ def overlapping(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor])
 
 def unalias(results: list[_Result], owned: Sequence[torch.Tensor | None] = ()) -> list[_Result]:
     """``results`` with every tensor that shares memory with an earlier one, or with one of
-    ``owned`` (the caller's inputs, the incoming gradients, saved values: a compact one's own
-    bytes, another's whole storage), replaced by a copy.
+    ``owned`` (the caller's inputs, the incoming gradients, saved values: their whole storages),
+    replaced by a copy.
 
     TVM hands one buffer out as several values where its graph computes one value twice (two
     parallel Linears' equal gradients, ``h + 0`` and ``h * 1``, a gradient that *is* the output
@@ -107,14 +107,10 @@ def unalias(results: list[_Result], owned: Sequence[torch.Tensor | None] = ()) -
     ranges, so hundreds of gradients cost a sort."""
     # (device index, start, is_result, stop, index): owned storages whole, results as they are; on
     # every call over every gradient and saved value, so the cheapest of torch's accessors
+    # (an owned storage starts at or before any result inside it, so the sweep meets it first)
     spans = []
     for t in owned:
-        if t is None or not t.numel():
-            continue
-        if t.is_contiguous():  # its own bytes: what an edit of an aliasing result would change
-            start = t.data_ptr()
-            spans.append((t.get_device(), start, 0, start + t.nbytes, -1))
-        else:  # an expanded or strided view: its whole storage
+        if t is not None and t.numel():
             storage = t.untyped_storage()
             start = storage.data_ptr()
             spans.append((t.get_device(), start, 0, start + storage.nbytes(), -1))
