@@ -44,6 +44,14 @@ def _hook(m: torch.nn.Module) -> None:
     m.block.linear.register_forward_hook(lambda *a: None)
 
 
+def _marks_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+    output.requires_grad_(True)  # transformers' enable_input_require_grads: acts on its call only
+
+
+def _call_scoped_hook(m: torch.nn.Module) -> None:
+    m.block.linear.register_forward_hook(_marks_output)
+
+
 CHANGES: dict[str, Callable[[torch.nn.Module], None]] = {
     "a float": _set("p", 0.2),
     "True to 1 (equal, another type)": _set("flag", 1),
@@ -79,6 +87,7 @@ UNCHANGED: dict[str, Callable[[torch.nn.Module], None]] = {
     "an equal plain dict": _set("table", {"mode": "fast", "sizes": (1, 2)}),
     "another empty cache dict": _set("cache", {}),
     "train() again": lambda m: m.train(),
+    "a hook that acts on its own call only": _call_scoped_hook,
     "a parameter's values": lambda m: m.block.linear.weight.data.add_(1.0),
     "the dispatch's own attributes on the module": lambda m: m.__dict__.update(forward=m.forward, _tvm_dispatch=None),
 }
@@ -106,3 +115,4 @@ def test_what_the_compiled_code_does_not_depend_on_still_fits(change: str) -> No
     UNCHANGED[change](model)
     assert guard.batched.fit() and guard.difference() is None and guard.check(model) is None
     assert guard.batched.layout_sizes == [len(layout[2]) for layout in guard.layouts]  # settled: fast again
+    assert not any(guard.batched.hookless)

@@ -168,7 +168,7 @@ class BatchedChecks:
         self.same_ids = [id(c[3]) for c in same]  # the expected objects stay alive in the checks
         self.rest = [c for c in checks if type(c[1]) not in _DICTS or c[5] is not None]
         self.hookless = [h for _, h, n in hooks if n == 0 and not h]  # a hook there would be missed
-        self.hooked = [c for c in hooks if c[2] != 0 or c[1]]
+        self.hooked = [c for c in hooks if c[2] != 0 or c[1]]  # counted (call-scoped ones do not count)
 
     def fit(self) -> bool:
         if list(map(len, self.layout_holders)) != self.layout_sizes and not self._settled_layouts():
@@ -179,9 +179,19 @@ class BatchedChecks:
         if list(map(type, values)) != self.plain_types or not _equal(values, self.plain_values):
             return False
         found = map(dict.get, self.same_holders, self.same_keys, repeat(_MISSING))
-        if list(map(id, found)) != self.same_ids or any(self.hookless):
+        if list(map(id, found)) != self.same_ids or (any(self.hookless) and not self._settled_hooks()):
             return False
         return not any(_differs(c) for c in self.rest) and all(counted(h) == n for _, h, n in self.hooked)
+
+    def _settled_hooks(self) -> bool:
+        """False where a hook compiled code would miss came; else a dict that now holds only
+        call-scoped hooks (transformers' output capturing, installed by a later call) is counted
+        from now on, instead of sending every call down the per-attribute loop."""
+        if any(counted(h) for h in self.hookless):
+            return False
+        self.hooked += [("", h, 0) for h in self.hookless if h]
+        self.hookless = [h for h in self.hookless if not h]
+        return True
 
     def _settled_layouts(self) -> bool:
         """False where a dict of names gained one; else the sizes are taken as they are now (only
