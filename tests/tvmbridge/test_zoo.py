@@ -24,8 +24,6 @@ ACCEPTED = ("EXACT", "FALLBACK", "REFUSED")
 KNOWN_WRONG = {
     "tv-regnet_y_400mf": "float32 gradients from block4-2 back 31% off float64 where eager's are 9e-5; eager "
     "itself is 31% off on an input perturbed by 1e-6: a discontinuous step (README, torchvision)",
-    "tv-mnasnet0_5": "step 2's loss 1.3x its tolerance, every gradient within noise: eager's own loss "
-    "error that step is a lucky 1e-6 (at equal parameters bridge and eager are 8.5e-6 and 5.7e-6)",
 }
 # the default run adds one torchvision model to the sample (ceil-mode pooling, dropout, concatenations)
 DEFAULT_RUN = (*SAMPLE, "tv-squeezenet1_1")

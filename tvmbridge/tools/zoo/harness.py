@@ -289,7 +289,8 @@ class RoundingSpread:
 
     def __init__(self, case: Case, batch: Batch, backward: bool = True) -> None:
         self.case, self.batch, self.backward = case, batch, backward
-        self.state = {k: v.detach().clone() for k, v in case.models["eager"].state_dict().items()}
+        eager = case.models["eager"]
+        self.state = {n: t.detach().clone() for n, t in [*eager.named_parameters(), *eager.named_buffers()]}
         self.got: dict[str, torch.Tensor | None] | None = None
 
     def distance(self, name: str, eager: torch.Tensor | None) -> float:
@@ -306,9 +307,10 @@ class RoundingSpread:
     def _run(self) -> dict[str, torch.Tensor | None]:
         case = self.case
         moved = copy.deepcopy(case.models["eager"])
-        moved.load_state_dict(self.state)  # as before the step's calls (its buffers too)
         gen = torch.Generator().manual_seed(SPREAD_SEED)
         with torch.no_grad():
+            for n, t in [*moved.named_parameters(), *moved.named_buffers()]:
+                t.copy_(self.state[n])  # as before the step's calls (buffers too; no load_state_dict hooks)
             for p in moved.parameters():
                 p.grad = None
                 if p.is_floating_point():

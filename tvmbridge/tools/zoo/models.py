@@ -419,6 +419,8 @@ def _timm() -> list[ZooEntry]:
         ("regnetx_002", TIMM_DROP),
         ("convnext_atto", TIMM_DROP),
         ("ghostnet_050", dict(drop_rate=0.1)),
+        ("mixnet_s", dict(drop_rate=0.1)),  # mixed kernel sizes per channel group; chaotic at a batch of two
+        ("skresnet18", dict(drop_rate=0.1)),  # selective kernels: BatchNorm over pooled 1x1 maps
         ("densenet121", dict(drop_rate=0.1, block_config=(2, 2, 2, 2))),
         ("repvgg_a0", TIMM_DROP),
         ("efficientvit_b0", dict(drop_rate=0.1)),
