@@ -229,31 +229,42 @@ class GrowingStack(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("change", ["layer_appended", "attribute_added", "buffer_registered"])
-def test_a_name_added_to_the_module_after_compiling_is_not_missed(change: str) -> None:
-    """A trusted variant kept running after a layer was appended to a ``ModuleList`` or an
-    attribute the forward looks up with a default was set: the guard checked every name the module
-    had when compiled, never one added after (silently wrong outputs and gradients)."""
+def _trusted_then_changed(change) -> torch.nn.Module:
+    """A dispatched ``GrowingStack`` trusted (three checked calls), then ``change(module)`` made
+    to it and to an eager copy, one step of each compared (outputs and every gradient)."""
     torch.manual_seed(0)
     ref = GrowingStack()
     m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 4),))
     x = torch.randn(3, 4)
-    for _ in range(3):  # checked on its first calls, then trusted
+    for _ in range(3):
         m(x).sum().backward()
-    added = torch.nn.Linear(4, 4)
     for mod in (m, ref):
-        if change == "layer_appended":
-            mod.layers.append(copy.deepcopy(added))
-        elif change == "attribute_added":
-            mod.gain = 3.0
-        else:
-            mod.register_buffer("shift", torch.full((4,), 0.5))
+        change(mod)
         mod.zero_grad()
         mod.out = mod(x)
         mod.out.sum().backward()
     torch.testing.assert_close(m.out, ref.out)
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+    return m
+
+
+@pytest.mark.parametrize("change", ["layer_appended", "attribute_added", "buffer_registered"])
+def test_a_name_added_to_the_module_after_compiling_is_not_missed(change: str) -> None:
+    """A trusted variant kept running after a layer was appended to a ``ModuleList`` or an
+    attribute the forward looks up with a default was set: the guard checked every name the module
+    had when compiled, never one added after (silently wrong outputs and gradients)."""
+    added = torch.nn.Linear(4, 4)
+
+    def apply(mod: torch.nn.Module) -> None:
+        if change == "layer_appended":
+            mod.layers.append(copy.deepcopy(added))
+        elif change == "attribute_added":
+            mod.gain = 3.0
+        else:
+            mod.register_buffer("shift", torch.full((4,), 0.5))
+
+    m = _trusted_then_changed(apply)
     what = {"layer_appended": "layers.2 (a submodule)", "attribute_added": "gain (an attribute)"}
     assert what.get(change, "shift (a buffer)") in m._tvm_dispatch.variants[-1].why
 
@@ -267,24 +278,15 @@ class Doubled(torch.nn.Linear):
 def test_a_submodule_given_another_forward_after_compiling_runs_it(change: str) -> None:
     """A submodule's forward patched on the instance, or its class swapped (what some adapter
     and quantization tools do), after a variant was trusted: the compiled code is the old forward."""
-    torch.manual_seed(0)
-    ref = GrowingStack()
-    m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 4),))
-    x = torch.randn(3, 4)
-    for _ in range(3):
-        m(x).sum().backward()
-    for mod in (m, ref):
+
+    def apply(mod: torch.nn.Module) -> None:
         layer = mod.layers[1]
         if change == "forward_patched":
             layer.forward = lambda h, layer=layer: torch.nn.functional.linear(h, layer.weight) * 0.5
         else:
             layer.__class__ = Doubled
-        mod.zero_grad()
-        mod.out = mod(x)
-        mod.out.sum().backward()
-    torch.testing.assert_close(m.out, ref.out)
-    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+    m = _trusted_then_changed(apply)
     assert "layers.1" in m._tvm_dispatch.variants[-1].why
 
 
