@@ -487,3 +487,46 @@ def test_a_view_to_symbolic_sizes_compiles_symbolic():
         assert max(errs.values()) < 1e-5, errs
     d = m._tvm_dispatch
     assert len(d.variants) == 2 and d.variants[1].symbolic and d.variants[1].calls == 2, d.explain()
+
+
+class ThirdOfLinear(nn.Module):
+    """Creates a tensor without a dtype: it takes torch's default dtype, and the output with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.full((4,), 1.0 / 3.0)
+
+
+def test_a_default_dtype_changed_after_compiling_compiles_again_and_back_reuses() -> None:
+    """``torch.set_default_dtype(torch.float64)`` after a variant was trusted: it kept returning
+    float32 computed with a float32 third where PyTorch returns float64 (a global state the
+    compiled code depends on, as torch.compile guards it)."""
+    from tvmbridge import compile_inference
+
+    torch.manual_seed(0)
+    ref = ThirdOfLinear()
+    m = add_tvm_dispatch(clone_module(ref), (torch.randn(3, 4),))
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        m(x).sum().backward()
+    m.zero_grad()
+    infer = compile_inference(clone_module(ref), (x,))
+    try:
+        torch.set_default_dtype(torch.float64)
+        got, want = m(x), ref(x)
+        assert got.dtype == want.dtype == torch.float64
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        assert "default dtype is torch.float64" in m._tvm_dispatch.variants[-1].why
+        with pytest.raises(ValueError, match="default dtype"):
+            infer(x)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    n = len(m._tvm_dispatch.variants)
+    assert m(x).dtype == torch.float32 and len(m._tvm_dispatch.variants) == n  # the first variant again

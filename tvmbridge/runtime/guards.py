@@ -53,6 +53,20 @@ def autocast_mismatch(compiled_under: AutocastState | None, device_type: str) ->
     )
 
 
+def default_dtype_mismatch(compiled_under: torch.dtype) -> Mismatch | None:
+    """Why torch's default dtype now is not the one a compile was traced under (a tensor the
+    forward creates without a dtype, ``torch.tensor(0.5)``, ``torch.zeros(n)``, is compiled in
+    with it), or None; as torch.compile's global-state guard."""
+    now = torch.get_default_dtype()
+    if now is compiled_under:
+        return None
+    return Mismatch(
+        "default dtype",
+        f"torch's default dtype is {now}, it was compiled under {compiled_under} (tensors the forward "
+        "creates without a dtype take it)",
+    )
+
+
 def tensor_key(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device)
 

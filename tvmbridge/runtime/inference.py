@@ -31,7 +31,7 @@ from ..options import CompileOptions, with_overrides
 from ..pipeline import STAGE_NAMES, STAGES, Artifacts, Stage, run_stages
 from ..pipeline.parts import INFER
 from .function import to_torch, to_tvm
-from .guards import autocast_mismatch, check_index_flags
+from .guards import autocast_mismatch, check_index_flags, default_dtype_mismatch
 from .variants import input_guard_for
 
 
@@ -106,15 +106,20 @@ class InferenceModule:
         self.stages = artifacts.halves
         self.guard = input_guard_for(self.signature, artifacts.args, artifacts.kwargs)  # the sample's exact shapes
         self._vm = relax.VirtualMachine(artifacts.parts.get(INFER), tvm_device(self.device))
+        self.default_dtype = torch.get_default_dtype()  # as traced, just before
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = canonical_call(self.signature, args, kwargs)
         leaves, spec = pytree.tree_flatten(call)
-        unfit = self.guard.check(leaves, spec, call) or autocast_mismatch(self.traced.autocast, self.device.type)
+        unfit = (
+            self.guard.check(leaves, spec, call)
+            or autocast_mismatch(self.traced.autocast, self.device.type)
+            or default_dtype_mismatch(self.default_dtype)
+        )
         if unfit is not None:
             raise ValueError(
-                f"compile_inference: {unfit.message}; it runs calls of the sample's shapes, dtypes, values "
-                "and autocast only: compile again for this call"
+                f"compile_inference: {unfit.message}; it runs calls of the sample's shapes, dtypes, values, "
+                "autocast and default dtype only: compile again for this call"
             )
         tensors = [to_tvm(x) for x in leaves if isinstance(x, torch.Tensor)]
         with torch.no_grad(), on_torch_stream(self.device):

@@ -23,7 +23,7 @@ from ..errors import ConversionError
 from ..frontend.call_state import AutocastState
 from ..frontend.signature import canonical_call
 from .compiled import CompiledModule
-from .guards import InputGuard, Mismatch, SymbolicDims, autocast_mismatch, tensor_key
+from .guards import InputGuard, Mismatch, SymbolicDims, autocast_mismatch, default_dtype_mismatch, tensor_key
 from .state_guard import StateGuard
 from .verify import Trust
 
@@ -157,6 +157,7 @@ class Variant:
     calls: int = 0
     recent_sizes: set = field(default_factory=set)  # of a symbolic variant, since the pool was trimmed
     trust: Trust = field(default_factory=Trust)  # how far its calls were checked against PyTorch
+    default_dtype: torch.dtype = field(default_factory=torch.get_default_dtype)  # as traced: made after it
 
     def tensor_names(self) -> list[str]:
         """A name per tensor the compiled code takes: the call's (as explain() labels them), then the state's."""
@@ -209,7 +210,7 @@ class Variant:
     def fit(self, module: torch.nn.Module, signature: inspect.Signature, args: tuple, kwargs: dict) -> Fit:
         """The call's tensors (then the state's) and sizes if every guard passes, else the first
         reason; and whether the call's own arguments fit (only the module's state differs)."""
-        reason = self.autocast_mismatch()
+        reason = self.autocast_mismatch() or default_dtype_mismatch(self.default_dtype)
         if reason is not None:
             return Fit(None, reason, inputs_fit=True)
         sizes: dict[str, int] = {}
