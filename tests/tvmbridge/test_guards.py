@@ -29,7 +29,8 @@ class Block(torch.nn.Module):
         self.table = {"mode": "fast", "sizes": (1, 2)}
         self.tags = {"x", "y"}
         self.config = Config()
-        self.scale = torch.tensor(2.0)
+        self.scale = torch.tensor(2.0)  # an input of the call (held): any value fits
+        self._fixed = torch.tensor(1.0)  # private: compiled in as a constant
         self.cache: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,8 +67,8 @@ CHANGES: dict[str, Callable[[torch.nn.Module], None]] = {
     "a config field": lambda m: setattr(m.block.config, "depth", 3),
     "a config list in place": lambda m: m.block.config.names.append("c"),
     "the config object": _set("config", Config()),
-    "a tensor reassigned": _set("scale", torch.tensor(2.0)),
-    "a tensor written in place": lambda m: m.block.scale.fill_(3.0),
+    "a private tensor reassigned": _set("_fixed", torch.tensor(1.0)),
+    "a private tensor written in place": lambda m: m.block._fixed.fill_(3.0),
     "a cache filled": lambda m: m.block.cache.update(k=torch.ones(1)),
     "an attribute deleted": lambda m: delattr(m.block, "p"),
     "an attribute added as None": _set("new", None),
@@ -86,6 +87,8 @@ UNCHANGED: dict[str, Callable[[torch.nn.Module], None]] = {
     "an equal float written again": _set("p", 0.1),
     "an equal plain dict": _set("table", {"mode": "fast", "sizes": (1, 2)}),
     "another empty cache dict": _set("cache", {}),
+    "a held tensor reassigned": _set("scale", torch.tensor(5.0)),
+    "a held tensor written in place": lambda m: m.block.scale.fill_(3.0),
     "train() again": lambda m: m.train(),
     "a hook that acts on its own call only": _call_scoped_hook,
     "a parameter's values": lambda m: m.block.linear.weight.data.add_(1.0),
@@ -116,3 +119,29 @@ def test_what_the_compiled_code_does_not_depend_on_still_fits(change: str) -> No
     assert guard.batched.fit() and guard.difference() is None and guard.check(model) is None
     assert guard.batched.layout_sizes == [len(layout[2]) for layout in guard.layouts]  # settled: fast again
     assert not any(guard.batched.hookless)
+
+
+def test_held_tensors_are_read_at_each_call_and_checked_by_shape() -> None:
+    """A tensor kept in a public attribute is an input: the guard reads the one there now (the
+    attribute, or an entry of a dict or list read through the attribute) and checks its shape."""
+    model, _ = _guarded()
+    model.requires_grad_(False)
+    model.block.cache["k"] = torch.ones(3)
+    guard = StateGuard(model, ModuleState.of(model), set())
+    assert set(guard.state.held) == {"block.scale", "block.cache['k']"}
+    tensors, why = guard.tensors(model)
+    assert why is None and tensors is not None and tensors[-2] is model.block.scale
+    model.block.scale = torch.tensor(7.0)
+    model.block.cache = {"k": torch.zeros(3)}  # another dict with the same key fits, and is read
+    assert guard.check(model) is None
+    tensors, _ = guard.tensors(model)
+    assert tensors is not None and tensors[-2] is model.block.scale and tensors[-1] is model.block.cache["k"]
+    model.block.cache["k"] = torch.zeros(4)
+    tensors, why = guard.tensors(model)
+    assert tensors is None and why is not None and "cache['k']" in why.message
+    model.block.cache = {}
+    why = guard.check(model)
+    assert why is not None and why.emptied  # the forward refills it: PyTorch runs that call
+    model.block.cache = {"other": torch.zeros(3)}
+    why = guard.check(model)
+    assert why is not None and not why.emptied

@@ -8,10 +8,12 @@ import contextlib
 import copy
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .held_tensors import HeldSlot, HeldSwap, held_slots, read_slot, slot_name
 
 PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 MODULE_INTERNALS = frozenset(
@@ -163,34 +165,46 @@ class AutocastState:
 @dataclass(frozen=True)
 class ModuleState:
     """The tensors of a module that a compiled call reads, each tied tensor once, in input order:
-    parameters, then buffers. ``aliases`` maps every other name of a tied tensor to its name here."""
+    parameters, then buffers, then tensors held in public attributes (``held``: name -> slot, see
+    :mod:`.held_tensors`; a leaf that requires grad counts as a parameter). ``aliases`` maps every
+    other name of a tied tensor to its name here."""
 
     names: tuple[str, ...]
     is_parameter: tuple[bool, ...]
     aliases: dict[str, str]
+    held: dict[str, HeldSlot] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> ModuleState:
+    def of(cls, module: torch.nn.Module, device: torch.device | None = None) -> ModuleState:
+        """``device``: the call's; a held tensor elsewhere stays a constant of the graph."""
         names: list[str] = []
         is_param: list[bool] = []
         seen: dict[int, str] = {}  # id of a tensor -> its first name
         aliases: dict[str, str] = {}
+        held: dict[str, HeldSlot] = {}
+
+        def add(name: str, t: torch.Tensor, kind: bool) -> None:
+            if id(t) in seen:
+                aliases[name] = seen[id(t)]
+                return
+            seen[id(t)] = name
+            names.append(name)
+            is_param.append(kind)
+
         for kind, items in (
             (True, module.named_parameters(remove_duplicate=False)),
             (False, module.named_buffers(remove_duplicate=False)),
         ):
             for name, t in items:
-                if id(t) in seen:
-                    aliases[name] = seen[id(t)]
-                    continue
-                seen[id(t)] = name
-                names.append(name)
-                is_param.append(kind)
-        return cls(tuple(names), tuple(is_param), aliases)
+                add(name, t, kind)
+        for slot, t in held_slots(module, device):
+            held[slot_name(slot)] = slot
+            add(slot_name(slot), t, t.requires_grad and t.is_leaf)  # a leaf that requires grad gets one
+        return cls(tuple(names), tuple(is_param), aliases, held)
 
     def lookup(self, module: torch.nn.Module) -> list[torch.Tensor | None]:
         """The module's current tensor under each name (None where there is none any more)."""
-        return [self.lookup_one(module, name) for name in self.names]
+        return [self.lookup_one(module, name, self.held.get(name)) for name in self.names]
 
     def tensors(self, module: torch.nn.Module) -> list[torch.Tensor]:
         """:meth:`lookup` where every name has its tensor: the module the state was read from, as
@@ -201,7 +215,10 @@ class ModuleState:
         return [t for t in found if t is not None]
 
     @staticmethod
-    def lookup_one(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    def lookup_one(module: torch.nn.Module, name: str, held: HeldSlot | None = None) -> torch.Tensor | None:
+        """The parameter or buffer ``name``, or the tensor in the ``held`` slot."""
+        if held is not None:
+            return read_slot(module, held)
         owner, _, leaf = name.rpartition(".")
         try:
             sub = module.get_submodule(owner) if owner else module
@@ -223,13 +240,17 @@ class Swapped:
 
 
 @contextlib.contextmanager
-def swapped_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Iterator[Swapped]:
+def swapped_state(
+    module: torch.nn.Module, state: dict[str, torch.Tensor], layout: ModuleState | None = None
+) -> Iterator[Swapped]:
     """``module``'s parameters and buffers named in ``state`` replaced by those tensors for the
     block (at every path holding the same tensor: tied weights, a submodule registered twice),
     each restored once after; names the module lacks are ignored. ``torch.func.functional_call``
     with ``tie_weights`` restores a submodule registered under two paths (timm's CoaT shares its
     position encodings between blocks) to the tensor it swapped in, so a trace left the user's
-    module holding fake tensors. What the block assigns to a slot is reported, then undone too."""
+    module holding fake tensors. What the block assigns to a slot is reported, then undone too.
+    The tensors ``layout`` holds in attributes (``ModuleState.held``) are swapped as well (an
+    alias of a parameter or buffer gets that tensor's value); what the block assigns to those stays."""
     named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     current = dict(named)
     paths_of: dict[int, list[str]] = {}
@@ -246,9 +267,15 @@ def swapped_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> It
             if (id(owner), attr) not in swapped.slots:
                 swapped.slots[(id(owner), attr)] = (table, attr, table[attr], name, value)
                 table[attr] = value
+    held = HeldSwap(module)
+    for name, slot in (layout.held if layout is not None else {}).items():
+        put = state.get(name, state.get(layout.aliases.get(name, "")))  # type: ignore[union-attr]
+        if put is not None:
+            held.put(slot, put)
     try:
         yield swapped
     finally:
+        held.restore()
         for table, attr, original, _, _ in swapped.slots.values():
             table[attr] = original
 

@@ -201,7 +201,7 @@ class FlatCall(torch.nn.Module):
         values = dict(zip(self.state.names, tensors[len(self.slots) :]))
         for name in self.updated:
             values[name] = values[name].clone()
-        with swapped_state(self.inner, values) as swapped:
+        with swapped_state(self.inner, values, self.state) as swapped:
             out = self.inner(*args, **kwargs)
             reassigned = swapped.reassigned()
         values.update(reassigned)
@@ -409,7 +409,8 @@ def export_call(
         raise ConversionError("trace", hooked)
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
-    state = ModuleState.of(module)
+    owned = (t for ts in (module.parameters(), module.buffers()) for t in ts)
+    state = ModuleState.of(module, next((t.device for t in (*tensors, *owned)), None))
     inputs = tensors + tuple(t.detach() for t in state.tensors(module))
     flat = FlatCall(module, in_spec, leaves, state)
     autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")

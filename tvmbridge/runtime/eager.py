@@ -91,7 +91,7 @@ class EagerForward:
             with (
                 TRACING.writing(),
                 AutocastState.entered(None if full_precision else traced.autocast, compiled.device.type),
-                swapped_state(self.module, state) as swapped,
+                swapped_state(self.module, state, traced.state) as swapped,
             ):
                 out = self(*args, **kwargs)
                 state.update(swapped.reassigned())

@@ -29,6 +29,7 @@ class Mismatch:
     message: str
     recompile: bool = True
     structural: bool = False  # the call is written differently (keywords, positional count)
+    emptied: bool = False  # a cache the variant reads was emptied (the forward may fill it again)
 
 
 def check_index_flags(flags: Sequence[torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from ..frontend.call_state import MODULE_INTERNALS, ModuleState, is_plain
+from ..frontend.held_tensors import NO_KEY, HeldSlot, read_in, slot_name
 from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
 from .guards import Mismatch, describe_tensor_difference, short_value, tensor_key
 
@@ -25,10 +26,12 @@ _MISSING = object()
 Check = tuple[str, dict, str, Any, bool, Any]  # label, holder, key, expected, by identity, contents
 
 
-def _module_checks(path: str, m: torch.nn.Module) -> list[Check]:
+def _module_checks(path: str, m: torch.nn.Module, held: dict[str, frozenset]) -> list[Check]:
     """``(label, dict holding the value, key, expected value, compare by identity, contents)``
     for every attribute of ``m`` that the compiled code may depend on; ``contents``: what
-    :func:`_contents` gives for it now (None: nothing inside to check)."""
+    :func:`_contents` gives for it now (None: nothing inside to check). ``held``: attributes whose
+    tensor, or whose entries under those keys, are inputs of the call (their shapes are checked
+    with the state's, :meth:`StateGuard.tensors`), not compiled in."""
     label = path or type(m).__name__
     checks: list[Check] = []
     internals = _internals(path)
@@ -38,7 +41,10 @@ def _module_checks(path: str, m: torch.nn.Module) -> list[Check]:
         if is_plain(value) or _plain_entries(value):  # a copy: an in-place edit of a list must show
             checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False, None))
             continue
-        checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value)))
+        if name in held and isinstance(value, torch.Tensor):
+            continue
+        keys = held.get(name, frozenset())
+        checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value, keys)))
         if name == "forward":  # a submodule's own forward (a dispatched one counts its calls): by identity
             continue
         fields = getattr(value, "__dict__", None) or {}
@@ -106,23 +112,41 @@ def _plain_entries(value: Any) -> bool:
     return type(value) in (set, frozenset, list) and all(is_plain(v) for v in value)
 
 
-def _contents(value: Any) -> tuple | None:
+class HeldContents(tuple):
+    """:func:`_contents` of a container some of whose entries (``held``: their keys) are inputs."""
+
+    held: frozenset = frozenset()
+
+
+_INPUT = "<an input>"
+_NONE: frozenset = frozenset()
+
+
+def _contents(value: Any, held: frozenset = frozenset()) -> tuple | None:
     """What the trace read inside a tensor or a container that is no parameter or buffer: a
     tensor's version, a dict's, list's, tuple's or set's entries by identity and the versions of
     the tensors among them. The trace bakes such a tensor into the compiled code as a constant
-    (``self.scale = torch.tensor(2.0)``, a cache dict of LeViT's attention biases), so a later
-    change (reassigned, written in place, an entry replaced) must not fit the variant."""
+    (one that cannot be an input: on another device, in a private attribute), so a later change
+    (reassigned, written in place, an entry replaced) must not fit the variant. Entries under
+    the ``held`` keys are inputs of the call: any tensor there fits (``read_in`` reads it)."""
     if isinstance(value, torch.Tensor):
         return (value._version,)
     if isinstance(value, dict):
-        entries: Any = [x for item in value.items() for x in item]
+        entries: Any = [x for k, v in value.items() for x in (k, _INPUT if k in held else v)]
+    elif isinstance(value, (list, tuple)) and held:
+        entries = [_INPUT if i in held else v for i, v in enumerate(value)]
     elif isinstance(value, CONTAINERS):
         entries = value
     else:
         return None
-    return tuple(
+    found = tuple(
         x if is_plain(x) else (id(x), x._version) if isinstance(x, torch.Tensor) else (id(x),) for x in entries
     )
+    if not held:
+        return found
+    marked = HeldContents(found)
+    marked.held = held
+    return marked
 
 
 def _same(value: Any, expected: Any, by_identity: bool) -> bool:
@@ -208,8 +232,17 @@ def _differs(check: Check) -> bool:
     _, holder, name, expected, by_identity, contents = check
     value = holder.get(name, _MISSING)
     if contents is not None and isinstance(expected, CONTAINERS):  # another dict of the same entries fits
-        return type(value) is not type(expected) or _contents(value) != contents
-    return not _same(value, expected, by_identity) or (contents is not None and _contents(value) != contents)
+        return type(value) is not type(expected) or _contents(value, getattr(contents, "held", _NONE)) != contents
+    return not _same(value, expected, by_identity) or (
+        contents is not None and _contents(value, getattr(contents, "held", _NONE)) != contents
+    )
+
+
+def _emptied(value: Any, contents: tuple) -> bool:
+    """Whether the container now holds only some of the entries it had when compiled."""
+    if type(value) in _DICTS:
+        return set(value) < set(contents[0::2])  # a dict's contents: key, entry, key, entry, ...
+    return type(value) is list and len(value) < len(contents)
 
 
 def _mismatch(check: Check) -> Mismatch:
@@ -217,6 +250,9 @@ def _mismatch(check: Check) -> Mismatch:
     label, holder, name, expected, by_identity, contents = check
     value = holder.get(name, _MISSING)
     if contents is not None and isinstance(expected, CONTAINERS):
+        held = getattr(contents, "held", _NONE)
+        if held and _emptied(value, contents):
+            return Mismatch(label, f"{label} was emptied (compiled with its tensors as inputs)", emptied=True)
         return Mismatch(label, f"{label} holds other entries than compiled for (or one was written to)")
     if _same(value, expected, by_identity):
         return Mismatch(label, f"{label} was changed in place since compiling (an entry, or a tensor's values)")
@@ -228,6 +264,21 @@ def _mismatch(check: Check) -> Mismatch:
     kind = type(expected).__name__
     shown = f"gone (compiled with a {kind})" if value is _MISSING else f"another {kind} than compiled for"
     return Mismatch(label, f"{label} is {shown}")
+
+
+def _owner(module: torch.nn.Module, slot: HeldSlot) -> torch.nn.Module:
+    return module.get_submodule(slot[0]) if slot[0] else module
+
+
+def _held_by_owner(module: torch.nn.Module, state: ModuleState) -> dict[int, dict[str, frozenset]]:
+    """id of a module -> its attributes holding inputs -> the keys of those entries (none: the
+    attribute is the tensor)."""
+    found: dict[int, dict[str, set]] = {}
+    for slot in state.held.values():
+        keys = found.setdefault(id(_owner(module, slot)), {}).setdefault(slot[1], set())
+        if slot[2] is not NO_KEY:
+            keys.add(slot[2])
+    return {i: {attr: frozenset(keys) for attr, keys in attrs.items()} for i, attrs in found.items()}
 
 
 class StateGuard:
@@ -244,16 +295,29 @@ class StateGuard:
         self.hooks: list[tuple[str, dict, int]] = []
         self.layouts: list[Layout] = []
         self.classes: list[tuple[str, torch.nn.Module, type]] = []  # ``__class__`` swapped: another forward
+        held = _held_by_owner(module, state)
         for path, m in module.named_modules(remove_duplicate=False):
             self.classes.append((path or type(m).__name__, m, type(m)))
-            self.checks += _module_checks(path, m)
+            self.checks += _module_checks(path, m, held.get(id(m), {}))
             self.layouts += _module_layouts(path, m)
             if path:  # the module's own hooks run around the dispatched forward, as always
                 self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]
         self.hooks += [(h, getattr(nn_module, h), counted(getattr(nn_module, h))) for h in GLOBAL_HOOK_DICTS]
-        self.slots = [self._slot(module, name) for name in state.names]
+        owned = [name for name in state.names if name not in state.held]
+        self.slots = [self._slot(module, name) for name in owned]
+        # tensors in attributes: after the parameters and buffers (``ModuleState.of``), read from
+        # their owner's ``__dict__`` through the attribute (a cache dict is replaced, not emptied)
+        self.held_slots = [(vars(_owner(module, state.held[n])), state.held[n]) for n in state.names[len(owned) :]]
         self.alias_slots = [
-            (self._slot(module, alias), state.names.index(name)) for alias, name in state.aliases.items()
+            (self._slot(module, alias), state.names.index(name))
+            for alias, name in state.aliases.items()
+            if alias not in state.held
+        ]
+        self.detached = [j for j in range(len(owned), len(state.names)) if not state.is_parameter[j]]
+        self.held_alias_slots = [
+            (vars(_owner(module, state.held[alias])), state.held[alias], state.names.index(name))
+            for alias, name in state.aliases.items()
+            if alias in state.held
         ]
         self.batched = BatchedChecks(self.checks, self.hooks, self.layouts, self.classes)
 
@@ -292,10 +356,13 @@ class StateGuard:
     def tensors(self, module: torch.nn.Module) -> tuple[list[torch.Tensor] | None, Mismatch | None]:
         """The state tensors for this call, or why there are none that fit (after :meth:`check`)."""
         tensors = [holder.get(leaf) for holder, leaf in self.slots]
+        if self.held_slots:
+            tensors += [read_in(owner, slot) for owner, slot in self.held_slots]
         for j, (t, (shape, dtype, device)) in enumerate(zip(tensors, self.keys)):
             name = self.state.names[j]
             if t is None:
-                return None, Mismatch(f"{name} gone", f"{name} is no longer a parameter or buffer of the module")
+                kind = "a tensor in that attribute" if name in self.state.held else "a parameter or buffer"
+                return None, Mismatch(f"{name} gone", f"{name} is no longer {kind}")
             if t.shape != shape or t.dtype != dtype or t.device != device:
                 return None, describe_tensor_difference(name, t, (shape, dtype, device))
             if t.requires_grad and j not in self.with_grad:
@@ -305,4 +372,11 @@ class StateGuard:
                 name = self.state.names[j]
                 alias = next(a for a, n in self.state.aliases.items() if n == name)
                 return None, Mismatch(f"{alias} tie", f"{alias} is no longer tied to {name}")
+        for owner, slot, j in self.held_alias_slots:
+            if read_in(owner, slot) is not tensors[j]:
+                name = self.state.names[j]
+                return None, Mismatch(f"{slot_name(slot)} tie", f"{slot_name(slot)} is no longer {name}")
+        for j in self.detached:  # held, read by no output's gradient path (a stored loss): as data
+            if tensors[j].requires_grad:  # type: ignore[union-attr]  # none is None (checked above)
+                tensors[j] = tensors[j].detach()  # type: ignore[union-attr]
         return cast(list[torch.Tensor], tensors), None  # none is None (checked above)

@@ -70,6 +70,12 @@ def _dims_key(dims: dict[int, frozenset[int]]) -> frozenset:
     return frozenset((i, d) for i, ds in dims.items() for d in ds)
 
 
+def _closer(fit: Any, than: Any) -> bool:
+    """Whether ``fit`` is the nearer miss: its call arguments fit, and then, it differs only in a
+    cache that was emptied (the forward fills it again: no compile needed)."""
+    return (fit.inputs_fit, fit.reason.emptied) > (than.inputs_fit, than.reason.emptied)
+
+
 class VariantSet:
     """The variants of one module, newest last; ``failures``: call keys that run PyTorch."""
 
@@ -102,11 +108,13 @@ class VariantSet:
             fit = variants[i].fit(self.module, self.signature, args, kwargs)
             if fit.fitted is not None:
                 self.last = i
+                if self.deferred:  # deferring helped (a cache filled): it may again, once emptied
+                    self.deferred.discard(self.key(args, kwargs))
                 return Selection.run(variants[i], fit.fitted)
             assert fit.reason is not None  # a fit has its tensors or a reason
             if not fit.reason.recompile:  # hooks and the like: no other variant fits either
                 return Selection.pytorch(fit.reason)
-            if closest is None or (fit.inputs_fit and not closest.inputs_fit):
+            if closest is None or _closer(fit, closest):
                 closest = fit
         assert closest is not None  # there are variants, and none fit
         return Selection.compile(closest.reason)
@@ -133,6 +141,10 @@ class VariantSet:
     def compile_for(self, args: tuple, kwargs: dict, key: tuple, reason: Mismatch | None) -> Selection:
         """A new variant for a call no variant fits. A failure raises when nothing has compiled
         yet and ``fallback`` is off; else it is remembered and the call runs PyTorch."""
+        if reason is not None and reason.emptied and key not in self.deferred:  # PyTorch's call fills it
+            self.deferred.add(key)
+            said = f"compiling deferred: {reason.message}; PyTorch runs this call"
+            return Selection.pytorch(Mismatch("cache emptied", said, recompile=False))
         try:
             variant = self.compile_variant(
                 args, kwargs, reason.message if reason else "first call", self.dynamic_dims(args, kwargs)
