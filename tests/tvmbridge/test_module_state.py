@@ -402,6 +402,33 @@ def test_a_held_tensor_with_a_graph_on_the_gradient_path_runs_pytorch_and_says_w
     assert m.lin.weight.grad is not None
 
 
+class BranchOnHeld(torch.nn.Module):
+    """A held tensor read as a Python value: as an input the export cannot branch on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.temperature = torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.temperature.item() > 1.0:
+            return self.lin(x) / self.temperature
+        return self.lin(x)
+
+
+def test_a_held_tensor_read_as_a_value_is_compiled_in_and_a_new_value_recompiles() -> None:
+    torch.manual_seed(0)
+    ref = BranchOnHeld()
+    m = add_tvm_dispatch(copy.deepcopy(ref), (torch.randn(3, 4),), verify=False)
+    assert not m._tvm_dispatch.variants[0].compiled.traced.state.held  # a constant, as before
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(m(x), ref(x))
+    for mod in (m, ref):
+        mod.temperature = torch.tensor(0.5)
+    torch.testing.assert_close(m(x), ref(x))
+    assert len(m._tvm_dispatch.variants) == 2 and "temperature" in m._tvm_dispatch.variants[1].why
+
+
 def test_lstm_weights_stay_real_after_a_trace():
     """nn.LSTM rebuilds its private weight list from the tensors swapped in for the trace."""
     m = add_tvm_dispatch(torch.nn.LSTM(4, 6, batch_first=True), (torch.randn(2, 3, 4),), verify=False)

@@ -175,8 +175,9 @@ class ModuleState:
     held: dict[str, HeldSlot] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, module: torch.nn.Module, device: torch.device | None = None) -> ModuleState:
-        """``device``: the call's; a held tensor elsewhere stays a constant of the graph."""
+    def of(cls, module: torch.nn.Module, device: torch.device | None = None, hold: bool = True) -> ModuleState:
+        """``device``: the call's; a held tensor elsewhere stays a constant of the graph, as every
+        held tensor does without ``hold``."""
         names: list[str] = []
         is_param: list[bool] = []
         seen: dict[int, str] = {}  # id of a tensor -> its first name
@@ -197,7 +198,7 @@ class ModuleState:
         ):
             for name, t in items:
                 add(name, t, kind)
-        for slot, t in held_slots(module, device):
+        for slot, t in held_slots(module, device) if hold else ():
             held[slot_name(slot)] = slot
             add(slot_name(slot), t, t.requires_grad and t.is_leaf)  # a leaf that requires grad gets one
         return cls(tuple(names), tuple(is_param), aliases, held)

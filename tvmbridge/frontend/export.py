@@ -410,11 +410,23 @@ def export_call(
     leaves, in_spec = pytree.tree_flatten((call_args, call_kwargs))
     tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
     owned = (t for ts in (module.parameters(), module.buffers()) for t in ts)
-    state = ModuleState.of(module, next((t.device for t in (*tensors, *owned)), None))
-    inputs = tensors + tuple(t.detach() for t in state.tensors(module))
-    flat = FlatCall(module, in_spec, leaves, state)
-    autocast = AutocastState.current(inputs[0].device.type if inputs else "cpu")
-    ep = _export(module, flat, inputs, dynamic, stack_traces)
+    device = next((t.device for t in (*tensors, *owned)), None)
+    state = ModuleState.of(module, device)
+    autocast = AutocastState.current(device.type if device is not None else "cpu")
+    for hold in (True, False):
+        inputs = tensors + tuple(t.detach() for t in state.tensors(module))
+        flat = FlatCall(module, in_spec, leaves, state)
+        try:
+            ep = _export(module, flat, inputs, dynamic, stack_traces)
+            break
+        except AttributeWriteError:
+            raise
+        except ConversionError:
+            if not hold or not state.held:
+                raise
+            # a held tensor read as a value (a Python `if` on it, `.item()`): compiled in as a
+            # constant, guarded by identity and version, as before held tensors were inputs
+            state = ModuleState.of(module, device, hold=False)
     return RawTrace(module, leaves, in_spec, tensors, inputs, state, flat, autocast, dynamic, ep, stack_traces)
 
 

@@ -425,6 +425,9 @@ def _timm() -> list[ZooEntry]:
         ("repvgg_a0", TIMM_DROP),
         ("efficientvit_b0", dict(drop_rate=0.1)),
         ("levit_128s", dict(TIMM_DROP, img_size=CNN_IMAGE)),
+        # eval mode fills an attention-bias cache dict, which train() empties: an input, not a constant
+        ("efficientformerv2_s0", dict(drop_rate=0.1, img_size=CNN_IMAGE)),
+        ("efficientvit_m0", dict(drop_rate=0.1)),
         ("mobilevit_xxs", TIMM_DROP),
         ("lcnet_050", TIMM_DROP),
         ("hgnetv2_b0", dict(drop_rate=0.1)),  # a scalar scale's gradient: a sum over the whole batch
