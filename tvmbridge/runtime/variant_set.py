@@ -84,6 +84,7 @@ class VariantSet:
         self.variants: tuple[Variant, ...] = ()
         self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed, or its variant was dropped
         self.deferred: set[tuple] = set()  # call keys whose trace assigned module attributes once
+        self.deferred_pending = False  # a call was deferred since the last call a variant ran
         self.last = 0  # the variant the last compiled call ran: tried first
         self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
         self.failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
@@ -108,8 +109,9 @@ class VariantSet:
             fit = variants[i].fit(self.module, self.signature, args, kwargs)
             if fit.fitted is not None:
                 self.last = i
-                if self.deferred:  # deferring helped (a cache filled): it may again, once emptied
+                if self.deferred_pending:  # deferring helped (a cache filled): it may again, once emptied
                     self.deferred.discard(self.key(args, kwargs))
+                    self.deferred_pending = False  # the call after a deferral only: a key costs a state walk
                 return Selection.run(variants[i], fit.fitted)
             assert fit.reason is not None  # a fit has its tensors or a reason
             if not fit.reason.recompile:  # hooks and the like: no other variant fits either
@@ -143,6 +145,7 @@ class VariantSet:
         yet and ``fallback`` is off; else it is remembered and the call runs PyTorch."""
         if reason is not None and reason.emptied and key not in self.deferred:  # PyTorch's call fills it
             self.deferred.add(key)
+            self.deferred_pending = True
             said = f"compiling deferred: {reason.message}; PyTorch runs this call"
             return Selection.pytorch(Mismatch("cache emptied", said, recompile=False))
         try:
@@ -156,6 +159,7 @@ class VariantSet:
                     raise again from exc
                 return Selection.pytorch(self.remember_failure(key, again))
             self.deferred.add(key)
+            self.deferred_pending = True
             return Selection.pytorch(Mismatch("attributes assigned", f"compiling deferred: {exc}", recompile=False))
         except ConversionError as exc:
             if not self.variants and not self.options.fallback:
