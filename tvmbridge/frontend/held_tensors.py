@@ -7,9 +7,10 @@ value (the cache refilled after training, the scale set by a schedule) meant a n
 eval phase of a training loop another. Here each is a slot (module path, attribute, key in the
 dict, list or tuple) read at every call and passed like a buffer: the variant fits any value of
 the same shape, dtype and device, and reads it. A tensor the slot holds that is a parameter or
-buffer (``self.w = self.lin.weight``) is that tensor's alias, traced as it. Private attributes
-(``nn.LSTM``'s ``_flat_weights``, rebuilt by its module) and tensors that cannot be inputs (another
-device, sparse, inference-mode, subclasses) stay compiled in as constants, guarded by identity.
+buffer (transformers' ``self.original_inv_freq = self.inv_freq``) is that tensor's alias, traced
+as it. Private attributes (``nn.LSTM``'s ``_flat_weights``, rebuilt by its module) and tensors
+that cannot be inputs (another device, sparse, inference-mode, subclasses) stay compiled in as
+constants, guarded by identity.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 
 NO_KEY = None  # the attribute itself holds the tensor
 HeldSlot = tuple[str, str, Any]  # (module path, attribute, key in its container or NO_KEY)
-HELD_CONTAINERS = (dict, OrderedDict, list, tuple)
 _MAX_ENTRIES = 64
 
 
@@ -70,7 +70,7 @@ def slot_name(slot: HeldSlot) -> str:
     return base if key is NO_KEY else f"{base}[{key!r}]"
 
 
-def _owner(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+def owner_of(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
     try:
         return module.get_submodule(path) if path else module
     except AttributeError:
@@ -80,7 +80,7 @@ def _owner(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
 def read_slot(module: torch.nn.Module, slot: HeldSlot) -> torch.Tensor | None:
     """The tensor in the slot now, or None (the attribute, the entry or the module is gone, or
     holds no tensor)."""
-    owner = _owner(module, slot[0])
+    owner = owner_of(module, slot[0])
     return None if owner is None else read_in(vars(owner), slot)
 
 
@@ -109,7 +109,7 @@ class HeldSwap:
         self.undo: list[tuple[dict, str, Any, Any]] = []  # owner's dict, attribute, original, put
 
     def put(self, slot: HeldSlot, value: torch.Tensor) -> None:
-        owner = _owner(self.module, slot[0])
+        owner = owner_of(self.module, slot[0])
         if owner is None:
             return
         attributes, (_, attr, key) = vars(owner), slot

@@ -16,7 +16,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from ..frontend.call_state import MODULE_INTERNALS, ModuleState, is_plain
-from ..frontend.held_tensors import NO_KEY, HeldSlot, read_in, slot_name
+from ..frontend.held_tensors import NO_KEY, HeldSlot, owner_of, read_in, slot_name
 from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
 from .guards import Mismatch, describe_tensor_difference, short_value, tensor_key
 
@@ -267,7 +267,9 @@ def _mismatch(check: Check) -> Mismatch:
 
 
 def _owner(module: torch.nn.Module, slot: HeldSlot) -> torch.nn.Module:
-    return module.get_submodule(slot[0]) if slot[0] else module
+    owner = owner_of(module, slot[0])
+    assert owner is not None, f"no module {slot[0]} (the state was read from this module)"
+    return owner
 
 
 def _held_by_owner(module: torch.nn.Module, state: ModuleState) -> dict[int, dict[str, frozenset]]:
