@@ -78,3 +78,45 @@ def test_a_hook_that_does_more_is_still_refused(hook) -> None:
     model.embed.register_forward_hook(hook)
     with pytest.raises(ConversionError, match=r"hooks on Net's submodules \(embed: 1 forward hook\)"):
         add_tvm_dispatch(model, (torch.randint(0, 10, (3, 4)),))
+
+
+@pytest.mark.parametrize("sample", [True, False], ids=["sample", "first-call"])
+def test_hooks_on_the_dispatched_module_itself_run_once_per_call_as_in_pytorch(sample: bool) -> None:
+    """The module's own hooks run around each dispatched call, never in the trace: traced, an
+    output hook's change was compiled in and applied twice, a pre-hook ran without the call's
+    arguments, and a recording hook kept a fake tensor."""
+    import copy
+
+    from tests.helpers import is_tvm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    ref = copy.deepcopy(model)
+    records: dict[int, list] = {id(model): [], id(ref): []}
+    backward_calls = {id(model): 0, id(ref): 0}
+    for m in (model, ref):
+        m.register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
+        m.register_forward_hook(lambda mod, args, out: out * 2)
+        m.register_forward_hook(lambda mod, args, out: records[id(mod)].append(out.detach()))
+
+        def count(mod, grad_in, grad_out) -> None:
+            backward_calls[id(mod)] += 1
+
+        m.register_full_backward_hook(count)
+    x = torch.randn(5, 4, requires_grad=True)
+    add_tvm_dispatch(model, (x,) if sample else None)
+    for step in range(2):
+        xi = (x * (step + 1)).detach().requires_grad_()
+        xr = xi.detach().clone().requires_grad_()
+        got, want = model(xi), ref(xr)
+        assert model._tvm_dispatch.calls_tvm == step + 1
+        torch.testing.assert_close(got, want)
+        got.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        torch.testing.assert_close(xi.grad, xr.grad)
+    assert not is_tvm(got)  # the output hook's product is PyTorch's, on the compiled output
+    assert len(records[id(model)]) == len(records[id(ref)]) == 2
+    assert all(type(r) is torch.Tensor for r in records[id(model)])
+    assert backward_calls[id(model)] == backward_calls[id(ref)] == 2
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -202,7 +202,9 @@ class FlatCall(torch.nn.Module):
         for name in self.updated:
             values[name] = values[name].clone()
         with swapped_state(self.inner, values, self.state) as swapped:
-            out = self.inner(*args, **kwargs)
+            # the forward, not the module's call: its own hooks run around each dispatched call, and
+            # traced they would run twice (an output hook's change compiled in) or on fake tensors
+            out = self.inner.forward(*args, **kwargs)
             reassigned = swapped.reassigned()
         values.update(reassigned)
         self.seen.reassigned = tuple(sorted(reassigned))
