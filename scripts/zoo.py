@@ -8,6 +8,7 @@ crash or a hang of one model does not end the run.
     python scripts/zoo.py --family timm --json /tmp/zoo.json --markdown /tmp/zoo.md
     python scripts/zoo.py --list
     python scripts/zoo.py --sample --autocast     # eager and TVM under bfloat16 autocast
+    python scripts/zoo.py --only wav2vec2-ctc --fallback   # fallback=True: what cannot compile whole, in submodules
 
 Verdicts and the protocol: ``tvmbridge/tools/zoo/harness.py``. The run is with
 ``CompileOptions.verify`` off (where the option exists): the raw state of the bridge.
@@ -37,7 +38,7 @@ COLUMNS = ("model", "family", "verdict", "reason / worst tensor", "compile s", "
 
 
 def run_one(name: str, timeout: float, verify: str, timing: bool, log_dir: Path, via: str = "dispatch",
-            device: str = "cpu", autocast: bool = False) -> dict:
+            device: str = "cpu", autocast: bool = False, fallback: bool = False) -> dict:
     """One case in a fresh interpreter; its JSON result, or a CRASH naming how the process ended."""
     out = log_dir / f"{name}.json"
     log = log_dir / f"{name}.log"
@@ -47,6 +48,8 @@ def run_one(name: str, timeout: float, verify: str, timing: bool, log_dir: Path,
         cmd.append("--no-timing")
     if autocast:
         cmd.append("--autocast")
+    if fallback:
+        cmd.append("--fallback")
     start = time.perf_counter()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
@@ -141,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where models and batches live")
     parser.add_argument("--autocast", action="store_true",
                         help="eager and TVM under bfloat16 autocast, judged against float64 (harness docstring)")
+    parser.add_argument("--fallback", action="store_true",
+                        help="add_tvm_dispatch(fallback=True): what cannot compile whole runs its submodules on TVM")
     parser.add_argument("--json", help="write all results (and the machine) to this file")
     parser.add_argument("--markdown", help="write the table as markdown (for the README) to this file")
     parser.add_argument("--logs", help="directory for each case's output and result (default: a temp dir)")
@@ -158,14 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     for i, name in enumerate(names, 1):
         result = run_one(name, args.timeout, args.verify, not args.no_timing, log_dir, args.via, args.device,
-                         args.autocast)
+                         args.autocast, args.fallback)
         results.append(result)
         print(f"[{i}/{len(names)}] {name}: {result['verdict']} ({result.get('wall_s', 0):.0f} s) "
               f"{(result.get('reason') or '')[:160]}", flush=True)
         if args.json:  # after every case: a long run that is stopped keeps what it found
             Path(args.json).write_text(json.dumps({"machine": machine, "verify": args.verify, "via": args.via,
-                                                   "device": args.device,
-                                                   "autocast": args.autocast, "results": results}, indent=1))
+                                                   "device": args.device, "autocast": args.autocast,
+                                                   "fallback": args.fallback, "results": results}, indent=1))
     print()
     print(text_table(results))
     print(f"\nCPU: {machine}\n{totals(results)}")

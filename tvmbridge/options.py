@@ -22,7 +22,16 @@ def _doc(text: str) -> dict[str, str]:
 
 
 # options that change how calls are dispatched or reported, not what is compiled
-RUNTIME_ONLY = ("fallback", "warn_on_fallback", "verify", "cache_size_limit", "disk_cache", "verbose", "progress")
+RUNTIME_ONLY = (
+    "fallback",
+    "compile_submodules",
+    "warn_on_fallback",
+    "verify",
+    "cache_size_limit",
+    "disk_cache",
+    "verbose",
+    "progress",
+)
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,14 @@ class CompileOptions:
     )
     fallback: bool = field(
         default=False, metadata=_doc("on a compile failure warn once and keep PyTorch instead of raising")
+    )
+    compile_submodules: bool = field(
+        default=True,
+        metadata=_doc(
+            "with fallback: a module that cannot compile as a whole keeps PyTorch for its own code only, "
+            "and its submodules with parameters compile by themselves (each checked on its first call); "
+            "off: PyTorch runs all of it"
+        ),
     )
     warn_on_fallback: bool = field(
         default=True,
@@ -164,6 +181,7 @@ class CompileOptions:
             "fuse",
             "mask_kernel",
             "fallback",
+            "compile_submodules",
             "warn_on_fallback",
             "verify",
             "verbose",

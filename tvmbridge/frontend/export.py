@@ -292,7 +292,8 @@ def _export(
                 hint = (
                     "; the forward branches on a tensor's values (a Python `if` on a tensor, `.item()`, a "
                     "check such as F.gaussian_nll_loss's `torch.any(var < 0)`), which compiled code cannot: "
-                    "move it out of forward, or pass fallback=True to keep PyTorch for this module"
+                    "move it out of forward, or pass fallback=True: PyTorch then runs this module's own code and its "
+                    "submodules compile by themselves"
                 )
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"

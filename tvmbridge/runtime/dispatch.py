@@ -50,6 +50,7 @@ from .function import Call, CompiledCallError, TVMFunction, infer
 from .guards import Mismatch, check_index_flags
 from .locks import TRACING
 from .random import draw
+from .submodules import describe_submodules, remove_submodule_dispatch
 from .variant_set import Outcome, Selection, VariantSet
 from .variants import Fitted, Variant, empty_input
 from .verify import GradientCheck
@@ -95,10 +96,9 @@ class Dispatcher:
     selects, compiles one, or runs PyTorch (``eager``); ``log`` counts and explains."""
 
     def __init__(self, module: torch.nn.Module, sample: tuple[tuple, dict] | None, options: CompileOptions) -> None:
-        self.module = module
-        self.sample = sample
-        self.options = options
+        self.module, self.sample, self.options = module, sample, options
         self.eager = EagerForward(module)
+        self.submodule_of: str | None = None  # the module whose failed compile dispatched this one (``submodules``)
         self._reset()
 
     def _reset(self) -> None:
@@ -114,7 +114,7 @@ class Dispatcher:
 
     # --- pickling and copying: the copy recompiles on first use
     def __getstate__(self) -> dict:
-        return {k: self.__dict__[k] for k in ("module", "sample", "options", "eager")}
+        return {k: self.__dict__[k] for k in ("module", "sample", "options", "eager", "submodule_of")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -381,10 +381,21 @@ def add_tvm_dispatch(
         except ConversionError as exc:
             if not opts.fallback:
                 raise
+            parts = dispatcher.variant_set.split_into_submodules(exc)
+            if not parts:
+                warnings.warn(
+                    f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning, stacklevel=2
+                )
+                return module
+            key, _ = dispatcher.variant_set.refusal(*sample, None)
+            if key is not None:  # calls like the sample run PyTorch without compiling again, unwarned
+                dispatcher.log.first_time(dispatcher.variant_set.remember_failure(key, exc).key)
             warnings.warn(
-                f"tvmbridge: keeping PyTorch for {type(module).__name__}: {exc}", FallbackWarning, stacklevel=2
+                f"tvmbridge: keeping PyTorch for {type(module).__name__}'s own code: {exc}; its submodules run on "
+                f"TVM by themselves: {describe_submodules(parts)}",
+                FallbackWarning,
+                stacklevel=2,
             )
-            return module
     # plain attributes, which nn.Module's typed __setattr__ (tensors and submodules) does not name
     module._tvm_dispatch = dispatcher  # type: ignore[assignment]
     module.forward = dispatcher
@@ -398,9 +409,16 @@ def remove_tvm_dispatch(module: torch.nn.Module) -> torch.nn.Module:
     if dispatcher is None:
         return module
     dispatcher.eager.reinstall()
+    remove_submodule_dispatch(module)
     module.__dict__.pop("remove_tvm_dispatch", None)
     module._tvm_dispatch = None  # type: ignore[assignment]  # a plain attribute (see add_tvm_dispatch)
     return module
+
+
+def dispatcher_or_none(module: torch.nn.Module) -> Dispatcher | None:
+    """The dispatcher :func:`add_tvm_dispatch` installed on ``module``, or None."""
+    dispatcher = getattr(module, "_tvm_dispatch", None)
+    return dispatcher if isinstance(dispatcher, Dispatcher) else None
 
 
 def dispatcher_of(module: torch.nn.Module) -> Dispatcher:

@@ -95,7 +95,19 @@ def _added(layout: Layout) -> str | None:
     fields: a private name (``_code``, which an FX graph module sets on first use)."""
     _, kind, holder, known = layout
     public = kind not in ("an attribute", "a field")
-    return next((k for k in holder if k not in known and (public or not _private(k))), None)
+    return next(
+        (k for k in holder if k not in known and (public or not _private(k)) and not _dispatched_forward(holder, k)),
+        None,
+    )
+
+
+def _dispatched_forward(holder: dict, name: Any) -> bool:
+    """A submodule's ``forward`` that ``add_tvm_dispatch`` set (the user's, or one a failed compile
+    set by ``runtime/submodules.py``): it runs the same forward, on TVM or as PyTorch, so the
+    compiled code, which traced that forward, still holds."""
+    from .dispatch import Dispatcher  # a dispatch's module guards with this one
+
+    return name == "forward" and isinstance(holder[name], Dispatcher)
 
 
 def _private(name: Any) -> bool:

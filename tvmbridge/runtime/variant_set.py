@@ -23,6 +23,7 @@ from ..pipeline.parts import INFER, TRAIN
 from .compiled import CompiledModule, compile_training
 from .guards import Mismatch
 from .locks import TRACING
+from .submodules import describe_submodules, dispatch_submodules, splits_into_submodules
 from .variants import Fitted, Variant, call_key, changed_dims, describe_dims, empty_input, marked_dims
 
 
@@ -89,6 +90,7 @@ class VariantSet:
         self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
         self.failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
         self.dynamic_off = False  # a symbolic variant was discarded: compile exact shapes only
+        self.submodules: list[str] = []  # submodules dispatched by themselves after a compile failed (``submodules``)
         self.lock = threading.Lock()
 
     def key(self, args: tuple, kwargs: dict) -> tuple:
@@ -164,6 +166,7 @@ class VariantSet:
         except ConversionError as exc:
             if not self.variants and not self.options.fallback:
                 raise
+            self.split_into_submodules(exc)
             return Selection.pytorch(self.remember_failure(key, exc))
         self.deferred.discard(key)  # deferring helped (a cache filled): it may again, once emptied
         with TRACING.reading():
@@ -174,10 +177,19 @@ class VariantSet:
         self.last = self.variants.index(variant)
         return Selection.run(variant, fit.fitted)
 
+    def split_into_submodules(self, exc: ConversionError) -> list[str]:
+        """After a compile failure, the module's submodules dispatched by themselves where the
+        options and the failure allow it (``submodules``); their paths."""
+        with self.lock:
+            if not self.submodules and splits_into_submodules(self.module, self.options, exc):
+                self.submodules = dispatch_submodules(self.module, self.options, module_name(self.module))
+        return self.submodules
+
     def remember_failure(self, key: tuple, exc: ConversionError) -> Mismatch:
-        self.failures[key] = Mismatch(
-            f"compile failed {len(self.failures)}", f"compiling a variant for this call failed: {exc}", recompile=False
-        )
+        said = f"compiling a variant for this call failed: {exc}"
+        if self.submodules:
+            said += f"; its submodules run on TVM by themselves: {describe_submodules(self.submodules)}"
+        self.failures[key] = Mismatch(f"compile failed {len(self.failures)}", said, recompile=False)
         return self.failures[key]
 
     def compile_variant(

@@ -162,10 +162,12 @@ class Case:
         return getattr(self.models["tvm"], "_tvm_dispatch", None)
 
     def dispatchers(self) -> list[Any]:
-        """The dispatcher of the model, or of each graph the backend compiled."""
+        """The dispatcher of the model and of each submodule dispatched by itself (after a failed
+        compile under ``fallback``), or of each graph the backend compiled."""
         if self.backend is not None:
             return [g.dispatcher for g in self.backend.graphs]
-        return [self.dispatcher] if self.dispatcher is not None else []
+        found = (getattr(m, "_tvm_dispatch", None) for m in self.models["tvm"].modules())
+        return [d for d in found if d is not None]
 
     def call(self, role: str, batch: Batch, where: str, backward: bool) -> dict[str, torch.Tensor | None]:
         """One seeded call (and backward); the tensors to compare: loss, outputs, grads, buffers."""
@@ -367,15 +369,15 @@ def _first_line(exc: BaseException) -> str:
     return describe(exc)[:400]
 
 
-def compile_options(verify: bool | None) -> tuple[dict[str, Any], str]:
-    """The options for ``add_tvm_dispatch``: ``verify`` where CompileOptions has the field."""
+def compile_options(verify: bool | None, fallback: bool = False) -> tuple[dict[str, Any], str]:
+    """The options for ``add_tvm_dispatch``: ``verify`` where CompileOptions has the field;
+    ``fallback`` (a module that cannot compile whole runs its submodules on TVM) where asked."""
     from tvmbridge import CompileOptions
 
-    if verify is None:
-        return {}, ""
-    if "verify" in CompileOptions.__dataclass_fields__:
-        return {"verify": verify}, ""
-    return {}, "" if verify is False else "CompileOptions has no field verify: not passed"
+    options: dict[str, Any] = {"fallback": True} if fallback else {}
+    if verify is None or "verify" in CompileOptions.__dataclass_fields__:
+        return options | ({} if verify is None else {"verify": verify}), ""
+    return options, "" if verify is False else "CompileOptions has no field verify: not passed"
 
 
 def run_case(
@@ -386,18 +388,19 @@ def run_case(
     via: str = "dispatch",
     device: str = "cpu",
     autocast: bool = False,
+    fallback: bool = False,
 ) -> CaseResult:
     """Run the protocol on one entry (module docstring); never raises for the model's failures.
 
     ``verify``: passed as ``CompileOptions.verify`` when not None and the field exists (the
     zoo's own runs pass False: the raw state of the bridge). ``device``: where all three copies
     and the batches live (``"cuda"``: the bridge's CUDA build against PyTorch on the same GPU).
-    ``autocast``: bfloat16 mixed precision (module docstring)."""
+    ``autocast``: bfloat16 mixed precision (module docstring). ``fallback``: the option of that name."""
     from tvmbridge.errors import ConversionError, FallbackWarning
 
     entry = get(entry) if isinstance(entry, str) else entry
     result = CaseResult(entry.name, entry.family, note=entry.note)
-    options, note = compile_options(verify)
+    options, note = compile_options(verify, fallback)
     result.note = "; ".join(x for x in (entry.note, note) if x)
     start = time.perf_counter()
     case = None
@@ -460,25 +463,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name")
     parser.add_argument("--json-out", help="write the result here (default: print it)")
-    parser.add_argument(
-        "--verify",
-        choices=("off", "on", "default"),
-        default="off",
-        help="CompileOptions.verify where it exists (default off: the raw state)",
-    )
+    verify_help = "CompileOptions.verify where it exists (default off: the raw state)"
+    parser.add_argument("--verify", choices=("off", "on", "default"), default="off", help=verify_help)
     parser.add_argument("--no-timing", action="store_true")
-    parser.add_argument(
-        "--via",
-        choices=("dispatch", "backend"),
-        default="dispatch",
-        help="add_tvm_dispatch (default) or torch.compile(backend=tvmbridge)",
-    )
+    via_help = "add_tvm_dispatch (default) or torch.compile(backend=tvmbridge)"
+    parser.add_argument("--via", choices=("dispatch", "backend"), default="dispatch", help=via_help)
+    parser.add_argument("--fallback", action="store_true", help="add_tvm_dispatch(fallback=True)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and batches live")
     parser.add_argument("--autocast", action="store_true", help="eager and TVM under bfloat16 autocast (see above)")
     args = parser.parse_args(argv)
     verify = {"off": False, "on": True, "default": None}[args.verify]
+    timing = not args.no_timing
     result = run_case(
-        args.name, verify=verify, timing=not args.no_timing, via=args.via, device=args.device, autocast=args.autocast
+        args.name,
+        verify=verify,
+        timing=timing,
+        via=args.via,
+        device=args.device,
+        autocast=args.autocast,
+        fallback=args.fallback,
     )
     text = json.dumps(asdict(result))
     if args.json_out:
