@@ -14,7 +14,8 @@ import warnings
 import pytest
 import torch
 
-from tvmbridge import ConversionError, FallbackWarning, add_tvm_dispatch
+from tests.helpers import clone_module, is_tvm
+from tvmbridge import ConversionError, add_tvm_dispatch
 
 
 class Counter(torch.nn.Module):
@@ -394,12 +395,49 @@ class GraphedCache(torch.nn.Module):
         return self.lin(x) * self.cached
 
 
-def test_a_held_tensor_with_a_graph_on_the_gradient_path_runs_pytorch_and_says_why() -> None:
-    m = GraphedCache()
-    with pytest.warns(FallbackWarning, match=r"cached, a tensor kept on the module .* requires grad"):
-        m = add_tvm_dispatch(m, (torch.randn(3, 4),), fallback=True)
-    m(torch.randn(3, 4)).sum().backward(retain_graph=True)
-    assert m.lin.weight.grad is not None
+def test_a_held_tensor_with_a_graph_gets_its_gradient_on_through_that_graph() -> None:
+    """PyTorch backpropagates through the held tensor into the graph that made it (here into
+    ``lin.weight`` a second time); the compiled backward gives the held tensor's gradient and
+    autograd takes it on, as eager's does, graph kept or freed alike."""
+    torch.manual_seed(0)
+    m, ref = GraphedCache(), GraphedCache()  # a non-leaf attribute: no deepcopy
+    ref.lin.load_state_dict(m.lin.state_dict())
+    ref.cached = ref.lin.weight.sum(0)  # the copy's own graph, from its own weight
+    add_tvm_dispatch(m, (torch.randn(3, 4),))
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        got, want = m(x), ref(x)
+        assert is_tvm(got)
+        torch.testing.assert_close(got, want)
+        (got * x).sum().backward(retain_graph=True)
+        (want * x).sum().backward(retain_graph=True)
+        torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad)
+        torch.testing.assert_close(m.lin.bias.grad, ref.lin.bias.grad)
+    assert m._tvm_dispatch.calls_tvm == 2
+
+
+def test_old_style_weight_norm_trains_through_the_weight_its_hook_makes_each_call() -> None:
+    """``torch.nn.utils.weight_norm`` deletes ``weight`` as a parameter and sets it before every
+    call from ``weight_g`` and ``weight_v`` (a forward pre-hook on the module): the compiled code
+    reads it as a tensor kept on the module, and its gradient reaches ``weight_g`` and
+    ``weight_v`` through the hook's graph."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of parametrizations
+        base = torch.nn.Linear(4, 3)
+        ref = torch.nn.utils.weight_norm(clone_module(base))
+        m = torch.nn.utils.weight_norm(base)
+    add_tvm_dispatch(m, (torch.randn(5, 4),))
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.1) for mod in (m, ref)]
+    for step in range(3):
+        x = torch.randn(5, 4)
+        for mod, opt in zip((m, ref), opts):
+            opt.zero_grad()
+            mod(x).pow(2).sum().backward()
+            opt.step()
+        for name in ("weight_g", "weight_v", "bias"):
+            torch.testing.assert_close(getattr(m, name), getattr(ref, name), msg=f"{name} at step {step}")
+    assert m._tvm_dispatch.calls_tvm == 3 and not m._tvm_dispatch.failures
 
 
 class BranchOnHeld(torch.nn.Module):

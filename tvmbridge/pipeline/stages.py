@@ -125,18 +125,9 @@ def _grad_indices(a: Artifacts) -> tuple[int, ...]:
     idx = [i for i in range(n_user) if _is_float(func.params[i].ty.dtype) and i not in a.traced.updated_inputs]
     state = a.traced.state
     tensors = state.tensors(a.module)
-    idx += [n_user + j for j, t in enumerate(tensors) if state.is_parameter[j] and t.requires_grad]
-    graphed = [
-        state.names[j]
-        for j, t in enumerate(tensors)
-        if not state.is_parameter[j] and t.requires_grad and n_user + j not in a.traced.no_grad_path
-    ]
-    if graphed:  # PyTorch would backpropagate into the graph that made it; compiled code cannot
-        raise ConversionError(
-            "gradient",
-            f"the forward reads {graphed[0]}, a tensor kept on the module (no parameter) that requires grad: "
-            "compute it under torch.no_grad() or from a parameter inside forward, or register it as a parameter",
-        )
+    # parameters, and tensors kept on the module with a graph behind them (old-style weight_norm's
+    # weight, made from weight_g and weight_v by a pre-hook each call): their gradient goes on through it
+    idx += [n_user + j for j, t in enumerate(tensors) if t.requires_grad]
     return tuple(i for i in idx if i not in a.traced.no_grad_path)  # PyTorch leaves those None
 
 

@@ -301,7 +301,9 @@ class StateGuard:
     :meth:`check` runs first: once it passed, the submodules are the compiled ones, so
     :meth:`tensors` reads each parameter and buffer straight from its owner's dict."""
 
-    def __init__(self, module: torch.nn.Module, state: ModuleState, with_grad: set[int]) -> None:
+    def __init__(
+        self, module: torch.nn.Module, state: ModuleState, with_grad: set[int], computed: frozenset[int] = frozenset()
+    ) -> None:
         self.state = state
         self.keys = [tensor_key(t) for t in state.tensors(module)]
         self.with_grad = with_grad  # state positions the compiled backward computes a gradient for
@@ -327,7 +329,10 @@ class StateGuard:
             for alias, name in state.aliases.items()
             if alias not in state.held
         ]
-        self.detached = [j for j in range(len(owned), len(state.names)) if not state.is_parameter[j]]
+        # held tensors passed as data: all but those the backward computes a gradient for (a graph behind them)
+        self.detached = [
+            j for j in range(len(owned), len(state.names)) if not state.is_parameter[j] and j not in computed
+        ]
         self.held_alias_slots = [
             (vars(_owner(module, state.held[alias])), state.held[alias], state.names.index(name))
             for alias, name in state.aliases.items()
@@ -390,7 +395,7 @@ class StateGuard:
             if read_in(owner, slot) is not tensors[j]:
                 name = self.state.names[j]
                 return None, Mismatch(f"{slot_name(slot)} tie", f"{slot_name(slot)} is no longer {name}")
-        for j in self.detached:  # held, read by no output's gradient path (a stored loss): as data
+        for j in self.detached:  # held, read by no output's gradient path (a stored loss), or no float: as data
             if tensors[j].requires_grad:  # type: ignore[union-attr]  # none is None (checked above)
                 tensors[j] = tensors[j].detach()  # type: ignore[union-attr]
         return cast(list[torch.Tensor], tensors), None  # none is None (checked above)

@@ -193,8 +193,9 @@ class Variant:
         input_guard = input_guard_for(signature, args, kwargs, SymbolicDims(traced.input_dims, traced.ranges))
         n_user = compiled.traced.num_user_inputs
         # a parameter may require grad if the backward computes its gradient, or none is due (no output depends on it)
-        with_grad = {i - n_user for i in (*compiled.grad_param_indices, *traced.no_grad_path) if i >= n_user}
-        state_guard = StateGuard(module, compiled.traced.state, with_grad)
+        computed = frozenset(i - n_user for i in compiled.grad_param_indices if i >= n_user)
+        with_grad = set(computed) | {i - n_user for i in traced.no_grad_path if i >= n_user}
+        state_guard = StateGuard(module, compiled.traced.state, with_grad, computed)
         label = describe_call(signature, args, kwargs, module)
         if traced.autocast is not None:
             label = f"{traced.autocast} {label}"

@@ -56,10 +56,13 @@ def own_inputs(tensors: list[torch.Tensor], num_user: int) -> list[torch.Tensor]
     it is a leaf, for the forward swaps it into the module, where another thread reading
     ``module.parameters()`` would see the alias; but for a parameter with its own hooks
     (``weight.register_hook``), which would run on the reference too (a right variant compared
-    with the hooked gradient and discarded, the hook run twice where the reference stands in)."""
+    with the hooked gradient and discarded, the hook run twice where the reference stands in).
+    State made by a graph outside the call (old-style weight_norm's ``weight``, made from the
+    parameters ``weight_g`` and ``weight_v`` before each call) is a leaf of its own: the call's
+    gradients stop at it, and autograd takes them on through that graph once, after the call."""
     seen: dict[int, torch.Tensor] = {}
     return [
-        seen.setdefault(id(t), t.view_as(t))
+        seen.setdefault(id(t), t.view_as(t) if i < num_user or t.grad_fn is None else t.detach().requires_grad_())
         if t.requires_grad and (i < num_user or t.grad_fn is not None or t._backward_hooks)
         else t
         for i, t in enumerate(tensors)
