@@ -312,19 +312,23 @@ def _detach_no_grad_regions(ep: ExportedProgram) -> None:
         if not isinstance(module, torch.fx.GraphModule):
             continue
         graph = module.graph
-        for node in list(graph.nodes):
-            if (
-                node.op == "call_function"
-                and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
-                and node.args[0] is False
-            ):
-                for user in list(node.users):
-                    if not isinstance(user.meta.get("val"), torch.Tensor):
-                        continue
-                    with graph.inserting_after(user):
-                        detached = graph.call_function(torch.ops.aten.detach.default, (user,))
-                    detached.meta["val"] = user.meta["val"]
-                    user.replace_all_uses_with(detached, delete_user_cb=lambda n, d=detached: n is not d)
+        blocks = [
+            node
+            for node in graph.nodes
+            if node.op == "call_function"
+            and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled"
+            and node.args[0] is False
+        ]
+        if not blocks:  # nothing to change: no recompile (the graph's code generated again)
+            continue
+        for node in blocks:
+            for user in list(node.users):
+                if not isinstance(user.meta.get("val"), torch.Tensor):
+                    continue
+                with graph.inserting_after(user):
+                    detached = graph.call_function(torch.ops.aten.detach.default, (user,))
+                detached.meta["val"] = user.meta["val"]
+                user.replace_all_uses_with(detached, delete_user_cb=lambda n, d=detached: n is not d)
         module.recompile()
 
 
