@@ -36,6 +36,7 @@ from .call_state import (
 )
 from .decompositions import decomposition_table
 from .digest import program_digest
+from .host_random import host_random_seen
 from .mixed_dtypes import make_dtype_mixing_explicit
 from .module_hooks import hook_snapshot, hooks_refusal, restore_hooks
 from .outputs import OutputLayout, flatten_output, unflatten_output
@@ -271,6 +272,7 @@ def _export(
             # grad on: export marks a no_grad block only where it differs from the mode it traces under
             with (
                 untraced_autograd_seen() as untraced,
+                host_random_seen() as host_random,
                 value_free_hints(),
                 torch.enable_grad(),
                 _no_attribute_writes(module),
@@ -298,7 +300,7 @@ def _export(
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"
             ) from exc
-    refusal = untraced.refusal(type(module).__name__)
+    refusal = untraced.refusal(type(module).__name__) or host_random.refusal(type(module).__name__)
     if refusal is not None:
         raise ConversionError("trace", refusal)
     return ep
