@@ -208,3 +208,23 @@ def test_without_fallback_the_failure_raises_and_nothing_is_dispatched() -> None
     with pytest.raises(ConversionError, match="branches on a tensor's values.*fallback=True.*submodules"):
         add_tvm_dispatch(model, (torch.randn(3, 5, 4),))
     assert all(getattr(m, "_tvm_dispatch", None) is None for m in model.modules())
+
+
+def test_a_failure_of_the_module_code_is_not_traced_again_at_each_new_size() -> None:
+    """Audio lengths change every batch: a trace that failed on the module's code (here its
+    LayerDrop branch) would fail at any size, and tracing again at each one costs seconds."""
+    torch.manual_seed(0)
+    model = LayerDrop().train()
+    ref = copy.deepcopy(model)
+    add_tvm_dispatch(model, fallback=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        for step, length in enumerate((5, 7, 9, 11)):
+            x = torch.randn(2, length, 4)
+            torch.manual_seed(step)
+            got = model(x)
+            torch.manual_seed(step)
+            torch.testing.assert_close(got, ref(x))
+    parent = model._tvm_dispatch
+    assert len(parent.failures) == 1 and parent.calls_fallback == 4 and list(parent.fallback_reasons.values()) == [4]
+    assert model.embed._tvm_dispatch.calls_tvm == 4  # its own variants: one exact, then one symbolic

@@ -67,6 +67,16 @@ def first_part(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
     return INFER
 
 
+STRUCTURAL_STAGES = ("trace", "convert")  # failures of the module's code and ops, not of a call's sizes
+
+
+def _sizeless(key: tuple) -> tuple:
+    """A call key without the sizes of the call's tensors (their rank kept): calls that differ
+    from a failed one only in sizes fail the same way at the stages of ``STRUCTURAL_STAGES``."""
+    spec, call, *rest = key
+    return (spec, tuple((len(x[0]), *x[1:]) if x[0] != "value" else x for x in call), *rest)
+
+
 def _dims_key(dims: dict[int, frozenset[int]]) -> frozenset:
     return frozenset((i, d) for i, ds in dims.items() for d in ds)
 
@@ -84,6 +94,7 @@ class VariantSet:
         self.module, self.signature, self.options = module, signature, options
         self.variants: tuple[Variant, ...] = ()
         self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed, or its variant was dropped
+        self.sizeless_failures: dict[tuple, Mismatch] = {}  # the same for structural failures, by _sizeless key
         self.deferred: set[tuple] = set()  # call keys whose trace assigned module attributes once
         self.deferred_pending = False  # a call was deferred since the last call a variant ran
         self.last = 0  # the variant the last compiled call ran: tried first
@@ -132,7 +143,7 @@ class VariantSet:
                 key = self.key(args, kwargs)
         except ConversionError as exc:  # the call does not bind: PyTorch says how
             return None, Mismatch("signature", str(exc), recompile=False)
-        refused = refused or self.failures.get(key)
+        refused = refused or self.failures.get(key) or self.sizeless_failures.get(_sizeless(key))
         if refused is None and len(self.variants) >= self.options.cache_size_limit:
             refused = Mismatch(
                 "cache size limit",
@@ -190,6 +201,8 @@ class VariantSet:
         if self.submodules:
             said += f"; its submodules run on TVM by themselves: {describe_submodules(self.submodules)}"
         self.failures[key] = Mismatch(f"compile failed {len(self.failures)}", said, recompile=False)
+        if exc.stage in STRUCTURAL_STAGES and not isinstance(exc, AttributeWriteError):
+            self.sizeless_failures[_sizeless(key)] = self.failures[key]  # not traced again at every new size
         return self.failures[key]
 
     def compile_variant(
