@@ -228,3 +228,28 @@ def test_a_failure_of_the_module_code_is_not_traced_again_at_each_new_size() -> 
     parent = model._tvm_dispatch
     assert len(parent.failures) == 1 and parent.calls_fallback == 4 and list(parent.fallback_reasons.values()) == [4]
     assert model.embed._tvm_dispatch.calls_tvm == 4  # its own variants: one exact, then one symbolic
+
+
+def test_a_submodule_with_hooks_compiles_by_itself_with_its_hooks_around_each_call() -> None:
+    """Hooks on a submodule are refused for the module as a whole (compiled code would not run
+    them); dispatched by itself, the submodule's own hooks run around each of its calls."""
+    torch.manual_seed(0)
+    model = Block()
+    ref = copy.deepcopy(model)
+    seen: dict[str, list[torch.Tensor]] = {"tvm": [], "eager": []}
+    model.fc1.register_forward_hook(lambda mod, args, out: seen["tvm"].append(out.detach()))
+    ref.fc1.register_forward_hook(lambda mod, args, out: seen["eager"].append(out.detach()))
+    with pytest.warns(FallbackWarning, match="hooks on Block's submodules.*submodules run on TVM by themselves"):
+        add_tvm_dispatch(model, (torch.randn(3, 8),), fallback=True)
+    for _ in range(2):
+        x = torch.randn(3, 8)
+        got, want = model(x), ref(x)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+    assert model.fc1._tvm_dispatch.calls_tvm == 2 and len(seen["tvm"]) == len(seen["eager"]) == 2
+    for got, want in zip(seen["tvm"], seen["eager"]):
+        assert type(got) is torch.Tensor
+        torch.testing.assert_close(got, want)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -112,8 +112,9 @@ def hooks_refusal(module: torch.nn.Module) -> str | None:
     return (
         f"hooks on {name}'s submodules ({shown}), which compiled code does not run: they would run once, "
         f"on the trace's fake tensors, and never on a compiled call. Register them on {name} itself (its "
-        "own hooks run around every call), dispatch the submodules without hooks instead, or keep PyTorch "
-        "for this module (fallback=True)"
+        "own hooks run around every call), dispatch the submodules without hooks instead, or pass "
+        "fallback=True: PyTorch then runs this module's own code and its submodules compile by themselves, "
+        "each with its hooks run around its calls"
     )
 
 
