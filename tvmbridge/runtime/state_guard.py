@@ -18,6 +18,7 @@ from torch.nn.modules import module as nn_module
 from ..frontend.call_state import MODULE_INTERNALS, ModuleState, is_plain
 from ..frontend.held_tensors import NO_KEY, HeldSlot, owner_of, read_in, slot_name
 from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
+from .global_reads import global_checks
 from .guards import Mismatch, describe_tensor_difference, short_value, tensor_key
 
 _MISSING = object()
@@ -312,9 +313,10 @@ class StateGuard:
         self.layouts: list[Layout] = []
         self.classes: list[tuple[str, torch.nn.Module, type]] = []  # ``__class__`` swapped: another forward
         held = _held_by_owner(module, state)
+        forwards: set[int] = set()
         for path, m in module.named_modules(remove_duplicate=False):
             self.classes.append((path or type(m).__name__, m, type(m)))
-            self.checks += _module_checks(path, m, held.get(id(m), {}))
+            self.checks += _module_checks(path, m, held.get(id(m), {})) + global_checks(m, forwards)
             self.layouts += _module_layouts(path, m)
             if path:  # the module's own hooks run around the dispatched forward, as always
                 self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]

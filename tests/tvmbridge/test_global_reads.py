@@ -1,0 +1,75 @@
+"""Plain globals a forward reads (``runtime/global_reads.py``): the trace compiles their values in,
+so the state guard compares them at every call; another value compiles another variant."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tvmbridge import add_tvm_dispatch
+from tvmbridge.runtime.global_reads import global_checks
+
+SCALE = 2.0
+USE_BIAS_SHIFT = False
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * SCALE
+        return h + 1 if USE_BIAS_SHIFT else h
+
+
+class Outer(nn.Module):
+    """The global is read by a submodule's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.other = Scaled(), Scaled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.other(torch.tanh(self.inner(x)))
+
+
+@pytest.fixture
+def module_globals(monkeypatch: pytest.MonkeyPatch):
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "SCALE", 2.0)
+    monkeypatch.setattr(here, "USE_BIAS_SHIFT", False)
+    return here
+
+
+@pytest.mark.parametrize("make", [Scaled, Outer])
+def test_a_global_changed_after_compiling_compiles_another_variant(module_globals, make) -> None:
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(model, (x,))
+    for scale, shift in ((2.0, False), (3.0, False), (3.0, True), (2.0, False)):
+        module_globals.SCALE, module_globals.USE_BIAS_SHIFT = scale, shift
+        got, want = model(x), ref(x)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        want.sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    dispatch = model._tvm_dispatch
+    assert dispatch.calls_tvm == 4 and len(dispatch.variants) == 3  # the last call's values had a variant
+
+
+def test_only_plain_values_are_checked_once_per_forward() -> None:
+    model = Outer()
+    seen: set[int] = set()
+    checks = [c for m in model.modules() for c in global_checks(m, seen)]
+    assert sorted(c[0] for c in checks) == [
+        "global SCALE (read by Scaled.forward)",
+        "global USE_BIAS_SHIFT (read by Scaled.forward)",
+    ]  # torch, nn and the functions are not values; the second Scaled is the same code
