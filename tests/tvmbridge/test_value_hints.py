@@ -132,3 +132,40 @@ def test_a_custom_function_is_still_refused_and_every_patch_undone():
     with pytest.raises(ConversionError, match="RoundStraightThrough"):
         add_tvm_dispatch(model, (torch.randn(2, 3),))
     assert Function.__dict__["apply"] is apply and transformer._detect_is_causal_mask is detect
+
+
+class EmaThroughData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.ema.data.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return h - self.ema
+
+
+class EmaUnderNoGrad(EmaThroughData):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return h - self.ema
+
+
+def test_a_write_through_data_is_refused_with_the_form_that_compiles() -> None:
+    from tvmbridge import ConversionError
+
+    with pytest.raises(ConversionError, match=r"writes a tensor through \.data.*torch\.no_grad"):
+        add_tvm_dispatch(EmaThroughData(), (torch.randn(3, 4),))
+    torch.manual_seed(0)
+    model = EmaUnderNoGrad()
+    ref = EmaUnderNoGrad()
+    ref.load_state_dict(model.state_dict())
+    add_tvm_dispatch(model, (torch.randn(3, 4),))
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(model(x), ref(x))
+    torch.testing.assert_close(model.ema, ref.ema)
+    assert model._tvm_dispatch.calls_tvm == 3

@@ -59,6 +59,13 @@ def value_read_named(module: torch.nn.Module, exc: BaseException) -> str:
         )
     if "data-dependent" in str(exc):
         return _cumulative_batch_norms(module)
+    if "fake tensor in the exported program constant" in str(exc):
+        return (
+            "the forward writes a tensor through .data (self.ema.data.mul_(...), w.data.clamp_(...)), which "
+            "torch.export cannot take: write the tensor itself under `with torch.no_grad():` (a buffer's "
+            "update is compiled, as BatchNorm's running statistics are; a parameter's is the optimizer's), "
+            "move the write out of forward, or pass fallback=True"
+        )
     return ""
 
 
