@@ -103,8 +103,7 @@ class Dispatcher:
 
     def _reset(self) -> None:
         original = self.eager.bound
-        # the module's own forward signature, for every binding of a call (the guard's, the trace's) and
-        # for callers that inspect ``module.forward`` (Trainer drops the columns forward does not name)
+        # the forward's signature: every binding of a call, and callers inspecting it (Trainer's columns)
         self.signature = inspect.signature(original)
         self.__signature__ = self.signature
         for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
@@ -320,7 +319,9 @@ class Dispatcher:
                 stacklevel=caller_stacklevel(),
             )
         TRACING.wait_idle()
-        return self.eager(*args, **kwargs)
+        out = self.eager(*args, **kwargs)
+        self.variant_set.ran_pytorch(reason)
+        return out
 
     # --- reporting
     def explain(self) -> str:

@@ -94,7 +94,9 @@ class VariantSet:
         self.module, self.signature, self.options = module, signature, options
         self.variants: tuple[Variant, ...] = ()
         self.failures: dict[tuple, Mismatch] = {}  # call_key -> why compiling it failed, or its variant was dropped
-        self.sizeless_failures: dict[tuple, Mismatch] = {}  # the same for structural failures, by _sizeless key
+        # structural failures by _sizeless key, once PyTorch ran the failed call fine (the call was valid)
+        self.sizeless_failures: dict[tuple, Mismatch] = {}
+        self.unconfirmed: dict[str, tuple] = {}  # failure's Mismatch.key -> its _sizeless key, until then
         self.deferred: set[tuple] = set()  # call keys whose trace assigned module attributes once
         self.deferred_pending = False  # a call was deferred since the last call a variant ran
         self.last = 0  # the variant the last compiled call ran: tried first
@@ -202,8 +204,15 @@ class VariantSet:
             said += f"; its submodules run on TVM by themselves: {describe_submodules(self.submodules)}"
         self.failures[key] = Mismatch(f"compile failed {len(self.failures)}", said, recompile=False)
         if exc.stage in STRUCTURAL_STAGES and not isinstance(exc, AttributeWriteError):
-            self.sizeless_failures[_sizeless(key)] = self.failures[key]  # not traced again at every new size
+            self.unconfirmed[self.failures[key].key] = _sizeless(key)
         return self.failures[key]
+
+    def ran_pytorch(self, reason: Mismatch) -> None:
+        """PyTorch ran a call ``reason`` refused: where that was a structural compile failure, the
+        call was valid (a call PyTorch rejects fails any trace at its sizes only), so calls that
+        differ from it only in sizes are not traced again (an audio model at each new length)."""
+        if self.unconfirmed and (sizeless := self.unconfirmed.pop(reason.key, None)) is not None:
+            self.sizeless_failures[sizeless] = reason
 
     def compile_variant(
         self, args: tuple, kwargs: dict, why: str, dynamic: dict[int, frozenset[int]] | None = None
