@@ -73,3 +73,32 @@ def test_only_plain_values_are_checked_once_per_forward() -> None:
         "global SCALE (read by Scaled.forward)",
         "global USE_BIAS_SHIFT (read by Scaled.forward)",
     ]  # torch, nn and the functions are not values; the second Scaled is the same code
+
+
+class ClassScaled(nn.Module):
+    scale = 2.0  # a class attribute, read as self.scale
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_a_class_attribute_changed_after_compiling_compiles_another_variant(monkeypatch) -> None:
+    """Without the check, the first-call net caught it only while the variant's gradients were
+    still unchecked (a VerificationWarning calling it a bug); after that, or with verify off,
+    the traced value stayed."""
+    torch.manual_seed(0)
+    model = ClassScaled()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(model, (x,), verify=False)
+    model(x).sum().backward()
+    monkeypatch.setattr(ClassScaled, "scale", 3.0)
+    torch.testing.assert_close(model(x), ref(x))
+    assert len(model._tvm_dispatch.variants) == 2 and "class attribute" in model._tvm_dispatch.variants[1].why
+    model.scale = 4.0  # an instance attribute now shadows it: a name added since compiling
+    torch.testing.assert_close(model(x), ref(x) * 4 / 3)
+    assert model._tvm_dispatch.calls_tvm == 3
