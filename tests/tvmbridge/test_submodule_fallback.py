@@ -97,6 +97,7 @@ def test_a_layerdrop_model_trains_its_layers_on_tvm_with_pytorchs_numbers() -> N
     assert parent.variant_set.submodules == ["embed", "layers.0", "layers.1", "layers.2", "head"]
     assert parent.calls_tvm == 0 and parent.calls_fallback == 4
     assert all(m._tvm_dispatch.calls_tvm >= 1 and len(m._tvm_dispatch.variants) == 1 for m in model.layers)
+    assert "submodule layers.0: 1 variant(s)" in parent.explain()
     assert is_tvm(model.layers[0](torch.randn(2, 8)))
     assert model._tvm_dispatch.submodule_of is None and model.layers[0]._tvm_dispatch.submodule_of == "LayerDrop"
 

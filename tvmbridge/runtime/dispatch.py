@@ -50,7 +50,7 @@ from .function import Call, CompiledCallError, TVMFunction, infer
 from .guards import Mismatch, check_index_flags
 from .locks import TRACING
 from .random import draw
-from .submodules import describe_submodules, remove_submodule_dispatch
+from .submodules import describe_submodules, remove_submodule_dispatch, submodules_report
 from .variant_set import Outcome, Selection, VariantSet
 from .variants import Fitted, Variant, empty_input
 from .verify import GradientCheck
@@ -323,10 +323,10 @@ class Dispatcher:
         self.variant_set.ran_pytorch(reason)
         return out
 
-    # --- reporting
     def explain(self) -> str:
-        """What the last call did and why, and how often each path ran."""
-        return self.log.explain(module_name(self.module), self.variants)
+        """What the last call did and why, how often each path ran, and its submodules' own."""
+        own = self.log.explain(module_name(self.module), self.variants)
+        return own + submodules_report(self.module, self.variant_set.submodules)
 
     def report(self) -> CaptureReport:
         """Captured bytes, PyTorch's saved bytes for the same call, recompute cost (runs the

@@ -95,3 +95,18 @@ def describe_submodules(parts: list[str]) -> str:
     named = ", ".join(parts[:MAX_NAMED])
     more = f" and {len(parts) - MAX_NAMED} more" if len(parts) > MAX_NAMED else ""
     return f"{named}{more}"
+
+
+def submodules_report(module: torch.nn.Module, paths: list[str]) -> str:
+    """For ``explain()``: per submodule dispatched by itself, its calls on TVM and in PyTorch."""
+    from .dispatch import dispatcher_or_none
+
+    lines = []
+    for path in paths:
+        dispatcher = dispatcher_or_none(module.get_submodule(path))
+        if dispatcher is not None:
+            lines.append(
+                f"  submodule {path}: {len(dispatcher.variants)} variant(s), {dispatcher.calls_tvm} calls compiled, "
+                f"{dispatcher.calls_fallback} PyTorch"
+            )
+    return "\nsubmodules dispatched by themselves (its own code runs PyTorch):\n" + "\n".join(lines) if lines else ""
