@@ -22,7 +22,7 @@ import copy
 import inspect
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,5 +64,6 @@ def global_checks(module: torch.nn.Module, seen: set[int]) -> list[Check]:
             continue
         if is_plain(value := vars(owner)[name]):  # a live view of the class's namespace
             label = f"{owner.__name__}.{name} (a class attribute read by {where})"
-            checks.append((label, vars(owner), name, copy.deepcopy(value), False, None))
+            namespace = cast(dict, vars(owner))  # a mappingproxy: read with .get, as the guard reads dicts
+            checks.append((label, namespace, name, copy.deepcopy(value), False, None))
     return checks
