@@ -27,6 +27,23 @@ class Scaled(nn.Module):
         return h + 1 if USE_BIAS_SHIFT else h
 
 
+def _shifted(h: torch.Tensor) -> torch.Tensor:
+    """A helper of this file the forward calls: its globals count."""
+    return h + OFFSET
+
+
+OFFSET = 0.5
+
+
+class Helped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _shifted(self.lin(x))
+
+
 class Outer(nn.Module):
     """The global is read by a submodule's forward."""
 
@@ -43,6 +60,7 @@ def module_globals(monkeypatch: pytest.MonkeyPatch):
     here = sys.modules[__name__]
     monkeypatch.setattr(here, "SCALE", 2.0)
     monkeypatch.setattr(here, "USE_BIAS_SHIFT", False)
+    monkeypatch.setattr(here, "OFFSET", 0.5)
     return here
 
 
@@ -67,7 +85,7 @@ def test_a_global_changed_after_compiling_compiles_another_variant(module_global
 
 def test_only_plain_values_are_checked_once_per_forward() -> None:
     model = Outer()
-    seen: set[int] = set()
+    seen: set[tuple[int, type]] = set()
     checks = [c for m in model.modules() for c in global_checks(m, seen)]
     assert sorted(c[0] for c in checks) == [
         "global SCALE (read by Scaled.forward)",
@@ -102,3 +120,18 @@ def test_a_class_attribute_changed_after_compiling_compiles_another_variant(monk
     model.scale = 4.0  # an instance attribute now shadows it: a name added since compiling
     torch.testing.assert_close(model(x), ref(x) * 4 / 3)
     assert model._tvm_dispatch.calls_tvm == 3
+
+
+def test_a_global_read_by_a_helper_of_the_same_file_is_checked(module_globals) -> None:
+    torch.manual_seed(0)
+    model = Helped()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(model, (x,), verify=False)
+    torch.testing.assert_close(model(x), ref(x))
+    module_globals.OFFSET = -2.0
+    torch.testing.assert_close(model(x), ref(x))
+    assert (
+        len(model._tvm_dispatch.variants) == 2
+        and "global OFFSET (read by _shifted)" in model._tvm_dispatch.variants[1].why
+    )

@@ -12,8 +12,9 @@ The same for class attributes (``scale = 2.0`` in the class body, read as ``self
 later as ``MyModel.scale = 3.0``): a name the forward loads that the instance does not hold and its
 class (or a base) holds as a plain value is checked in that class's namespace.
 
-Globals read by helper functions the forward calls are not followed (their code is not the
-forward's); functions, classes and modules in globals are not values and are not checked.
+Functions of the forward's own file that it calls are followed (a few calls deep): ``scaled(h)``
+reading ``SCALE`` counts. Library functions (another file) are not followed, methods called on
+other objects are not, and functions, classes and modules in globals are not values.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from ..frontend.call_state import is_plain
 
 Check = tuple[str, dict, str, Any, bool, Any]  # as ``state_guard.Check``
+FOLLOW_DEPTH = 3  # calls followed from a forward into functions of its own file
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -43,22 +45,43 @@ def _forward_function(module: torch.nn.Module) -> types.FunctionType | None:
     return forward if isinstance(forward, types.FunctionType) else None
 
 
-def global_checks(module: torch.nn.Module, seen: set[int]) -> list[Check]:
-    """Checks of the plain globals ``module``'s forward reads (none for a forward in ``seen``,
-    by code object: a class used many times is checked once)."""
+def _global_reads(forward: types.FunctionType) -> dict[tuple[int, str], tuple[dict, str]]:
+    """``(id(globals), name) -> (globals, reader)`` for each name the forward's code loads, and the
+    code of the functions of its own file it calls (to ``FOLLOW_DEPTH`` calls deep)."""
+    found: dict[tuple[int, str], tuple[dict, str]] = {}
+    todo, visited = [(forward, 0)], set()
+    while todo:
+        function, depth = todo.pop()
+        if id(function.__code__) in visited:
+            continue
+        visited.add(id(function.__code__))
+        space = function.__globals__
+        for name in (n for code in _codes(function.__code__) for n in code.co_names):
+            found.setdefault((id(space), name), (space, function.__qualname__))
+            value = space.get(name)
+            if (
+                isinstance(value, types.FunctionType)
+                and value.__module__ == forward.__module__
+                and depth < FOLLOW_DEPTH
+            ):
+                todo.append((inspect.unwrap(value), depth + 1))  # a function of the forward's own file
+    return found
+
+
+def global_checks(module: torch.nn.Module, seen: set[tuple[int, type]]) -> list[Check]:
+    """Checks of the plain globals ``module``'s forward reads and of the plain class attributes
+    (none for a forward and class in ``seen``: a class used many times is checked once)."""
     forward = _forward_function(module)
-    if forward is None or id(forward.__code__) in seen:
+    if forward is None or (id(forward.__code__), type(module)) in seen:
         return []
-    seen.add(id(forward.__code__))
-    names = dict.fromkeys(name for code in _codes(forward.__code__) for name in code.co_names)
-    where = f"{type(module).__name__}.forward"
-    holder = forward.__globals__
+    seen.add((id(forward.__code__), type(module)))
     checks = [
-        (f"global {name} (read by {where})", holder, name, copy.deepcopy(holder[name]), False, None)
-        for name in names
-        if name in holder and not name.startswith("__") and is_plain(holder[name])
+        (f"global {name} (read by {reader})", space, name, copy.deepcopy(space[name]), False, None)
+        for (_, name), (space, reader) in _global_reads(forward).items()
+        if name in space and not name.startswith("__") and is_plain(space[name])
     ]
-    for name in names:
+    where = f"{type(module).__name__}.forward"
+    for name in dict.fromkeys(n for code in _codes(forward.__code__) for n in code.co_names):
         owner = next((c for c in type(module).__mro__ if name in vars(c)), None)
         if owner is None or owner is torch.nn.Module or name in vars(module) or name.startswith("__"):
             continue

@@ -313,7 +313,7 @@ class StateGuard:
         self.layouts: list[Layout] = []
         self.classes: list[tuple[str, torch.nn.Module, type]] = []  # ``__class__`` swapped: another forward
         held = _held_by_owner(module, state)
-        forwards: set[int] = set()
+        forwards: set[tuple[int, type]] = set()
         for path, m in module.named_modules(remove_duplicate=False):
             self.classes.append((path or type(m).__name__, m, type(m)))
             self.checks += _module_checks(path, m, held.get(id(m), {})) + global_checks(m, forwards)
