@@ -424,7 +424,7 @@ def dispatcher_or_none(module: torch.nn.Module) -> Dispatcher | None:
 
 def dispatcher_of(module: torch.nn.Module) -> Dispatcher:
     """The dispatcher :func:`add_tvm_dispatch` installed on ``module`` (``module._tvm_dispatch``)."""
-    dispatcher = getattr(module, "_tvm_dispatch", None)
+    dispatcher = dispatcher_or_none(module)
     if dispatcher is None:
         raise ValueError(f"{type(module).__name__} has no TVM dispatch (add_tvm_dispatch)")
     return dispatcher

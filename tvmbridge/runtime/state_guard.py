@@ -397,7 +397,7 @@ class StateGuard:
             if read_in(owner, slot) is not tensors[j]:
                 name = self.state.names[j]
                 return None, Mismatch(f"{slot_name(slot)} tie", f"{slot_name(slot)} is no longer {name}")
-        for j in self.detached:  # held, read by no output's gradient path (a stored loss), or no float: as data
+        for j in self.detached:  # held, no gradient computed for it (a stored loss no output reads): as data
             if tensors[j].requires_grad:  # type: ignore[union-attr]  # none is None (checked above)
                 tensors[j] = tensors[j].detach()  # type: ignore[union-attr]
         return cast(list[torch.Tensor], tensors), None  # none is None (checked above)

@@ -473,11 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autocast", action="store_true", help="eager and TVM under bfloat16 autocast (see above)")
     args = parser.parse_args(argv)
     verify = {"off": False, "on": True, "default": None}[args.verify]
-    timing = not args.no_timing
     result = run_case(
         args.name,
         verify=verify,
-        timing=timing,
+        timing=not args.no_timing,
         via=args.via,
         device=args.device,
         autocast=args.autocast,
