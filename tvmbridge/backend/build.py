@@ -32,6 +32,7 @@ from ..kernels.barrier import drop_barriers, register_barrier
 from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from . import codegen, executable_cache
+from .fusion_bounds import bound_fusion_search
 from .legalize_memo import MemoizedLegalization
 from .shared_kernels import ShareKernelsAcrossShapes
 
@@ -137,7 +138,7 @@ def lower(
         relax.transform.AnnotateTIROpPattern(),
     ]
     if fuse:
-        seq += [relax.transform.FuseOps(), relax.transform.FuseTIR()]
+        seq += [bound_fusion_search, relax.transform.FuseOps(), relax.transform.FuseTIR()]
     seq.append(relax.transform.DeadCodeElimination())
     if fuse and target.kind.name == "llvm":
         seq.append(ShareKernelsAcrossShapes())
