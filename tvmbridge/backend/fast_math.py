@@ -19,14 +19,38 @@ from tvm import relax, topi
 from tvm.relax import Call, Expr, expr_functor
 from tvm.relax.transform.fast_math import FastMathCodeGenerator
 
+from ..ir import static_shape
+
 
 def _gelu_fast(x):
     inner = topi.fast_erf(topi.multiply(x, 1.0 / math.sqrt(2.0)))
     return topi.multiply(topi.multiply(x, 0.5), topi.add(inner, 1.0))
 
 
+_FAST = {
+    "relax.exp": topi.fast_exp,
+    "relax.erf": topi.fast_erf,
+    "relax.tanh": topi.fast_tanh,
+    "relax.nn.softmax": topi.nn.fast_softmax,
+    "relax.nn.gelu": _gelu_fast,
+}
+
+
 @expr_functor.mutator
 class _Float32FastMath(FastMathCodeGenerator._cls):
+    def fast_call(self, name: str, x: Expr, *attrs: int) -> Expr:
+        """The fast kernel of ``name`` on ``x``; one kernel per op, shape and attributes (an
+        unrolled recurrence has thousands of the same ``tanh``): TE's ``create_prim_func`` and the
+        builder's structural deduplication of each copy were most of this pass's time."""
+        shape = static_shape(x)
+        key = (name, shape, str(x.ty.dtype), attrs)
+        if shape is not None and (known := self.kernels.get(key)) is not None:
+            return relax.Call(known.op, [known.args[0], relax.Tuple([x])], known.attrs, known.ty_args)
+        call = self.builder_.call_te(_FAST[name], x, *attrs)
+        if shape is not None and len(call.args) == 2:  # no size variables passed
+            self.kernels[key] = call
+        return call
+
     def visit_call_(self, call: Call) -> Expr:
         name = getattr(call.op, "name", "")
         if (
@@ -39,9 +63,7 @@ class _Float32FastMath(FastMathCodeGenerator._cls):
             x = call.args[0]
             # TE needs the shape written out (a symbolic value may carry only a shape variable)
             if str(x.ty.dtype) == "float32" and isinstance(x.ty.shape, relax.ShapeExpr):
-                if name == "relax.nn.gelu":
-                    return self.builder_.call_te(_gelu_fast, x)
-                return super().visit_call_(call)
+                return self.fast_call(name, x, *([int(call.attrs.axis)] if name == "relax.nn.softmax" else []))
         return relax.PyExprMutator.visit_call_(self, call)
 
 
@@ -62,6 +84,7 @@ def _log_softmax(builder: relax.BlockBuilder, x: Expr, axis: int) -> Expr:
 def FastMathFloat32(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:  # noqa: N802
     """The float32 fast-math rewrite of every Relax function."""
     gen = _Float32FastMath(mod)
+    gen.kernels = {}
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             gen.builder_.update_func(gv, gen.visit_expr(func))
