@@ -473,6 +473,54 @@ def test_lstm_weights_stay_real_after_a_trace():
     assert all(type(w) is torch.nn.Parameter for w in m._flat_weights)
 
 
+class Recurrent(torch.nn.Module):
+    """A GRU and an LSTM (which hold their parameters again in ``_flat_weights``) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(4, 6, batch_first=True)
+        self.lstm = torch.nn.LSTM(6, 5, batch_first=True)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.gru(x)[0])[0][:, -1])
+
+
+def test_recurrent_layers_train_with_an_optimizer_on_one_variant() -> None:
+    """An optimizer step writes every parameter in place, the ones an RNN also lists in
+    ``_flat_weights`` too: still the same variant (it had traced again at every step), and the
+    numbers PyTorch's."""
+    torch.manual_seed(0)
+    m = Recurrent()
+    ref = copy.deepcopy(m)
+    x, y = torch.randn(4, 5, 4), torch.randint(0, 3, (4,))
+    add_tvm_dispatch(m, (x,))
+    opts = [torch.optim.AdamW(net.parameters(), lr=1e-2) for net in (m, ref)]
+    for _ in range(4):
+        for net, opt in zip((m, ref), opts):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(m._tvm_dispatch.variants) == 1, [v.why for v in m._tvm_dispatch.variants]
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_recurrent_weight_replaced_after_compiling_is_read() -> None:
+    """A parameter assigned anew (nn.LSTM lists the new one in ``_flat_weights``) is no longer the
+    one compiled for: the call must read the new weight, as PyTorch does."""
+    torch.manual_seed(0)
+    m = Recurrent()
+    x = torch.randn(4, 5, 4)
+    add_tvm_dispatch(m, (x,))
+    m(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.lstm.weight_hh_l0 = torch.nn.Parameter(torch.randn_like(m.lstm.weight_hh_l0))
+        ref = copy.deepcopy(m)
+        torch.testing.assert_close(m(x), ref(x))
+
+
 class Outputs(torch.nn.Module):
     """Outputs with and without a gradient path from what requires grad."""
 

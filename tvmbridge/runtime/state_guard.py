@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any, cast
 
 import torch
@@ -27,12 +27,17 @@ _MISSING = object()
 Check = tuple[str, dict, str, Any, bool, Any]  # label, holder, key, expected, by identity, contents
 
 
-def _module_checks(path: str, m: torch.nn.Module, held: dict[str, frozenset]) -> list[Check]:
+def _module_checks(
+    path: str, m: torch.nn.Module, held: dict[str, frozenset], state: frozenset[int] = frozenset()
+) -> list[Check]:
     """``(label, dict holding the value, key, expected value, compare by identity, contents)``
     for every attribute of ``m`` that the compiled code may depend on; ``contents``: what
     :func:`_contents` gives for it now (None: nothing inside to check). ``held``: attributes whose
     tensor, or whose entries under those keys, are inputs of the call (their shapes are checked
-    with the state's, :meth:`StateGuard.tensors`), not compiled in."""
+    with the state's, :meth:`StateGuard.tensors`), not compiled in. ``state``: the ids of the
+    module's parameters and buffers, inputs of the call wherever they are held (``nn.LSTM``'s
+    ``_flat_weights`` lists its own parameters): an entry that is one of them is checked by
+    identity, not by version (an optimizer step writes them all)."""
     label = path or type(m).__name__
     checks: list[Check] = []
     internals = _internals(path)
@@ -45,7 +50,7 @@ def _module_checks(path: str, m: torch.nn.Module, held: dict[str, frozenset]) ->
         if name in held and isinstance(value, torch.Tensor):
             continue
         keys = held.get(name, frozenset())
-        checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value, keys)))
+        checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value, keys, state)))
         if name == "forward":  # a submodule's own forward (a dispatched one counts its calls): by identity
             continue
         fields = getattr(value, "__dict__", None) or {}
@@ -126,22 +131,25 @@ def _plain_entries(value: Any) -> bool:
 
 
 class HeldContents(tuple):
-    """:func:`_contents` of a container some of whose entries (``held``: their keys) are inputs."""
+    """:func:`_contents` of a container some of whose entries are inputs: those under the ``held``
+    keys, and the module's parameters and buffers (``state``: their ids)."""
 
     held: frozenset = frozenset()
+    state: frozenset = frozenset()
 
 
 _INPUT = "<an input>"
 _NONE: frozenset = frozenset()
 
 
-def _contents(value: Any, held: frozenset = frozenset()) -> tuple | None:
+def _contents(value: Any, held: frozenset = frozenset(), state: frozenset = frozenset()) -> tuple | None:
     """What the trace read inside a tensor or a container that is no parameter or buffer: a
     tensor's version, a dict's, list's, tuple's or set's entries by identity and the versions of
     the tensors among them. The trace bakes such a tensor into the compiled code as a constant
     (one that cannot be an input: on another device, in a private attribute), so a later change
     (reassigned, written in place, an entry replaced) must not fit the variant. Entries under
-    the ``held`` keys are inputs of the call: any tensor there fits (``read_in`` reads it)."""
+    the ``held`` keys are inputs of the call: any tensor there fits (``read_in`` reads it). An
+    entry whose id is in ``state`` is a parameter or buffer: an input, compared by identity only."""
     if isinstance(value, torch.Tensor):
         return (value._version,)
     if isinstance(value, dict):
@@ -153,12 +161,13 @@ def _contents(value: Any, held: frozenset = frozenset()) -> tuple | None:
     else:
         return None
     found = tuple(
-        x if is_plain(x) else (id(x), x._version) if isinstance(x, torch.Tensor) else (id(x),) for x in entries
+        x if is_plain(x) else (id(x), x._version) if isinstance(x, torch.Tensor) and id(x) not in state else (id(x),)
+        for x in entries
     )
-    if not held:
+    if not held and not state:
         return found
     marked = HeldContents(found)
-    marked.held = held
+    marked.held, marked.state = held, state
     return marked
 
 
@@ -245,10 +254,13 @@ def _differs(check: Check) -> bool:
     _, holder, name, expected, by_identity, contents = check
     value = holder.get(name, _MISSING)
     if contents is not None and isinstance(expected, CONTAINERS):  # another dict of the same entries fits
-        return type(value) is not type(expected) or _contents(value, getattr(contents, "held", _NONE)) != contents
-    return not _same(value, expected, by_identity) or (
-        contents is not None and _contents(value, getattr(contents, "held", _NONE)) != contents
-    )
+        return type(value) is not type(expected) or _recheck(value, contents) != contents
+    return not _same(value, expected, by_identity) or (contents is not None and _recheck(value, contents) != contents)
+
+
+def _recheck(value: Any, contents: tuple) -> tuple | None:
+    """:func:`_contents` of ``value`` now, with the inputs ``contents`` was taken with."""
+    return _contents(value, getattr(contents, "held", _NONE), getattr(contents, "state", _NONE))
 
 
 def _emptied(value: Any, contents: tuple) -> bool:
@@ -313,10 +325,11 @@ class StateGuard:
         self.layouts: list[Layout] = []
         self.classes: list[tuple[str, torch.nn.Module, type]] = []  # ``__class__`` swapped: another forward
         held = _held_by_owner(module, state)
+        inputs = frozenset(map(id, chain(module.parameters(), module.buffers())))
         forwards: set[tuple[int, type]] = set()
         for path, m in module.named_modules(remove_duplicate=False):
             self.classes.append((path or type(m).__name__, m, type(m)))
-            self.checks += _module_checks(path, m, held.get(id(m), {})) + global_checks(m, forwards)
+            self.checks += _module_checks(path, m, held.get(id(m), {}), inputs) + global_checks(m, forwards)
             self.layouts += _module_layouts(path, m)
             if path:  # the module's own hooks run around the dispatched forward, as always
                 self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]
