@@ -1,6 +1,7 @@
 """One dispatch serving a training loop: a compiled variant per call signature, chosen by guards."""
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -530,3 +531,33 @@ def test_a_default_dtype_changed_after_compiling_compiles_again_and_back_reuses(
         torch.set_default_dtype(torch.float32)
     n = len(m._tvm_dispatch.variants)
     assert m(x).dtype == torch.float32 and len(m._tvm_dispatch.variants) == n  # the first variant again
+
+
+class Counted(torch.nn.Module):
+    """A forward that never reads the counter a training loop keeps on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+def test_state_that_changes_every_call_without_changing_the_graph_is_said_once() -> None:
+    """Every attribute of the module is checked, so a counter the loop bumps sends each call
+    through a new trace (of a graph compiled before): right numbers, a trace per step. The third
+    such trace says so, once, naming the attribute."""
+    torch.manual_seed(0)
+    m, x = Counted(), torch.randn(4, 8)
+    ref = copy.deepcopy(m)
+    add_tvm_dispatch(m, (x,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            torch.testing.assert_close(m(x), ref(x))
+            m.step += 1
+    said = [str(w.message) for w in caught if issubclass(w.category, RecompileWarning)]
+    assert len(said) == 1 and "traced again 3 times" in said[0]
+    assert "Counted.step is 3, compiled for 2" in said[0]

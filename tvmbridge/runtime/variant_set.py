@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import inspect
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from analysis.tensors import tensor_leaves
 
-from ..errors import AttributeWriteError, ConversionError, module_name
+from ..errors import AttributeWriteError, ConversionError, RecompileWarning, module_name
 from ..options import CompileOptions
 from ..pipeline.parts import INFER, TRAIN
 from .compiled import CompiledModule, compile_training
@@ -87,6 +88,9 @@ def _closer(fit: Any, than: Any) -> bool:
     return (fit.inputs_fit, fit.reason.emptied) > (than.inputs_fit, than.reason.emptied)
 
 
+RETRACES_SAID = 3  # identical graphs traced again before the warning: one is a state change, three a habit
+
+
 class VariantSet:
     """The variants of one module, newest last; ``failures``: call keys that run PyTorch."""
 
@@ -104,6 +108,7 @@ class VariantSet:
         self.failed_dynamic: set[frozenset] = set()  # dims whose symbolic compile failed: not retried
         self.dynamic_off = False  # a symbolic variant was discarded: compile exact shapes only
         self.submodules: list[str] = []  # submodules dispatched by themselves after a compile failed (``submodules``)
+        self.retraced = 0  # variants whose trace gave a graph compiled before: state that changed, not the graph
         self.lock = threading.Lock()
 
     def key(self, args: tuple, kwargs: dict) -> tuple:
@@ -255,8 +260,25 @@ class VariantSet:
         if compiled is None:
             compiled = compile_training(self.module, args, kwargs, self.options, reuse=True, first_part=part)
         if "reused" in compiled.compile_seconds:
+            self._note_retrace(why)
             why += "; the compile of an identical graph reused"
         return compiled, why
+
+    def _note_retrace(self, why: str) -> None:
+        """Said once, at the third variant whose trace gave a graph already compiled: state the
+        guard checks changes from call to call without changing the graph, so every such call
+        traces again and keeps one more variant (the trap a changing ``_flat_weights`` was)."""
+        self.retraced += 1
+        if self.retraced == RETRACES_SAID:
+            warnings.warn(
+                f"tvmbridge: {module_name(self.module)} was traced again {self.retraced} times into a graph it "
+                f"had compiled before, the last time because {why}: each such call pays a trace and keeps one "
+                "more variant. Keep that state unchanged between calls: a counter or flag the forward does not "
+                "read belongs outside the module (every attribute of it is checked), a tensor can be a "
+                "parameter or buffer (an input, not compiled in); if it is one already, please report this",
+                RecompileWarning,
+                stacklevel=6,
+            )
 
     def dynamic_dims(self, args: tuple, kwargs: dict) -> dict[int, frozenset[int]] | None:
         """Which dims of the call's tensors to compile symbolically: those the user marked, or
