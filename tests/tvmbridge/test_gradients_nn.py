@@ -5,6 +5,8 @@ wrong, a minimal reproduction shows what the bridge works around."""
 from __future__ import annotations
 
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -550,7 +552,35 @@ def test_lstm_with_initial_states_and_what_is_refused():
     check(Fn(lambda x, h, c: lstm(x, (h, c))[1][0]), randn(2, 5, 7), randn(2, 2, 5, seed=1), randn(2, 2, 5, seed=2))
     gru = nn.GRU(7, 5, num_layers=2, bidirectional=True).double()
     check(Fn(lambda x, h: gru(x, h)[0]), randn(5, 2, 7), randn(4, 2, 5, seed=1))
-    for layer, what in [(nn.LSTM(7, 5, num_layers=2, dropout=0.5), "dropout between its layers"),
-                        (nn.LSTM(7, 5, proj_size=3), "proj_size")]:
-        with pytest.raises(UnsupportedOpError, match=what):
-            add_tvm_dispatch(Recurrent(layer), (randn(5, 2, 7),))
+    with pytest.raises(UnsupportedOpError, match="proj_size"):
+        add_tvm_dispatch(Recurrent(nn.LSTM(7, 5, proj_size=3)), (randn(5, 2, 7),))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.LSTM(7, 5, num_layers=2, dropout=0.5, batch_first=True),
+    lambda: nn.GRU(7, 5, num_layers=3, dropout=0.3, bidirectional=True),
+    lambda: nn.RNN(7, 5, num_layers=2, dropout=0.4, nonlinearity="relu", batch_first=True),
+], ids=["lstm-batch-first", "gru-bidirectional-3", "rnn-relu"])
+def test_stacked_rnns_draw_eagers_dropout_masks_between_layers(make):
+    """Dropout between an RNN's layers in training: the masks ATen's fused op draws inside, drawn
+    per call in the same order from the same generator, so two calls give eager's outputs and
+    gradients under eager's seed; eval draws none."""
+    torch.manual_seed(0)
+    m = Recurrent(make(), "output").float()
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 6, 7) if make().batch_first else torch.randn(6, 2, 7)
+    add_tvm_dispatch(m, (x,))
+    for seed in (1, 2):
+        got, want = [], []
+        for net, out in ((m, got), (ref, want)):
+            torch.manual_seed(seed)
+            xi = x.clone().requires_grad_()
+            y = net(xi)
+            y.square().sum().backward()
+            out += [y, xi.grad, *(p.grad for p in net.parameters())]
+            net.zero_grad()
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert len(m._tvm_dispatch.variants) == 1
+    m.eval(), ref.eval()
+    torch.testing.assert_close(m(x), ref(x), rtol=1e-4, atol=1e-5)

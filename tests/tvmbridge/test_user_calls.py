@@ -285,15 +285,6 @@ def cumulative_batch_norm() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
 
 
-class StackedLSTM(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn = torch.nn.LSTM(4, 6, num_layers=2, dropout=0.2, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rnn(x)[0]
-
-
 class BagOfWords(torch.nn.Module):
     """A recommender's table: its gradient a sparse tensor (or scaled by each index's count)."""
 
@@ -311,10 +302,9 @@ class BagOfWords(torch.nn.Module):
     (lambda: BagOfWords(scale_grad_by_freq=True), (torch.tensor([[1, 2, 2]]),), "scale_grad_by_freq=True"),
     (MaskedSelect, (torch.randn(5, 4), torch.tensor([True, False, True, True, False])), "depends on the values"),
     (RoutedByWhere, (torch.randn(5, 4),), "depends on the values.*torch.compile"),
-    (StackedLSTM, (torch.randn(2, 3, 4),), "dropout between its layers"),
     (cumulative_batch_norm, (torch.randn(3, 4),), r"momentum=None \(1\) reads num_batches_tracked"),
     (PackedLSTM, (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])), "pack_padded_sequence takes its sizes"),
-], ids=["sparse-embedding", "embedding-scaled-by-frequency", "boolean-mask-indexing", "experts-routed-by-where", "lstm-dropout", "batch-norm-cumulative", "packed-sequence"])
+], ids=["sparse-embedding", "embedding-scaled-by-frequency", "boolean-mask-indexing", "experts-routed-by-where", "batch-norm-cumulative", "packed-sequence"])
 def test_what_cannot_compile_is_refused_with_what_to_do(make, inputs, message: str) -> None:
     from tvmbridge.errors import ConversionError
 

@@ -44,11 +44,10 @@ _RNN_OPS = {"lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input"}
 
 
 def is_random(node: torch.fx.Node) -> bool:
-    """The node draws random values (an RNN only where its inter-layer dropout is on)."""
-    args = args_of(node)
+    """The node draws random values outside a converter of its own (an RNN's inter-layer dropout
+    is its converter's: :func:`layer_dropout`)."""
     if getattr(node.target, "__name__", "") in _RNN_OPS:
-        dropout, train = args[5], args[6]
-        return bool(train) and float(dropout) > 0
+        return False
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
@@ -101,14 +100,6 @@ def convert_random(importer: BridgeImporter, node: torch.fx.Node) -> relax.Var:
     args, kwargs = args_of(node), kwargs_of(node)
     name = op_name(node)
     tensor_args = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Node)]
-    if name in _RNN_OPS:
-        raise UnsupportedOpError(
-            "convert",
-            f"{name.split('.')[0]} with dropout between its layers in train mode draws its masks "
-            "inside ATen's fused kernel, which the bridge cannot replay; set the RNN's dropout to 0 (or put "
-            "an nn.Dropout between single-layer RNNs), or use fallback=True",
-            op=name,
-        )
     if tensor_args and name not in _SHAPE_ONLY_RANDOM:
         raise UnsupportedOpError(
             "convert",
@@ -141,6 +132,17 @@ def _dropout_expr(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     site = RandomSite("dropout", _dims(val.shape), _dims(val.stride()), val.dtype, p=float(args[1]), offset=offset)
     # the mask's shape from the trace (a Relax type after a tuple getitem may not carry one)
     mask = importer.random_input(site, str(val.dtype).removeprefix("torch."), [importer.prim(d) for d in val.shape])
+    return importer.block_builder.emit(relax.op.multiply(x, mask))
+
+
+def layer_dropout(importer: BridgeImporter, x: relax.Expr, shape: tuple, dtype: torch.dtype, p: float) -> relax.Expr:
+    """ATen's dropout between an RNN's layers in training (``apply_layer_stack``: each layer's
+    output but the last, ``(seq, batch, directions * hidden)``, contiguous, through
+    ``at::dropout(x, p, true)``), drawn per call as an ``aten.dropout`` of that layout, in layer
+    order, where the fused op draws it."""
+    stride = tuple(shape[1] * shape[2] if i == 0 else shape[2] if i == 1 else 1 for i in range(3))
+    site = RandomSite("dropout", _dims(shape), _dims(stride), dtype, p=p, offset=0)
+    mask = importer.random_input(site, str(dtype).removeprefix("torch."), [importer.prim(d) for d in shape])
     return importer.block_builder.emit(relax.op.multiply(x, mask))
 
 

@@ -12,6 +12,7 @@ import torch
 from tvm import relax
 
 from ...errors import UnsupportedOpError
+from .random import layer_dropout
 from .registry import args_of, converter, op_name
 
 if TYPE_CHECKING:
@@ -101,8 +102,8 @@ def _direction(
 @converter("lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input")
 def recurrent(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``(output, h_n[, c_n])`` for any number of layers, either direction, with or without
-    biases and initial states. Refused: LSTM projections (``proj_size``); dropout between layers
-    in training is refused before conversion (its masks are drawn inside ATen's kernel)."""
+    biases and initial states, dropout between layers in training (:func:`layer_dropout`: the
+    masks ATen's kernel draws, drawn per call). Refused: LSTM projections (``proj_size``)."""
     kind = op_name(node).split(".")[0]
     cell, given = CELLS[kind], dict(zip(_ARGS, args_of(node)))
     bb, op = importer.block_builder, relax.op
@@ -133,6 +134,10 @@ def recurrent(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
             for final, s in zip(finals, state):
                 final.append(s)
         seq = outputs[0] if directions == 1 else bb.emit(op.concat(outputs, axis=2))
+        if given["train"] and float(given["dropout"]) > 0 and layer < layers - 1:
+            out = node.meta["val"][0]
+            shape = (out.shape[1], out.shape[0], out.shape[2]) if given["batch_first"] else tuple(out.shape)
+            seq = layer_dropout(importer, seq, shape, out.dtype, float(given["dropout"]))
     if given["batch_first"]:
         seq = bb.emit(op.permute_dims(seq, [1, 0, 2]))
     return bb.emit(relax.Tuple([seq, *(bb.emit(op.stack(final, axis=0)) for final in finals)]))

@@ -187,3 +187,22 @@ def translation_batch() -> BatchMaker:
         return {"src": src, "tgt": tgt[:, :-1].contiguous(), "labels": tgt[:, 1:].contiguous()}
 
     return make
+
+
+class WordLSTM(nn.Module):
+    """PyTorch's ``examples/word_language_model`` ``RNNModel`` (LSTM): embedding, dropout, a
+    two-layer ``nn.LSTM`` with dropout between its layers, dropout, a decoder tied to the
+    embedding; the hidden state starts at zeros each batch; the loss over the next tokens."""
+
+    def __init__(self, d: int = 32, layers: int = 2, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(VOCAB, d)
+        self.rnn = nn.LSTM(d, d, layers, dropout=dropout, batch_first=True)
+        self.decoder = nn.Linear(d, VOCAB)
+        self.decoder.weight = self.encoder.weight  # tie_weights, as the example's --tied
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> LossOutput:
+        output, _ = self.rnn(self.drop(self.encoder(idx)))
+        logits = self.decoder(self.drop(output))
+        return LossOutput(logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1))

@@ -36,7 +36,7 @@ from .batches import (
     seq2seq_batch,
     whisper_batch,
 )
-from .handwritten import NanoGPT, TransformerTranslator, nanogpt_batch, translation_batch
+from .handwritten import NanoGPT, TransformerTranslator, WordLSTM, nanogpt_batch, translation_batch
 
 FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "timm", "torchvision")
 # timm's CNNs downsample 32x: at 32x32 their last stages see 1x1 maps, where train-mode BatchNorm
@@ -298,6 +298,8 @@ def _handwritten() -> list[ZooEntry]:
                  note="nanoGPT's model.py: fused attention at dropout 0, its output view()ed"),
         ZooEntry("nn-transformer", "enc-dec", TransformerTranslator, translation_batch(),
                  note="PyTorch's nn.Transformer with a causal tgt_mask and padding masks"),
+        ZooEntry("word-lstm", "decoder", WordLSTM, nanogpt_batch(),
+                 note="PyTorch's word_language_model: a 2-layer nn.LSTM with dropout, tied decoder"),
     ]  # fmt: skip
 
 
