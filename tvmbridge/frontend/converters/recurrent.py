@@ -103,7 +103,8 @@ def _direction(
 def recurrent(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     """``(output, h_n[, c_n])`` for any number of layers, either direction, with or without
     biases and initial states, dropout between layers in training (:func:`layer_dropout`: the
-    masks ATen's kernel draws, drawn per call). Refused: LSTM projections (``proj_size``)."""
+    masks ATen's CPU kernel draws, drawn per call; refused on GPUs, where cuDNN draws them). Refused:
+    LSTM projections (``proj_size``)."""
     kind = op_name(node).split(".")[0]
     cell, given = CELLS[kind], dict(zip(_ARGS, args_of(node)))
     bb, op = importer.block_builder, relax.op
@@ -136,6 +137,14 @@ def recurrent(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
         seq = outputs[0] if directions == 1 else bb.emit(op.concat(outputs, axis=2))
         if given["train"] and float(given["dropout"]) > 0 and layer < layers - 1:
             out = node.meta["val"][0]
+            if out.device.type != "cpu":  # cuDNN draws its dropout from a state of its own
+                raise UnsupportedOpError(
+                    "convert",
+                    f"{kind} with dropout between its layers in train mode on {out.device.type}: cuDNN draws "
+                    "those masks from its own dropout state, which the bridge cannot replay; set the RNN's "
+                    "dropout to 0 (or put an nn.Dropout between single-layer RNNs), or use fallback=True",
+                    op=kind,
+                )
             shape = (out.shape[1], out.shape[0], out.shape[2]) if given["batch_first"] else tuple(out.shape)
             seq = layer_dropout(importer, seq, shape, out.dtype, float(given["dropout"]))
     if given["batch_first"]:
