@@ -38,6 +38,10 @@ _FAST = {
 
 @expr_functor.mutator
 class _Float32FastMath(FastMathCodeGenerator._cls):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.kernels: dict[tuple, Call] = {}  # (op, shape, dtype, attributes) -> the first call of its kernel
+
     def fast_call(self, name: str, x: Expr, *attrs: int) -> Expr:
         """The fast kernel of ``name`` on ``x``; one kernel per op, shape and attributes (an
         unrolled recurrence has thousands of the same ``tanh``): TE's ``create_prim_func`` and the
@@ -84,7 +88,6 @@ def _log_softmax(builder: relax.BlockBuilder, x: Expr, axis: int) -> Expr:
 def FastMathFloat32(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:  # noqa: N802
     """The float32 fast-math rewrite of every Relax function."""
     gen = _Float32FastMath(mod)
-    gen.kernels = {}
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
             gen.builder_.update_func(gv, gen.visit_expr(func))

@@ -160,6 +160,8 @@ def _contents(value: Any, held: frozenset = frozenset(), state: frozenset = froz
         entries = value
     else:
         return None
+    if state and state.isdisjoint(map(id, entries)):
+        state = _NONE  # no parameter among the entries: a plain tuple, rechecked without a marker
     found = tuple(
         x if is_plain(x) else (id(x), x._version) if isinstance(x, torch.Tensor) and id(x) not in state else (id(x),)
         for x in entries
