@@ -233,6 +233,55 @@ def input_gradient(e, m, opt, rec):
     rec += [out.loss.detach(), x.grad.clone()]
 
 
+@scenario
+def step_counter(e, m, opt, rec):
+    for i in range(5):  # a training loop keeping its step on the model (forward never reads it)
+        m.global_step = i
+        _step(e, m, opt, _batch(e, seed=i), i, rec)
+
+
+@scenario
+def adapter_after(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    parent, name, layer = next(
+        (p, n, c) for p in m.modules() for n, c in p.named_children() if isinstance(c, torch.nn.Linear)
+    )
+    setattr(parent, name, _Adapter(layer))  # a LoRA-style adapter put in after compiling
+    _step(e, m, torch.optim.AdamW(m.parameters(), lr=1e-3), _batch(e, seed=1), 2, rec)
+
+
+class _Adapter(torch.nn.Module):
+    """``layer(x) + up(down(x))``, the low-rank update LoRA adds, ``up`` nonzero so it shows."""
+
+    def __init__(self, layer: torch.nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.layer = layer
+        self.down = torch.nn.Parameter(torch.randn(rank, layer.in_features, generator=g) * 0.1)
+        self.up = torch.nn.Parameter(torch.randn(layer.out_features, rank, generator=g) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + x @ self.down.t() @ self.up.t()
+
+
+@scenario
+def grad_hooks(e, m, opt, rec):
+    for i, p in enumerate(m.parameters()):  # per-parameter gradient hooks, one scaling by half
+        p.register_hook(lambda g, i=i: g * 0.5 if i % 2 else g)
+    seen: list[torch.Tensor] = []
+    next(m.parameters()).register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    _step(e, m, opt, _batch(e), 1, rec)
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+    rec += seen
+
+
+@scenario
+def anomaly_mode(e, m, opt, rec):
+    with torch.autograd.detect_anomaly(check_nan=True):
+        _step(e, m, opt, _batch(e), 1, rec)
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
 def _run(e: ZooEntry, model: torch.nn.Module, name: str, scenario: Scenario | None = None) -> tuple[Record, str | None]:
     rec: Record = []
     try:

@@ -360,6 +360,9 @@ class HeldLeaf(torch.nn.Module):
         self.shift = [torch.zeros(4), torch.full((4,), 0.5)]  # entries of a list: inputs too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = getattr(self, "out", None)  # the last output, when the loop stored one: its shape checked
+        if last is not None and last.shape[-1] != self.lin.out_features:
+            raise ValueError("another width")
         return self.lin(x) * self.gain + self.shift[1]
 
 
@@ -378,8 +381,8 @@ def test_a_held_leaf_that_requires_grad_gets_its_gradient_and_a_stored_loss_is_d
         assert m.gain.grad is not None and ref.gain.grad is not None
         torch.testing.assert_close(m.gain.grad, ref.gain.grad)
         torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad)
-    # the first store added a name (a recompile); after it, the stored output is an input no
-    # output depends on, passed detached (its graph was freed by the last backward)
+    # the first store added a name the forward looks up (a recompile); after it, the stored
+    # output is an input no output depends on, passed detached (its graph was freed by the last backward)
     assert len(m._tvm_dispatch.variants) == 2
 
 

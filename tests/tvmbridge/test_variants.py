@@ -534,7 +534,7 @@ def test_a_default_dtype_changed_after_compiling_compiles_again_and_back_reuses(
 
 
 class Counted(torch.nn.Module):
-    """A forward that never reads the counter a training loop keeps on the module."""
+    """A forward that reads a counter the training loop bumps, the graph the same whatever it is."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -542,11 +542,13 @@ class Counted(torch.nn.Module):
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step < 0:  # a warm-up branch, never taken here: the counter is read
+            x = x * 0.5
         return self.lin(x).relu()
 
 
 def test_state_that_changes_every_call_without_changing_the_graph_is_said_once() -> None:
-    """Every attribute of the module is checked, so a counter the loop bumps sends each call
+    """Every attribute the forward read is checked, so a counter the loop bumps sends each call
     through a new trace (of a graph compiled before): right numbers, a trace per step. The third
     such trace says so, once, naming the attribute."""
     torch.manual_seed(0)

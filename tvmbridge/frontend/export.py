@@ -25,6 +25,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from ..errors import AttributeWriteError, ConversionError, describe
+from .attribute_reads import AttributeReads
 from .call_state import (
     AutocastState,
     ModuleState,
@@ -32,14 +33,14 @@ from .call_state import (
     changed_attributes,
     module_attributes,
     restore_attributes,
-    swapped_state,
 )
 from .decompositions import decomposition_table
 from .digest import program_digest
+from .flat_call import FlatCall
 from .host_random import host_random_seen
 from .mixed_dtypes import make_dtype_mixing_explicit
 from .module_hooks import hook_snapshot, hooks_refusal, restore_hooks
-from .outputs import OutputLayout, flatten_output, unflatten_output
+from .outputs import OutputLayout, unflatten_output
 from .program_facts import (
     check_outputs,
     cloned_inputs,
@@ -131,6 +132,7 @@ class TracedModule:
     returned_inputs: dict[int, int] = field(default_factory=dict)  # user output -> the input it is (returned_inputs)
     graph_digest: str = ""  # frontend.digest of the decomposed program
     coarsest_float: torch.dtype | None = None  # the least precise float dtype of any value computed
+    attribute_reads: AttributeReads | None = field(default=None, repr=False)  # per module id, the names read
 
     @property
     def exported(self) -> ExportedProgram:
@@ -152,65 +154,6 @@ class TracedModule:
     @property
     def symbolic(self) -> bool:
         return any(isinstance(d, str) for dims in self.input_dims for d in dims)
-
-
-class _Seen:
-    """What tracing saw: the output's structure (shared, not copied, if the tracer copies the
-    module)."""
-
-    out_spec: OutputLayout | None = None
-    reassigned: tuple[str, ...] = ()  # buffers the forward assigns anew (``self.n = self.n + 1``)
-
-    def __deepcopy__(self, memo: dict) -> _Seen:
-        return self
-
-
-class FlatCall(torch.nn.Module):
-    """``inner`` called from flat tensors: the call's tensor leaves (the non-tensor leaves bound
-    as constants), then the state tensors. Returns the output's leaves, then the new values of
-    ``updated`` buffers, then of the ``updated_inputs`` (by position among the call's tensors;
-    both updated on clones, so the export sees values, not mutations)."""
-
-    inner: torch.nn.Module  # both set past nn.Module's __setattr__ (see __init__)
-    seen: _Seen
-
-    def __init__(
-        self,
-        inner: torch.nn.Module,
-        in_spec: pytree.TreeSpec,
-        leaves: list[Any],
-        state: ModuleState,
-        updated: tuple[str, ...] = (),
-        updated_inputs: tuple[int, ...] = (),
-    ) -> None:
-        super().__init__()
-        object.__setattr__(self, "inner", inner)  # not a submodule: its state comes in as inputs
-        self.in_spec = in_spec
-        self.template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        self.state = state
-        self.updated = updated
-        self.updated_inputs = updated_inputs
-        object.__setattr__(self, "seen", _Seen())
-
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        leaves = list(self.template)
-        user = [t.clone() if j in self.updated_inputs else t for j, t in enumerate(tensors[: len(self.slots)])]
-        for i, t in zip(self.slots, user):
-            leaves[i] = t
-        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
-        values = dict(zip(self.state.names, tensors[len(self.slots) :]))
-        for name in self.updated:
-            values[name] = values[name].clone()
-        with swapped_state(self.inner, values, self.state) as swapped:
-            # the forward, not the module's call: its own hooks run around each dispatched call, and
-            # traced they would run twice (an output hook's change compiled in) or on fake tensors
-            out = self.inner.forward(*args, **kwargs)
-            reassigned = swapped.reassigned()
-        values.update(reassigned)
-        self.seen.reassigned = tuple(sorted(reassigned))
-        out_leaves, self.seen.out_spec = flatten_output(out)
-        return (*out_leaves, *(values[n] for n in self.updated), *(user[j] for j in self.updated_inputs))
 
 
 def _dynamic_shapes(num_inputs: int, dynamic: dict[int, frozenset[int]]) -> tuple | None:
@@ -398,6 +341,7 @@ class RawTrace:
             num_user_inputs=len(self.tensors),
             state=self.state,
             autocast=self.autocast,
+            attribute_reads=self.flat.seen.reads.frozen(),
             **facts,
         )
 
@@ -454,6 +398,7 @@ def decompose_call(raw: RawTrace) -> TracedModule:
             rewritten = _decompose(
                 module, _export(module, flat, raw.inputs, raw.dynamic, raw.stack_traces), raw.stack_traces
             )
+            raw.flat.seen.reads.merge(flat.seen.reads)
         ep = rewritten
     if make_dtype_mixing_explicit(ep.graph):  # autocast's mixed-type kernels: one dtype per op
         ep.graph_module.recompile()

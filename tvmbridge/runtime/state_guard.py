@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
+from ..frontend.attribute_reads import AttributeReads
 from ..frontend.call_state import MODULE_INTERNALS, ModuleState, is_plain
 from ..frontend.held_tensors import NO_KEY, HeldSlot, owner_of, read_in, slot_name
 from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
@@ -28,7 +29,11 @@ Check = tuple[str, dict, str, Any, bool, Any]  # label, holder, key, expected, b
 
 
 def _module_checks(
-    path: str, m: torch.nn.Module, held: dict[str, frozenset], state: frozenset[int] = frozenset()
+    path: str,
+    m: torch.nn.Module,
+    held: dict[str, frozenset],
+    state: frozenset[int] = frozenset(),
+    read: frozenset[str] | None = None,
 ) -> list[Check]:
     """``(label, dict holding the value, key, expected value, compare by identity, contents)``
     for every attribute of ``m`` that the compiled code may depend on; ``contents``: what
@@ -37,12 +42,14 @@ def _module_checks(
     with the state's, :meth:`StateGuard.tensors`), not compiled in. ``state``: the ids of the
     module's parameters and buffers, inputs of the call wherever they are held (``nn.LSTM``'s
     ``_flat_weights`` lists its own parameters): an entry that is one of them is checked by
-    identity, not by version (an optimizer step writes them all)."""
+    identity, not by version (an optimizer step writes them all). ``read``: the names the trace
+    read on ``m`` (``frontend.attribute_reads``; None: all): an attribute never read is not
+    checked (a step counter the loop keeps on the model)."""
     label = path or type(m).__name__
     checks: list[Check] = []
     internals = _internals(path)
     for name, value in vars(m).items():
-        if name in internals or isinstance(value, torch.nn.Module):
+        if name in internals or isinstance(value, torch.nn.Module) or not _was_read(name, read):
             continue
         if is_plain(value) or _plain_entries(value):  # a copy: an in-place edit of a list must show
             checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False, None))
@@ -65,11 +72,29 @@ def _module_checks(
 Layout = tuple[str, str, dict, frozenset]  # owner's label, what it names, the dict, its names when compiled
 
 
-def _module_layouts(path: str, m: torch.nn.Module) -> list[Layout]:
+def _was_read(name: str, read: frozenset[str] | None) -> bool:
+    return read is None or name in read or name in ALWAYS_CHECKED
+
+
+ALWAYS_CHECKED = frozenset({"training"})  # the bridge's own code reads it around the trace
+
+
+class _KnownUnlessRead(frozenset):
+    """A module's attribute names when compiled, and every name the trace did not look up: an
+    attribute added since is a change only if forward read that name (and found it missing)."""
+
+    read: frozenset[str] = frozenset()
+
+    def __contains__(self, name: object) -> bool:
+        return frozenset.__contains__(self, name) or name not in self.read
+
+
+def _module_layouts(path: str, m: torch.nn.Module, read: frozenset[str] | None = None) -> list[Layout]:
     """The dicts of names ``m``'s forward looks things up in: its attributes, submodules,
     parameters and buffers, and its config objects' fields. A name added there since compiling
     (a layer appended to a ``ModuleList``, ``self.scale = 2.0`` where forward has
-    ``getattr(self, "scale", None)``) is a change the compiled code did not see."""
+    ``getattr(self, "scale", None)``) is a change the compiled code did not see. ``read``: the
+    attribute names the trace looked up on ``m`` (None: all): only those can be added ones."""
     label = path or type(m).__name__
     layouts = [
         (label, "an attribute", vars(m)),
@@ -82,11 +107,16 @@ def _module_layouts(path: str, m: torch.nn.Module) -> list[Layout]:
         if name not in MODULE_INTERNALS and not isinstance(value, torch.nn.Module) and type(fields) is dict:
             layouts.append((f"{label}.{name}", "a field", fields))
     internals = _internals(path)  # names that may come and go: taken as known
-    return [
-        (owner, kind, h, frozenset(h) | (internals if kind == "an attribute" else frozenset()))
-        for owner, kind, h in layouts
-        if type(h) in _DICTS
-    ]
+    found: list[Layout] = []
+    for owner, kind, h in layouts:
+        if type(h) not in _DICTS:
+            continue
+        known = frozenset(h) | (internals if kind == "an attribute" else frozenset())
+        if kind == "an attribute" and read is not None:
+            known = _KnownUnlessRead(known)
+            known.read = read
+        found.append((owner, kind, h, known))
+    return found
 
 
 def _internals(path: str) -> frozenset[str]:
@@ -317,7 +347,12 @@ class StateGuard:
     :meth:`tensors` reads each parameter and buffer straight from its owner's dict."""
 
     def __init__(
-        self, module: torch.nn.Module, state: ModuleState, with_grad: set[int], computed: frozenset[int] = frozenset()
+        self,
+        module: torch.nn.Module,
+        state: ModuleState,
+        with_grad: set[int],
+        computed: frozenset[int] = frozenset(),
+        reads: AttributeReads | None = None,
     ) -> None:
         self.state = state
         self.keys = [tensor_key(t) for t in state.tensors(module)]
@@ -331,8 +366,9 @@ class StateGuard:
         forwards: set[tuple[int, type]] = set()
         for path, m in module.named_modules(remove_duplicate=False):
             self.classes.append((path or type(m).__name__, m, type(m)))
-            self.checks += _module_checks(path, m, held.get(id(m), {}), inputs) + global_checks(m, forwards)
-            self.layouts += _module_layouts(path, m)
+            read = reads.get(id(m)) if reads is not None else None
+            self.checks += _module_checks(path, m, held.get(id(m), {}), inputs, read) + global_checks(m, forwards)
+            self.layouts += _module_layouts(path, m, read)
             if path:  # the module's own hooks run around the dispatched forward, as always
                 self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]
         self.hooks += [(h, getattr(nn_module, h), counted(getattr(nn_module, h))) for h in GLOBAL_HOOK_DICTS]

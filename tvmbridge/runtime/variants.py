@@ -195,7 +195,7 @@ class Variant:
         # a parameter may require grad if the backward computes its gradient, or none is due (no output depends on it)
         computed = frozenset(i - n_user for i in compiled.grad_param_indices if i >= n_user)
         with_grad = set(computed) | {i - n_user for i in traced.no_grad_path if i >= n_user}
-        state_guard = StateGuard(module, compiled.traced.state, with_grad, computed)
+        state_guard = StateGuard(module, traced.state, with_grad, computed, traced.attribute_reads)
         label = describe_call(signature, args, kwargs, module)
         if traced.autocast is not None:
             label = f"{traced.autocast} {label}"
