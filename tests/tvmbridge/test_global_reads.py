@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 import sys
+import types
 
 import pytest
 import torch
 from torch import nn
 
 from tvmbridge import add_tvm_dispatch
-from tvmbridge.runtime.global_reads import global_checks
+from tvmbridge.runtime.global_reads import TREE_BUDGET, _value_checks, global_checks, is_plain_tree
 
 SCALE = 2.0
 USE_BIAS_SHIFT = False
@@ -135,3 +136,59 @@ def test_a_global_read_by_a_helper_of_the_same_file_is_checked(module_globals) -
         len(model._tvm_dispatch.variants) == 2
         and "global OFFSET (read by _shifted)" in model._tvm_dispatch.variants[1].why
     )
+
+
+CONFIG = {"scale": 2.0, "shift": {"on": False, "by": 0.5}}
+ARGS = types.SimpleNamespace(temperature=1.0, _seen=0)
+
+
+class Configured(nn.Module):
+    """Reads a global dict of settings (nested) and a namespace of the script's arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * CONFIG["scale"] / ARGS.temperature
+        return h + CONFIG["shift"]["by"] if CONFIG["shift"]["on"] else h
+
+
+@pytest.fixture
+def settings(monkeypatch: pytest.MonkeyPatch):
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "CONFIG", copy.deepcopy(CONFIG))
+    monkeypatch.setattr(here, "ARGS", types.SimpleNamespace(**vars(ARGS)))
+    return here
+
+
+def test_global_settings_changed_in_place_or_rebound_compile_another_variant(settings) -> None:
+    """A dict entry set in place, a nested one, a namespace's field and the namespace rebound:
+    each was compiled in as the first value and, unchecked, kept silently."""
+    torch.manual_seed(0)
+    model = Configured()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(model, (x,), verify=False)
+    changes = [
+        lambda: None,
+        lambda: settings.CONFIG.__setitem__("scale", 3.0),
+        lambda: settings.CONFIG["shift"].__setitem__("on", True),
+        lambda: setattr(settings.ARGS, "temperature", 0.5),
+        lambda: setattr(settings, "ARGS", types.SimpleNamespace(temperature=4.0)),
+        lambda: setattr(settings.ARGS, "_seen", 1),  # private: the object's own, not a setting
+    ]
+    for change in changes:
+        change()
+        torch.testing.assert_close(model(x), ref(x))
+    assert len(model._tvm_dispatch.variants) == 5 and model._tvm_dispatch.calls_tvm == 6
+    whys = " ".join(v.why for v in model._tvm_dispatch.variants)
+    assert "global CONFIG" in whys and "global ARGS.temperature" in whys
+
+
+def test_a_global_tree_over_the_budget_is_not_compared() -> None:
+    space = {"SMALL": {"a": [1, 2, (3, 4)]}, "BIG": list(range(TREE_BUDGET + 1)), "OBJ": types.SimpleNamespace(k=2)}
+    assert is_plain_tree(space["SMALL"]) and not is_plain_tree(space["BIG"])
+    assert not is_plain_tree({"f": torch.zeros(1)})
+    assert _value_checks(space, "BIG", "f") == []
+    assert [c[0] for c in _value_checks(space, "OBJ", "f")] == ["global OBJ (read by f)", "global OBJ.k (read by f)"]
