@@ -192,3 +192,32 @@ def test_a_global_tree_over_the_budget_is_not_compared() -> None:
     assert not is_plain_tree({"f": torch.zeros(1)})
     assert _value_checks(space, "BIG", "f") == []
     assert [c[0] for c in _value_checks(space, "OBJ", "f")] == ["global OBJ (read by f)", "global OBJ.k (read by f)"]
+
+
+class HelperScaled(nn.Module):
+    temperature = 1.0  # read in a helper method, not in forward's own code
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._scaled(self.lin(x))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h / self.temperature
+
+
+def test_a_class_attribute_read_in_a_helper_method_is_checked(monkeypatch) -> None:
+    """The names the trace looked up on the instance (``attribute_reads``) count, not only those
+    forward's own code loads: before, ``temperature`` kept its traced value."""
+    torch.manual_seed(0)
+    model = HelperScaled()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(model, (x,), verify=False)
+    torch.testing.assert_close(model(x), ref(x))
+    monkeypatch.setattr(HelperScaled, "temperature", 2.0)
+    torch.testing.assert_close(model(x), ref(x))
+    assert len(model._tvm_dispatch.variants) == 2
+    assert "HelperScaled.temperature (a class attribute" in model._tvm_dispatch.variants[1].why

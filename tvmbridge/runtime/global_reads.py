@@ -112,24 +112,32 @@ def _global_reads(forward: types.FunctionType) -> dict[tuple[int, str], tuple[di
     return found
 
 
-def global_checks(module: torch.nn.Module, seen: set[tuple[int, type]]) -> list[Check]:
-    """Checks of the plain globals ``module``'s forward reads and of the plain class attributes
-    (none for a forward and class in ``seen``: a class used many times is checked once)."""
+def global_checks(module: torch.nn.Module, seen: set[tuple], read: frozenset[str] | None = None) -> list[Check]:
+    """Checks of the plain globals ``module``'s forward reads (none for a forward and class in
+    ``seen``: a class used many times is checked once) and of the plain class attributes it
+    reads: the names its forward's code loads, and ``read``, what the trace looked up on this
+    instance (``frontend.attribute_reads``: in a helper method too), each class's once."""
     forward = _forward_function(module)
-    if forward is None or (id(forward.__code__), type(module)) in seen:
+    if forward is None:
         return []
-    seen.add((id(forward.__code__), type(module)))
-    checks = [
-        check
-        for (_, name), (space, reader) in _global_reads(forward).items()
-        if name in space and not name.startswith("__")
-        for check in _value_checks(space, name, reader)
-    ]
-    where = f"{type(module).__name__}.forward"
-    for name in dict.fromkeys(n for code in _codes(forward.__code__) for n in code.co_names):
+    checks: list[Check] = []
+    if (id(forward.__code__), type(module)) not in seen:
+        seen.add((id(forward.__code__), type(module)))
+        checks += [
+            check
+            for (_, name), (space, reader) in _global_reads(forward).items()
+            if name in space and not name.startswith("__")
+            for check in _value_checks(space, name, reader)
+        ]
+    where = f"{type(module).__name__}'s forward"
+    loaded = dict.fromkeys(n for code in _codes(forward.__code__) for n in code.co_names)
+    for name in [*loaded, *sorted(read or ())]:
         owner = next((c for c in type(module).__mro__ if name in vars(c)), None)
         if owner is None or owner is torch.nn.Module or name in vars(module) or name.startswith("__"):
             continue
+        if (owner, name) in seen:
+            continue
+        seen.add((owner, name))
         if is_plain(value := vars(owner)[name]) or is_plain_tree(value):  # a live view of the class's namespace
             label = f"{owner.__name__}.{name} (a class attribute read by {where})"
             namespace = cast(dict, vars(owner))  # a mappingproxy: read with .get, as the guard reads dicts

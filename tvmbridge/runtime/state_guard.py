@@ -363,11 +363,12 @@ class StateGuard:
         self.classes: list[tuple[str, torch.nn.Module, type]] = []  # ``__class__`` swapped: another forward
         held = _held_by_owner(module, state)
         inputs = frozenset(map(id, chain(module.parameters(), module.buffers())))
-        forwards: set[tuple[int, type]] = set()
+        forwards: set[tuple] = set()  # forwards and class attributes checked already
         for path, m in module.named_modules(remove_duplicate=False):
             self.classes.append((path or type(m).__name__, m, type(m)))
             read = reads.get(id(m)) if reads is not None else None
-            self.checks += _module_checks(path, m, held.get(id(m), {}), inputs, read) + global_checks(m, forwards)
+            self.checks += _module_checks(path, m, held.get(id(m), {}), inputs, read)
+            self.checks += global_checks(m, forwards, read)
             self.layouts += _module_layouts(path, m, read)
             if path:  # the module's own hooks run around the dispatched forward, as always
                 self.hooks += [(f"{path} {h}", getattr(m, h), counted(getattr(m, h))) for h in HOOK_DICTS]
