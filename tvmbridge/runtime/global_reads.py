@@ -12,13 +12,10 @@ The same for class attributes (``scale = 2.0`` in the class body, read as ``self
 later as ``MyModel.scale = 3.0``): a name the forward loads that the instance does not hold and its
 class (or a base) holds as a plain value is checked in that class's namespace.
 
-Beyond single values: a dict, list, tuple or set of plain values (nested, up to
-``TREE_BUDGET`` of them: ``CONFIG["scale"]``) is compared as a deep copy, so an entry set in place
-shows; an object holding plain fields (an ``argparse.Namespace`` of the script's arguments, a
-dataclass or ``SimpleNamespace`` config: ``ARGS.temperature``) is checked by identity, and each of
-its public plain fields by value, as a module's config object is (a private field is the object's
-own cache: ``logging.Logger._cache`` fills as levels are asked). A tree over the budget is not
-compared.
+Beyond single values (``value_checks``): a dict, list, tuple or set of plain values, nested
+(``CONFIG["shift"]["on"]``), compared as a deep copy, so an entry set in place shows; an object
+holding settings (an ``argparse.Namespace`` of the script's arguments, a dataclass or
+``SimpleNamespace`` config: ``ARGS.temperature``) by identity, and its public fields the same way.
 
 Functions of the forward's own file that it calls are followed (a few calls deep): ``scaled(h)``
 reading ``SCALE`` counts. Library functions (another file) are not followed, methods called on
@@ -31,50 +28,14 @@ import copy
 import inspect
 import types
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from ..frontend.call_state import is_plain
+from .value_checks import Check, is_plain_tree, value_checks
 
-Check = tuple[str, dict, str, Any, bool, Any]  # as ``state_guard.Check``
 FOLLOW_DEPTH = 3  # calls followed from a forward into functions of its own file
-TREE_BUDGET = 256  # plain values in a global dict/list/tuple/set compared at every call, at most
-CONTAINERS = (dict, list, tuple, set, frozenset)
-# globals that are code or namespaces, not values: their fields are not read as a config's
-NOT_VALUES = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.nn.Module)
-
-
-def is_plain_tree(value: Any, budget: int = TREE_BUDGET) -> bool:
-    """Plain values in dicts, lists, tuples and sets, nested, at most ``budget`` of them."""
-    todo, count = [value], 0
-    while todo:
-        item = todo.pop()
-        if type(item) in CONTAINERS:
-            todo += [x for kv in item.items() for x in kv] if isinstance(item, dict) else list(item)
-        elif not is_plain(item):
-            return False
-        count += 1
-        if count > budget:
-            return False
-    return True
-
-
-def _value_checks(space: dict, name: str, reader: str) -> list[Check]:
-    """The checks of ``space[name]``: a plain value or tree by value; an object of plain fields
-    by identity, then field by field; nothing for code, namespaces and other objects."""
-    value, read = space[name], f"(read by {reader})"
-    if is_plain(value) or is_plain_tree(value):
-        return [(f"global {name} {read}", space, name, copy.deepcopy(value), False, None)]
-    fields = getattr(value, "__dict__", None)
-    if isinstance(value, NOT_VALUES) or type(fields) is not dict:
-        return []
-    checks: list[Check] = [(f"global {name} {read}", space, name, value, True, None)]
-    return checks + [
-        (f"global {name}.{field} {read}", fields, field, copy.deepcopy(v), False, None)
-        for field, v in fields.items()
-        if not field.startswith("_") and (is_plain(v) or is_plain_tree(v))  # a private one: its own cache
-    ]
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -123,12 +84,9 @@ def global_checks(module: torch.nn.Module, seen: set[tuple], read: frozenset[str
     checks: list[Check] = []
     if (id(forward.__code__), type(module)) not in seen:
         seen.add((id(forward.__code__), type(module)))
-        checks += [
-            check
-            for (_, name), (space, reader) in _global_reads(forward).items()
-            if name in space and not name.startswith("__")
-            for check in _value_checks(space, name, reader)
-        ]
+        for (_, name), (space, reader) in _global_reads(forward).items():
+            if name in space and not name.startswith("__"):
+                checks += value_checks(f"global {name}", space, name, f" (read by {reader})")
     where = f"{type(module).__name__}'s forward"
     loaded = dict.fromkeys(n for code in _codes(forward.__code__) for n in code.co_names)
     for name in [*loaded, *sorted(read or ())]:

@@ -21,11 +21,9 @@ from ..frontend.held_tensors import NO_KEY, HeldSlot, owner_of, read_in, slot_na
 from ..frontend.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, counted
 from .global_reads import global_checks
 from .guards import Mismatch, describe_tensor_difference, short_value, tensor_key
+from .value_checks import Check, field_checks, fields_of, is_plain_tree
 
 _MISSING = object()
-
-
-Check = tuple[str, dict, str, Any, bool, Any]  # label, holder, key, expected, by identity, contents
 
 
 def _module_checks(
@@ -51,7 +49,7 @@ def _module_checks(
     for name, value in vars(m).items():
         if name in internals or isinstance(value, torch.nn.Module) or not _was_read(name, read):
             continue
-        if is_plain(value) or _plain_entries(value):  # a copy: an in-place edit of a list must show
+        if is_plain(value) or _plain_entries(value) or is_plain_tree(value):  # a copy: an edit in place must show
             checks.append((f"{label}.{name}", vars(m), name, copy.deepcopy(value), False, None))
             continue
         if name in held and isinstance(value, torch.Tensor):
@@ -60,10 +58,8 @@ def _module_checks(
         checks.append((f"{label}.{name}", vars(m), name, value, True, _contents(value, keys, state)))
         if name == "forward":  # a submodule's own forward (a dispatched one counts its calls): by identity
             continue
-        fields = getattr(value, "__dict__", None) or {}
-        for sub, v in fields.items():  # a config object's fields
-            if is_plain(v):
-                checks.append((f"{label}.{name}.{sub}", fields, sub, copy.deepcopy(v), False, None))
+        if (fields := fields_of(value)) is not None:  # a config object's fields, and its objects'
+            checks += field_checks(f"{label}.{name}", fields, private=True)
     for name, child in m._modules.items():
         checks.append((f"{label}.{name} (the submodule)", m._modules, name, child, True, None))
     return checks
