@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from tvmbridge import add_tvm_dispatch
 from tvmbridge.runtime.global_reads import global_checks
@@ -88,10 +89,13 @@ def test_only_plain_values_are_checked_once_per_forward() -> None:
     model = Outer()
     seen: set[tuple[int, type]] = set()
     checks = [c for m in model.modules() for c in global_checks(m, seen)]
-    assert sorted(c[0] for c in checks) == [
+    assert sorted(c[0] for c in checks if not c[4]) == [
         "global SCALE (read by Scaled.forward)",
         "global USE_BIAS_SHIFT (read by Scaled.forward)",
-    ]  # torch, nn and the functions are not values; the second Scaled is the same code
+    ]  # torch, nn and the functions are not values: the same objects; the second Scaled is the same code
+    by_identity = [c[0] for c in checks if c[4]]
+    assert "global torch (read by Outer.forward)" in by_identity and "global F (read by Linear.forward)" in by_identity
+    assert len({c[0].split(" (")[0] for c in checks}) == len(checks)  # each global once, whoever reads it
 
 
 class ClassScaled(nn.Module):
@@ -213,3 +217,54 @@ def test_a_class_attribute_read_in_a_helper_method_is_checked(monkeypatch) -> No
     torch.testing.assert_close(model(x), ref(x))
     assert len(model._tvm_dispatch.variants) == 2
     assert "HelperScaled.temperature (a class attribute" in model._tvm_dispatch.variants[1].why
+
+
+def _activation(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h)
+
+
+class Patchable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.squash(_activation(self.lin(x)))
+
+    def squash(self, h: torch.Tensor) -> torch.Tensor:
+        return h * 0.5
+
+
+class Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Patchable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_code_patched_after_compiling_compiles_another_variant(monkeypatch) -> None:
+    """A method of a submodule's class, its forward, and a helper function of its file, each
+    patched after compiling (what a library patching attention does): the compiled code ran the
+    old code, silently."""
+    torch.manual_seed(0)
+    here = sys.modules[__name__]
+    model = Holder()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(model, (x,), verify=False)
+    patches = [
+        lambda: None,
+        lambda: monkeypatch.setattr(Patchable, "squash", lambda self, h: h * 3.0),
+        lambda: monkeypatch.setattr(here, "_activation", torch.sigmoid),
+        lambda: monkeypatch.setattr(Patchable, "forward", lambda self, x: self.lin(x) - 1.0),
+        lambda: monkeypatch.setattr(nn.Linear, "forward", lambda self, x: F.linear(x, self.weight) * 2.0),
+    ]
+    for patch in patches:
+        patch()
+        torch.testing.assert_close(model(x), ref(x))
+    d = model._tvm_dispatch
+    assert len(d.variants) == 5 and d.calls_tvm == 5
+    whys = " ".join(v.why for v in d.variants)
+    assert "Patchable.squash (a class attribute" in whys and "global _activation" in whys

@@ -84,9 +84,13 @@ def global_checks(module: torch.nn.Module, seen: set[tuple], read: frozenset[str
     checks: list[Check] = []
     if (id(forward.__code__), type(module)) not in seen:
         seen.add((id(forward.__code__), type(module)))
-        for (_, name), (space, reader) in _global_reads(forward).items():
-            if name in space and not name.startswith("__"):
-                checks += value_checks(f"global {name}", space, name, f" (read by {reader})")
+        for key, (space, reader) in _global_reads(forward).items():
+            name = key[1]
+            if name in space and not name.startswith("__") and key not in seen:
+                seen.add(key)  # one check per global, whichever forwards read it
+                found = value_checks(f"global {name}", space, name, f" (read by {reader})")
+                # else code or an object: the same one (a helper function patched in a library's module)
+                checks += found or [(f"global {name} (read by {reader})", space, name, space[name], True, None)]
     where = f"{type(module).__name__}'s forward"
     loaded = dict.fromkeys(n for code in _codes(forward.__code__) for n in code.co_names)
     for name in [*loaded, *sorted(read or ())]:
@@ -96,8 +100,10 @@ def global_checks(module: torch.nn.Module, seen: set[tuple], read: frozenset[str
         if (owner, name) in seen:
             continue
         seen.add((owner, name))
+        label = f"{owner.__name__}.{name} (a class attribute read by {where})"
+        namespace = cast(dict, vars(owner))  # a mappingproxy: read with .get, as the guard reads dicts
         if is_plain(value := vars(owner)[name]) or is_plain_tree(value):  # a live view of the class's namespace
-            label = f"{owner.__name__}.{name} (a class attribute read by {where})"
-            namespace = cast(dict, vars(owner))  # a mappingproxy: read with .get, as the guard reads dicts
             checks.append((label, namespace, name, copy.deepcopy(value), False, None))
+        elif isinstance(value, (types.FunctionType, property, staticmethod, classmethod)):  # a method patched
+            checks.append((label, namespace, name, value, True, None))
     return checks

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from itertools import chain, repeat
+from types import MappingProxyType
 from typing import Any, cast
 
 import torch
@@ -240,7 +241,15 @@ class BatchedChecks:
         self.plain_values, self.plain_types = [c[3] for c in plain], [type(c[3]) for c in plain]
         self.same_holders, self.same_keys = [c[1] for c in same], [c[2] for c in same]
         self.same_ids = [id(c[3]) for c in same]  # the expected objects stay alive in the checks
-        self.rest = [c for c in checks if type(c[1]) not in _DICTS or c[5] is not None]
+        # a class's methods the trace called, by identity in its namespace (a read-only proxy)
+        methods = [c for c in checks if type(c[1]) is MappingProxyType and c[4] and c[5] is None]
+        self.method_holders, self.method_keys = [c[1] for c in methods], [c[2] for c in methods]
+        self.method_ids = [id(c[3]) for c in methods]
+        self.rest = [
+            c
+            for c in checks
+            if (type(c[1]) not in _DICTS or c[5] is not None) and not (type(c[1]) is MappingProxyType and c[4])
+        ]
         self.hookless = [h for _, h, n in hooks if n == 0 and not h]  # a hook there would be missed
         self.hooked = [c for c in hooks if c[2] != 0 or c[1]]  # counted (call-scoped ones do not count)
 
@@ -254,6 +263,9 @@ class BatchedChecks:
             return False
         found = map(dict.get, self.same_holders, self.same_keys, repeat(_MISSING))
         if list(map(id, found)) != self.same_ids or (any(self.hookless) and not self._settled_hooks()):
+            return False
+        methods = map(MappingProxyType.get, self.method_holders, self.method_keys, repeat(_MISSING))  # type: ignore[arg-type]
+        if list(map(id, methods)) != self.method_ids:
             return False
         return not any(_differs(c) for c in self.rest) and all(counted(h) == n for _, h, n in self.hooked)
 
