@@ -234,6 +234,25 @@ def input_gradient(e, m, opt, rec):
 
 
 @scenario
+def seq_lengths(e, m, opt, rec):
+    for i, n in enumerate([16, 9, 23, 16, 5]):  # a loader padding each batch to its longest row
+        _step(e, m, opt, _batch(e, n=n, seed=i), i, rec)
+
+
+def _strided(t: Any) -> Any:
+    """The same values as a non-contiguous view (a batch sliced out of a wider tensor)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        return t
+    return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+
+
+@scenario
+def strided_inputs(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    _step(e, m, opt, {k: _strided(v) for k, v in _batch(e, seed=1).items()}, 2, rec)
+
+
+@scenario
 def step_counter(e, m, opt, rec):
     for i in range(5):  # a training loop keeping its step on the model (forward never reads it)
         m.global_step = i
