@@ -1,7 +1,8 @@
 """The module's side of a variant's guard: its state layout (parameters and buffers, tied how,
-with what shape, dtype, device and ``requires_grad``), every plain Python attribute of every
-submodule (``p``, ``eps``, ``training``, a config object's fields: whatever ``forward`` may have
-read while tracing), the names each module has, its submodules and the hooks present. Checked at
+with what shape, dtype, device and ``requires_grad``), the attributes of each submodule that the
+trace read (``p``, ``eps``, ``training``, a config object's fields, nested: ``frontend.attribute_reads``
+says which, ``value_checks`` how), the globals and class attributes its forward read
+(``global_reads``), the names each module has, its submodules and the hooks present. Checked at
 every call: thousands of attributes on a whole model, so first in a few passes in C
 (:class:`BatchedChecks`), and attribute by attribute only to say what differs."""
 
