@@ -68,3 +68,32 @@ def test_trees_over_the_budget_and_code_are_not_values() -> None:
     assert value_checks("g", holder, "big") == [] and value_checks("g", holder, "fn") == []
     assert value_checks("g", holder, "cls") == []
     assert [c[0] for c in value_checks("g", holder, "obj")] == ["g", "g.k", "g.inner", "g.inner.j"]
+
+
+OFFSETS = torch.zeros(4)
+
+
+class Constants(nn.Module):
+    """Tensors the trace compiles in as constants: a global, and a config object's field."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.config = types.SimpleNamespace(gain=torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.config.gain + OFFSETS
+
+
+def test_constant_tensors_written_in_place_compile_another_variant() -> None:
+    torch.manual_seed(0)
+    model = Constants()
+    ref = copy.deepcopy(model)
+    ref.config.gain = model.config.gain  # one config tensor, as a script shares it
+    x = torch.randn(3, 4)
+    add_tvm_dispatch(model, (x,), verify=False)
+    for edit in (lambda: None, lambda: OFFSETS.add_(1.0), lambda: model.config.gain.mul_(2.0)):
+        edit()
+        torch.testing.assert_close(model(x), ref(x))
+    assert len(model._tvm_dispatch.variants) == 3
+    OFFSETS.zero_()

@@ -19,7 +19,8 @@ holding settings (an ``argparse.Namespace`` of the script's arguments, a datacla
 
 Functions of the forward's own file that it calls are followed (a few calls deep): ``scaled(h)``
 reading ``SCALE`` counts. Library functions (another file) are not followed, methods called on
-other objects are not, and functions, classes and modules in globals are not values.
+other objects are not. Functions, classes and modules in globals are code, checked by identity
+(a helper patched after compiling), as are the methods the trace called on a module's class.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ A value a forward read while tracing is a constant of the compiled code. A plain
 compared by equality; a dict, list, tuple or set of plain values, nested, is compared as a deep
 copy (up to ``TREE_BUDGET`` values: an entry set in place shows); an object of fields is checked
 by identity, and each of its fields the same way, ``OBJECT_DEPTH`` objects deep
-(``self.config.text_config.scale``, ``ARGS.model.width``). Code and namespaces (classes,
+(``self.config.text_config.scale``, ``ARGS.model.width``); a tensor (a constant to the trace) by
+identity and version, so a write in place shows. Code and namespaces (classes,
 functions, modules) are not values. Used by the module's side of the guard (``state_guard``)
 and by the globals' (``global_reads``).
 """
@@ -50,6 +51,12 @@ def fields_of(value: Any) -> dict | None:
     return fields
 
 
+def _tensor_check(label: str, holder: dict, name: str) -> Check:
+    """A tensor the trace compiled in as a constant: the same one, unwritten (its version)."""
+    value = holder[name]
+    return (label, holder, name, value, True, (value._version,))
+
+
 def field_checks(
     label: str, fields: dict, private: bool = False, depth: int = OBJECT_DEPTH, note: str = ""
 ) -> list[Check]:
@@ -62,6 +69,8 @@ def field_checks(
             continue
         if is_plain(value) or is_plain_tree(value):
             checks.append((f"{label}.{name}{note}", fields, name, copy.deepcopy(value), False, None))
+        elif isinstance(value, torch.Tensor):
+            checks.append(_tensor_check(f"{label}.{name}{note}", fields, name))
         elif depth > 1 and (inner := fields_of(value)) is not None:
             checks.append((f"{label}.{name}{note}", fields, name, value, True, None))
             checks += field_checks(f"{label}.{name}", inner, depth=depth - 1, note=note)
@@ -74,6 +83,8 @@ def value_checks(label: str, holder: dict, name: str, note: str = "") -> list[Ch
     value = holder[name]
     if is_plain(value) or is_plain_tree(value):
         return [(label + note, holder, name, copy.deepcopy(value), False, None)]
+    if isinstance(value, torch.Tensor):
+        return [_tensor_check(label + note, holder, name)]
     fields = fields_of(value)
     if fields is None:
         return []
