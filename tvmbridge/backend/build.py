@@ -32,6 +32,7 @@ from ..kernels.barrier import drop_barriers, register_barrier
 from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from . import codegen, executable_cache
+from .fresh_results import fresh_constant_results
 from .fusion_bounds import bound_fusion_search
 from .legalize_memo import MemoizedLegalization
 from .shared_kernels import ShareKernelsAcrossShapes
@@ -135,6 +136,7 @@ def lower(
         relax.transform.DeadCodeElimination(),
         relax.transform.LegalizeOps(MemoizedLegalization(_LEGALIZE_FIXES).table()),
         drop_scope_pragmas,
+        fresh_constant_results,  # a constant result would be the VM's own memory, the same every call
         relax.transform.AnnotateTIROpPattern(),
     ]
     if fuse:

@@ -45,7 +45,7 @@ class JointGraph:
     params: list[str]  # the primal parameters
     grad_out_params: list[str]
     keys: dict[relax.Var, str] = field(repr=False)  # var -> node key
-    output_vars: list[relax.Var] = field(repr=False)  # the primal outputs inside the adjoint
+    output_vars: list[relax.Expr] = field(repr=False)  # the primal outputs inside the adjoint (vars, constants)
     # binding var -> the vars its value reads: walked once here (a TVM array walk per binding is
     # most of a large model's split when every pass over the bindings repeats it)
     reads: dict[relax.Var, list[relax.Var]] = field(repr=False)
@@ -148,7 +148,7 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str,
     outputs = output_vars(adj, len(grad.differentiable), grad.repeats)
     return JointGraph(
         nodes=nodes,
-        forward_outputs=[keys[v] for v in outputs],
+        forward_outputs=[keys[v] for v in outputs if isinstance(v, relax.Var)],
         grad_outputs=[keys[g] for g in result_grads(adj)],
         params=[keys[p] for p in adj.params[: grad.num_primal_params]],
         grad_out_params=[keys[p] for p in grad.grad_out_params],
@@ -158,7 +158,7 @@ def joint_graph(grad: GradientResult, num_primal_bindings: int, sizes: dict[str,
     )
 
 
-def output_vars(adj: relax.Function, n: int, repeats: dict[int, int] | None = None) -> list[relax.Var]:
+def output_vars(adj: relax.Function, n: int, repeats: dict[int, int] | None = None) -> list[relax.Expr]:
     """The primal outputs, found where the VJP target reads them (``vjp_prod{i} = o_i * g_i``):
     robust to the renaming and aliasing that simplification does. ``repeats``: outputs that
     return an earlier output's value (not in the target)."""
@@ -170,7 +170,11 @@ def output_vars(adj: relax.Function, n: int, repeats: dict[int, int] | None = No
     for i, j in (repeats or {}).items():
         if j in found:
             found[i] = found[j]
-    if sorted(found) != list(range(n)) or not all(isinstance(v, relax.Var) for v in found.values()):
+    # a constant output (an integer the trace folded from a static size) is returned as is; the
+    # build gives it fresh memory at every call (``backend.fresh_results``)
+    if sorted(found) != list(range(n)) or not all(
+        isinstance(v, (relax.Var, tvm.ir.expr.Constant)) for v in found.values()
+    ):
         raise ConversionError("split", "could not locate the module outputs in the adjoint")
     return [found[i] for i in range(n)]
 

@@ -101,7 +101,7 @@ def _forward_function(
 ) -> relax.Function:
     bindings = list(adj.body.blocks[0].bindings)
     outs = list(joint.output_vars)
-    needed = _closure(set(outs) | set(captures), joint.reads, stop=set())
+    needed = _closure({v for v in outs if isinstance(v, relax.Var)} | set(captures), joint.reads, stop=set())
     body = [b for b in bindings if b.var in needed]
     fields = outs + captures
     result = relax.Var("forward_result", relax.TupleType([v.ty for v in fields]))
