@@ -301,6 +301,62 @@ def anomaly_mode(e, m, opt, rec):
     _step(e, m, opt, _batch(e, seed=1), 2, rec)
 
 
+@scenario
+def ema_copy(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    ema = copy.deepcopy(m).eval()  # timm's ModelEmaV2: a deep copy of the training model, updated in place
+    for i in range(2):
+        _step(e, m, opt, _batch(e, seed=i + 1), i + 2, rec)
+        with torch.no_grad():
+            for a, b in zip(ema.parameters(), m.parameters()):
+                a.lerp_(b, 0.5)
+            rec.append(e.forward(ema, _batch(e, seed=7))[1])
+
+
+@scenario
+def prune_after(e, m, opt, rec):
+    import torch.nn.utils.prune as prune
+
+    _step(e, m, opt, _batch(e), 1, rec)
+    layer = _layers(m, (torch.nn.Linear,))[0]
+    prune.l1_unstructured(layer, "weight", amount=0.5)  # weight becomes weight_orig * mask, by a pre-hook
+    _step(e, m, torch.optim.AdamW(m.parameters(), lr=1e-3), _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def weight_norm_after(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    layer = _layers(m, (torch.nn.Linear,))[0]
+    torch.nn.utils.parametrizations.weight_norm(layer)  # the module's class is swapped for a parametrized one
+    _step(e, m, torch.optim.AdamW(m.parameters(), lr=1e-3), _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def submodule_eval(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    for x in m.modules():  # dropout and normalization statistics frozen, the rest training
+        if isinstance(x, (torch.nn.Dropout, torch.nn.modules.batchnorm._BatchNorm)):
+            x.eval()
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def checkpointing_after(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    m.gradient_checkpointing_enable()  # transformers' activation checkpointing, turned on mid-run
+    _step(e, m, opt, _batch(e, seed=1), 2, rec)
+
+
+@scenario
+def config_after(e, m, opt, rec):
+    _step(e, m, opt, _batch(e), 1, rec)
+    m.config.output_hidden_states = True  # the config object changed after compiling
+    out, loss = e.forward(m, _batch(e, seed=1))
+    rec.append(loss.detach())
+    hidden = getattr(out, "hidden_states", None)
+    rec.append(torch.tensor(float(len(hidden) if hidden is not None else -1)))
+
+
 def _run(e: ZooEntry, model: torch.nn.Module, name: str, scenario: Scenario | None = None) -> tuple[Record, str | None]:
     rec: Record = []
     try:
