@@ -14,6 +14,8 @@ import torch
 
 from tvmbridge import add_tvm_dispatch
 
+from .value_asserts import AssertsLengths
+
 F64 = torch.float64
 
 
@@ -71,3 +73,29 @@ def test_indices_read_and_written_as_pytorch_does(name: str) -> None:
                 assert (want is None) == (got is None), f"index {bad.tolist()} at size {n}: eager {want}, tvm {got}"
                 if want is not None:
                     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["assert", "torch_check"])
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_a_condition_the_forward_asserts_on_a_value_is_checked_at_every_call(check: bool, grad: bool) -> None:
+    """The condition held: compiled, PyTorch's numbers; broken: PyTorch's error, where the frontend
+    dropped the assertion and the compiled call returned a number."""
+    torch.manual_seed(0)
+    eager = AssertsLengths(check)
+    tvm = add_tvm_dispatch(copy.deepcopy(eager))
+    error = AssertionError if not check else RuntimeError
+    with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for b, n in ((2, 5), (3, 7), (3, 6)):  # an exact variant, then a symbolic one
+            ids, mask = torch.randint(0, 10, (b, n)), torch.ones(b, n)
+            got, want = tvm(ids, mask), eager(ids, mask)
+            torch.testing.assert_close(got, want)
+            if grad:  # the variant's first backward checked: trusted from here on
+                got.backward()
+            with pytest.raises(error):
+                eager(ids, mask * 2)
+            with pytest.raises(error):
+                tvm(ids, mask * 2)
+    assert any("a condition the forward asserts" in str(w.message) for w in said)  # once per reason
+    assert tvm._tvm_dispatch.log.calls_fallback == 3
+    assert tvm._tvm_dispatch.calls_tvm == 6  # every call ran compiled; the three broken ones then PyTorch

@@ -3,8 +3,9 @@
 A Relax function may return a constant (an integer the symbolic trace folded from a static size:
 the length a ``DynamicCache`` layer counts). The VM returns its constant pool's own array, and
 DLPack hands PyTorch that memory: the same tensor on every call, so a caller's in-place edit (a
-generation loop advancing its cache) changed what every later call returned. Each such result is returned through a copy kernel instead, whose output the VM
-allocates per call as for any other kernel.
+generation loop advancing its cache) changed what every later call returned. Each such result
+is returned through a copy kernel instead, whose output the VM allocates per call as for any
+other kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def _constant_of(expr: relax.Expr, bound: dict[relax.Var, relax.Expr]) -> relax.
     """The constant ``expr`` is, through the bindings that rename it; None if it is none."""
     while isinstance(expr, relax.Var) and expr in bound:
         expr = bound[expr]
-    return expr if isinstance(expr, tvm.ir.expr.Constant) else None
+    is_tensor = isinstance(expr, tvm.ir.expr.Constant) and hasattr(expr.value, "shape")  # not a prim value
+    return expr if is_tensor else None
 
 
 def _type_of(constant: relax.Expr) -> relax.TensorType:

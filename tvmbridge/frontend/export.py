@@ -122,7 +122,7 @@ class TracedModule:
     updated_buffers: tuple[str, ...]  # state names whose new values follow the user outputs
     updated_inputs: tuple[int, ...] = ()  # user tensors (by position) written in place: new values follow the buffers'
     input_dims: tuple[tuple[int | str, ...], ...] = ()  # per user tensor: ints, symbols where dynamic
-    ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
+    ranges: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)  # symbol -> (lower, upper)
     autocast: AutocastState | None = None  # the autocast the graph was traced under (its casts are ops)
     grad_sources: tuple[frozenset[int], ...] = ()  # per user output, the inputs it has a gradient path from
     no_grad_path: frozenset[int] = frozenset()  # inputs no float user output depends on: no gradient

@@ -53,6 +53,7 @@ class BridgeImporter(ExportedProgramImporter):
         self.index_checks: list[relax.Expr] = []
         self.range_flag_slot: int | None = None  # where take and x[idx] fold their flags
         self.symbols: dict[str, tvm.tirx.Var] = {}  # torch's shape symbols as the frontend named them
+        self.item_tensors: dict[tvm.tirx.Var, relax.Expr] = {}  # a value read from a tensor -> that tensor
 
     @staticmethod
     def _has_assert_async(graph_module: torch.fx.GraphModule) -> bool:
@@ -125,6 +126,15 @@ class BridgeImporter(ExportedProgramImporter):
                 names.RANDOM_SITE, relax.prim_value(index), ty_args=relax.TensorType(shape, dtype)
             )
         )
+
+    def _item(self, node: torch.fx.Node) -> relax.Expr:
+        """``t.item()`` as the frontend reads it, and the tensor it read, kept for conditions on
+        the value (``converters.indexing.assert_scalar``)."""
+        value = super()._item(node)
+        if isinstance(value, tvm.tirx.Var):
+            source = self.env[node.args[0]]
+            self.item_tensors[value] = self.block_builder.emit(relax.op.reshape(relax.op.astype(source, "int64"), [1]))
+        return value
 
     def range_flag(self, inside: relax.Expr) -> None:
         """Fold ``all(inside)`` into one index-range flag for every ``take``/``x[idx]``: separate

@@ -191,15 +191,16 @@ def coarsest_float(ep: ExportedProgram) -> torch.dtype | None:
     return max(found, key=lambda d: torch.finfo(d).eps, default=None)
 
 
-def ranges(ep: ExportedProgram) -> dict[str, tuple[int, int | None]]:
-    """Each shape symbol's range as export derived it (``None``: no upper bound)."""
+def ranges(ep: ExportedProgram) -> dict[str, tuple[int | None, int | None]]:
+    """Each shape symbol's range as export derived it (``None``: no bound that side; a value
+    read from a tensor, ``lengths.max().item()``, has none either side)."""
     import math
 
-    out = {}
-    for symbol, vr in ep.range_constraints.items():
-        upper = float(vr.upper)
-        out[str(symbol)] = (int(vr.lower), None if math.isinf(upper) else int(upper))
-    return out
+    def bound(value: object) -> int | None:
+        number = float(value)  # type: ignore[arg-type]  # a sympy number, infinite ones too
+        return None if math.isinf(number) else int(number)
+
+    return {str(symbol): (bound(vr.lower), bound(vr.upper)) for symbol, vr in ep.range_constraints.items()}
 
 
 def input_dims(ep: ExportedProgram, num_user: int) -> tuple[tuple[int | str, ...], ...]:

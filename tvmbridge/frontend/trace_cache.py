@@ -34,7 +34,7 @@ class TraceFacts:
     updated_buffers: tuple[str, ...]
     updated_inputs: tuple[int, ...]
     input_dims: tuple[tuple[int | str, ...], ...]
-    ranges: dict[str, tuple[int, int | None]]
+    ranges: dict[str, tuple[int | None, int | None]]
     grad_sources: tuple[frozenset[int], ...]
     no_grad_path: frozenset[int]
     constant_outputs: frozenset[int]

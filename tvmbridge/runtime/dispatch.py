@@ -47,7 +47,7 @@ from .checked import rng_states, run_checked, set_rng_states
 from .compiled import CompiledModule
 from .eager import EagerForward, update_targets
 from .function import Call, CompiledCallError, TVMFunction, infer
-from .guards import Mismatch, check_index_flags
+from .guards import VALUE_CHECK_FAILED, Mismatch, flags_hold
 from .locks import TRACING
 from .random import draw
 from .submodules import describe_submodules, remove_submodule_dispatch, submodules_report
@@ -228,6 +228,10 @@ class Dispatcher:
                 set_rng_states(rng, variant.compiled.device)
             reason = self.discard(variant, args, kwargs, f"the compiled code failed while running ({exc})")
             return self.fallback(reason, args, kwargs)
+        if not self.flags_hold(variant.compiled, outs):  # PyTorch raises (or, where it does not, computes)
+            if rng is not None:
+                set_rng_states(rng, variant.compiled.device)
+            return self.fallback(VALUE_CHECK_FAILED, args, kwargs)
         return self.finish(variant.compiled, fitted.tensors, outs)
 
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
@@ -275,11 +279,15 @@ class Dispatcher:
         discard = functools.partial(self.discard, variant, args, kwargs)
         return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, sizes, check, discard), *tensors))
 
+    @staticmethod
+    def flags_hold(compiled: CompiledModule, outs: list[torch.Tensor]) -> bool:
+        """Whether the call's index and assertion flags (its last outputs) all hold."""
+        return flags_hold(outs[compiled.traced.num_user_outputs + compiled.traced.num_updates :])
+
     def finish(self, compiled: CompiledModule, tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
-        """Index flags checked, updated buffers and inputs written back, the module's own output rebuilt."""
+        """Updated buffers and inputs written back (the flags held), the module's own output rebuilt."""
         traced = compiled.traced
         n_user, n_updates = traced.num_user_outputs, traced.num_updates
-        check_index_flags(outs[n_user + n_updates :])
         if n_updates:
             with torch.no_grad():
                 for (what, target), new in zip(update_targets(compiled, tensors), outs[n_user : n_user + n_updates]):

@@ -32,11 +32,27 @@ class Mismatch:
     emptied: bool = False  # a cache the variant reads was emptied (the forward may fill it again)
 
 
+def flags_hold(flags: Sequence[torch.Tensor]) -> bool:
+    """Whether the compiled code's value flags all hold (1: every index of that read was in range,
+    every condition the forward asserts on a tensor's value true)."""
+    return all(int(flag) == 1 for flag in flags)
+
+
+# a call whose flags fail: the compiled reads were clipped, or an assertion was broken
+VALUE_CHECK_FAILED = Mismatch(
+    "value check",
+    "a check the compiled code makes on the call's values failed (an index out of range, or a condition "
+    "the forward asserts on a tensor's value, such as `assert lengths.max().item() <= seq_len`): PyTorch "
+    "ran the call, so it raises as PyTorch raises",
+    recompile=False,
+)
+
+
 def check_index_flags(flags: Sequence[torch.Tensor]) -> None:
-    """The compiled code's index-range flags (1: every index of that read was in range): raise
-    as PyTorch does where one was not (the compiled reads were clipped)."""
-    if any(int(flag) != 1 for flag in flags):
-        raise IndexError("index out of range in self")
+    """Raise where a flag failed (:func:`flags_hold`), as PyTorch raises for an index out of range
+    (code that has no PyTorch to run the call: ``compile_inference``)."""
+    if not flags_hold(flags):
+        raise IndexError("index out of range in self (or a condition the forward asserts on a tensor's value failed)")
 
 
 def autocast_mismatch(compiled_under: AutocastState | None, device_type: str) -> Mismatch | None:
@@ -181,7 +197,9 @@ class SymbolicDims:
     ``2*s0``) with the ranges export derived; a call fits when its sizes bind every symbol
     consistently, within range."""
 
-    def __init__(self, dims: tuple[tuple[int | str, ...], ...], ranges: dict[str, tuple[int, int | None]]) -> None:
+    def __init__(
+        self, dims: tuple[tuple[int | str, ...], ...], ranges: dict[str, tuple[int | None, int | None]]
+    ) -> None:
         self.per_tensor = dims
         self.ranges = ranges
         self.leaf_dims: dict[int, tuple[int | str, ...]] = {}
@@ -216,7 +234,7 @@ class SymbolicDims:
         if sizes.setdefault(want, got) != got:
             return Mismatch(what, f"{what} is {got}, but the compiled code needs it equal to {want} = {sizes[want]}")
         lower, upper = self.ranges.get(want, (0, None))
-        if got < lower or (upper is not None and got > upper):
+        if (lower is not None and got < lower) or (upper is not None and got > upper):
             return Mismatch(what, f"{what} is {got}, outside the compiled range [{lower}, {upper}] of {want}")
         return None
 

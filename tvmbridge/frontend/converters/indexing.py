@@ -284,6 +284,61 @@ def assert_async(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     return condition
 
 
+@converter("_assert_scalar.default")
+def assert_scalar(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr | None:
+    """A condition on a value read from a tensor that the forward asserts (XLM's
+    ``assert lengths.max().item() <= slen``, ``torch._check``), which export keeps as a run-time
+    assertion: folded into the range flag, so a call that breaks it runs PyTorch, which raises as
+    it does (the frontend dropped it: the compiled call returned numbers where PyTorch raised)."""
+    condition = importer.env[args_of(node)[0]]
+    if isinstance(condition, relax.Var):
+        condition = importer.block_builder.lookup_binding(condition)  # the prim value it names
+    if condition is None or isinstance(condition, (bool, int, tvm.tirx.IntImm)):
+        return None  # decided while tracing (a false one raised there)
+    if not (isinstance(condition, tvm.ir.Expr) and tvm.ir.is_prim_expr(condition)):
+        raise UnsupportedOpError("convert", f"a run-time assertion on {condition!r}", op="_assert_scalar.default")
+    importer.range_flag(_as_tensor(importer, condition))
+    return None
+
+
+_TENSOR_OPS: dict[type, Callable] = {
+    tvm.tirx.Add: relax.op.add,
+    tvm.tirx.Sub: relax.op.subtract,
+    tvm.tirx.Mul: relax.op.multiply,
+    tvm.tirx.FloorDiv: relax.op.floor_divide,
+    tvm.tirx.FloorMod: relax.op.floor_mod,
+    tvm.tirx.Min: relax.op.minimum,
+    tvm.tirx.Max: relax.op.maximum,
+    tvm.tirx.LT: relax.op.less,
+    tvm.tirx.LE: relax.op.less_equal,
+    tvm.tirx.GT: relax.op.greater,
+    tvm.tirx.GE: relax.op.greater_equal,
+    tvm.tirx.EQ: relax.op.equal,
+    tvm.tirx.NE: relax.op.not_equal,
+    tvm.tirx.And: relax.op.logical_and,
+    tvm.tirx.Or: relax.op.logical_or,
+}
+
+
+def _as_tensor(importer: BridgeImporter, expr: tvm.ir.Expr) -> relax.Expr:
+    """A condition over values read from tensors (and input sizes) as tensor ops on those tensors:
+    the value's symbol is defined by a cast in the forward only, where the split and the backward
+    would not find it, while its tensor is an ordinary value."""
+    if isinstance(expr, tvm.tirx.IntImm):
+        return relax.const(int(expr.value), "int64")  # compared with int64 values, or a constant truth
+    if isinstance(expr, tvm.tirx.Var):
+        if expr in importer.item_tensors:
+            return importer.item_tensors[expr]
+        # an input's size: defined wherever the inputs are, a one-element tensor of its value
+        return importer.block_builder.emit(relax.op.arange(expr, expr + 1, 1, "int64"))
+    if isinstance(expr, tvm.tirx.Not):
+        return importer.block_builder.emit(relax.op.logical_not(_as_tensor(importer, expr.a)))
+    make = _TENSOR_OPS.get(type(expr))
+    if make is None:
+        raise UnsupportedOpError("convert", f"a run-time assertion on {expr}", op="_assert_scalar.default")
+    return importer.block_builder.emit(make(_as_tensor(importer, expr.a), _as_tensor(importer, expr.b)))
+
+
 @converter("diagonal.default", wraps_default=True)
 def diagonal(importer: BridgeImporter, node: torch.fx.Node, default: Callable) -> relax.Expr:
     """``x.diagonal(offset, dim1, dim2)`` (``torch.trace``, ``torch.einsum("ii->i")``, a
