@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 from typing import TYPE_CHECKING
 
 from ..backend.gemm_choice import summary as gemm_summary
+from ..errors import FallbackWarning, caller_stacklevel, module_name
 
 if TYPE_CHECKING:
     from .guards import Mismatch
@@ -41,6 +43,15 @@ class CallLog:
             self.fallback_reasons[reason.message] += 1
         self.last_decision = f"ran PyTorch: {reason.message}"
         return self.first_time(reason.key)
+
+    def fell_back(self, module: object, reason: Mismatch, warn: bool) -> None:
+        """Count a call PyTorch ran, with a ``FallbackWarning`` the first time for its reason."""
+        if self.ran_pytorch(reason) and warn:
+            warnings.warn(
+                f"tvmbridge: fell back to PyTorch for {module_name(module)}: {reason.message}",
+                FallbackWarning,
+                stacklevel=caller_stacklevel(),
+            )
 
     def pytorch_gradients(self, message: str) -> None:
         """Count a backward whose gradients are PyTorch's (a compiled forward's check undecided)."""

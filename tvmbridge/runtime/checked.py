@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import FallbackWarning, VerificationWarning, caller_stacklevel, module_name
+from ..errors import VerificationWarning, caller_stacklevel, module_name
 from ..frontend.outputs import labelled_output_tensors
 from .eager import update_targets
 from .function import CompiledCallError
-from .guards import VALUE_CHECK_FAILED
+from .guards import VALUE_CHECK_FAILED, call_flags_hold
 from .verify import Discrepancy, GradientCheck, own_inputs, rejudged_outputs, same_computation, worst
 
 if TYPE_CHECKING:
@@ -104,12 +104,8 @@ def run_checked(
         found = (
             None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
         )
-    if found is None and not dispatcher.flags_hold(compiled, outs):  # PyTorch ran it without raising: its result stands
-        if dispatcher.log.ran_pytorch(VALUE_CHECK_FAILED) and dispatcher.options.warn_on_fallback:
-            message = (
-                f"tvmbridge: fell back to PyTorch for {module_name(dispatcher.module)}: {VALUE_CHECK_FAILED.message}"
-            )
-            warnings.warn(message, FallbackWarning, stacklevel=caller_stacklevel())
+    if found is None and not call_flags_hold(traced, outs):  # PyTorch ran it without raising: its result stands
+        dispatcher.log.fell_back(dispatcher.module, VALUE_CHECK_FAILED, dispatcher.options.warn_on_fallback)
     elif found is None:
         variant.trust.outputs_agreed(needs_grad)
         return dispatcher.finish(compiled, fitted.tensors, outs)

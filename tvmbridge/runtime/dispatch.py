@@ -47,7 +47,7 @@ from .checked import rng_states, run_checked, set_rng_states
 from .compiled import CompiledModule
 from .eager import EagerForward, update_targets
 from .function import Call, CompiledCallError, TVMFunction, infer
-from .guards import VALUE_CHECK_FAILED, Mismatch, flags_hold
+from .guards import VALUE_CHECK_FAILED, Mismatch, call_flags_hold
 from .locks import TRACING
 from .random import draw
 from .submodules import describe_submodules, remove_submodule_dispatch, submodules_report
@@ -228,7 +228,7 @@ class Dispatcher:
                 set_rng_states(rng, variant.compiled.device)
             reason = self.discard(variant, args, kwargs, f"the compiled code failed while running ({exc})")
             return self.fallback(reason, args, kwargs)
-        if not self.flags_hold(variant.compiled, outs):  # PyTorch raises (or, where it does not, computes)
+        if not call_flags_hold(variant.compiled.traced, outs):  # PyTorch raises (or, where it does not, computes)
             if rng is not None:
                 set_rng_states(rng, variant.compiled.device)
             return self.fallback(VALUE_CHECK_FAILED, args, kwargs)
@@ -279,11 +279,6 @@ class Dispatcher:
         discard = functools.partial(self.discard, variant, args, kwargs)
         return list(TVMFunction.apply(Call(compiled, randoms, eager, rng, sizes, check, discard), *tensors))
 
-    @staticmethod
-    def flags_hold(compiled: CompiledModule, outs: list[torch.Tensor]) -> bool:
-        """Whether the call's index and assertion flags (its last outputs) all hold."""
-        return flags_hold(outs[compiled.traced.num_user_outputs + compiled.traced.num_updates :])
-
     def finish(self, compiled: CompiledModule, tensors: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
         """Updated buffers and inputs written back (the flags held), the module's own output rebuilt."""
         traced = compiled.traced
@@ -320,12 +315,7 @@ class Dispatcher:
 
     def fallback(self, reason: Mismatch, args: tuple, kwargs: dict) -> Any:
         """PyTorch runs the call, with a warning the first time for each reason."""
-        if self.log.ran_pytorch(reason) and self.options.warn_on_fallback:
-            warnings.warn(
-                f"tvmbridge: fell back to PyTorch for {module_name(self.module)}: {reason.message}",
-                FallbackWarning,
-                stacklevel=caller_stacklevel(),
-            )
+        self.log.fell_back(self.module, reason, self.options.warn_on_fallback)
         TRACING.wait_idle()
         out = self.eager(*args, **kwargs)
         self.variant_set.ran_pytorch(reason)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from ..frontend.call_state import AutocastState
 from ..sizes import evaluate_dims
+
+if TYPE_CHECKING:
+    from ..frontend.export import TracedModule
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ def flags_hold(flags: Sequence[torch.Tensor]) -> bool:
     """Whether the compiled code's value flags all hold (1: every index of that read was in range,
     every condition the forward asserts on a tensor's value true)."""
     return all(int(flag) == 1 for flag in flags)
+
+
+def call_flags_hold(traced: TracedModule, outs: Sequence[torch.Tensor]) -> bool:
+    """Whether a compiled call's flags (its outputs after the user's and the updated buffers') hold."""
+    return flags_hold(outs[traced.num_user_outputs + traced.num_updates :])
 
 
 # a call whose flags fail: the compiled reads were clipped, or an assertion was broken
