@@ -127,6 +127,27 @@ def test_pytorch_errors_are_raised_as_pytorch_raises_them() -> None:
         m(torch.randn(5, 6, dtype=torch.float64))
 
 
+def test_a_bad_first_batch_raises_as_pytorch_does_and_leaves_the_variant_to_later_calls() -> None:
+    """A first call PyTorch refuses for its values (an index out of range) raises as PyTorch does;
+    the variant is not thrown away, so the good calls after it run compiled (they ran PyTorch
+    for good, silently, when the refusal discarded it)."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
+    m = add_tvm_dispatch(copy.deepcopy(eager))
+    with pytest.raises(IndexError):
+        m(torch.tensor([[1, 2, 10]]))
+    ids = torch.tensor([[1, 2, 3]])
+    for _ in range(2):
+        m.zero_grad()
+        eager.zero_grad()
+        m(ids).sum().backward()
+        eager(ids).sum().backward()
+        for p, q in zip(m.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert m._tvm_dispatch.log.calls_fallback == 0 and not m._tvm_dispatch.log.discarded
+    assert m._tvm_dispatch.variants[0].trust.needed(True) is False
+
+
 class _BrokenVM:
     def __getitem__(self, name: str):
         def fail(*args):

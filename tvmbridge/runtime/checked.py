@@ -64,8 +64,9 @@ def run_checked(
         with torch.set_grad_enabled(needs_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             eager_out, eager_state = dispatcher.eager.call(compiled, inputs)
     except Exception:
-        # PyTorch refuses this call (a dtype mismatch, a bad index...): so must we, and never run it compiled
-        dispatcher.discard(variant, args, kwargs, "PyTorch raises an error on this call", warn=False)
+        # PyTorch refuses this call (a bad index, a condition the forward asserts): so must we. The
+        # variant stays unchecked, its next call checked again: discarded, one bad batch sent every
+        # later call of its signature to PyTorch, silently
         raise
     after = rng_states(compiled.device)
     paths = labelled_output_tensors(eager_out)[0]
