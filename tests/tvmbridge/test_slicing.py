@@ -104,6 +104,26 @@ def test_symbolic_slices_and_ranges_serve_every_length() -> None:
                                            loss=lambda out: out.pow(2).sum())
 
 
+class LastPositions(Positions):
+    """XLM's pattern: the positions cut to the length, then the last ``seq`` of them taken
+    (``x[:, -seq:]``, a start that is a symbolic negative size)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        ids = self.position_ids[:, :seq][:, -seq:]
+        return self.lin(x + self.pos(ids))
+
+
+def test_a_slice_from_a_symbolic_negative_start_keeps_its_length() -> None:
+    """The default converter clamped ``-seq`` into an extent Relax could not prove equal to
+    ``seq``: the sum with the input had no shape, its gradient failed, and every new length
+    compiled an exact variant."""
+    torch.manual_seed(0)
+    calls = [torch.randn(2, seq, 8) for seq in (6, 9, 13)]
+    _same_as_eager_in_one_symbolic_variant(LastPositions(), calls, rtol=1e-5, atol=1e-5, grad_rtol=1e-4,
+                                           loss=lambda out: out.pow(2).sum())
+
+
 class PartialRotary(torch.nn.Module):
     """Phi-3's pattern: ``x[..., :rot]`` rotated, ``x[..., rot:]`` passed through and concatenated
     back; with ``rot`` the whole head the pass-through part is empty along the axis."""

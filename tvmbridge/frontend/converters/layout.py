@@ -8,6 +8,7 @@ prove equal to the sizes they came from.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -43,9 +44,13 @@ def slice_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callabl
     length = out_val.shape[dim]
     if start is None:
         start = 0
-    if not isinstance(start, int) or isinstance(length, int) and length == 0:
-        return default(node)  # a symbolic start (the default converter's clamps are needed)
-    if start < 0:
+    if not isinstance(start, int):
+        start = _start_to_the_end(x_val.shape[dim], length, args[3], step)
+        if start is None:
+            return default(node)  # a symbolic start elsewhere (the default converter's clamps are needed)
+    if isinstance(length, int) and length == 0:
+        return default(node)
+    if isinstance(start, int) and start < 0:
         start = max(start + x_val.shape[dim], 0)
     end = start + step * (length - 1) + 1
     x = importer.env[args_of(node)[0]]
@@ -54,6 +59,18 @@ def slice_traced(importer: BridgeImporter, node: torch.fx.Node, default: Callabl
     return importer.block_builder.emit(
         relax.op.strided_slice(x, [dim], [importer.prim(start)], [importer.prim(end)], [step], assume_inbound=True)
     )
+
+
+def _start_to_the_end(size: int | torch.SymInt, length: int | torch.SymInt, end: object, step: int) -> object:
+    """Where a slice with a symbolic start that runs to the axis' end begins (``x[:, -n:]``, the
+    last ``n`` positions): ``size - length``, from the length torch derived; None for any other
+    slice. The default converter clamps ``-n`` with ``if_then_else(0 < n, ...)``, an extent Relax
+    cannot prove equal to ``n``, and every shape after it is unknown (XLM's positions)."""
+    if step != 1 or not (end is None or (isinstance(end, int) and end >= sys.maxsize)):
+        return None
+    start = size - length
+    expr = getattr(getattr(start, "node", None), "expr", None)
+    return int(expr) if expr is not None and expr.is_number else start
 
 
 @converter("slice_scatter.default", wraps_default=True)
