@@ -64,9 +64,8 @@ def run_checked(
         with torch.set_grad_enabled(needs_grad), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             eager_out, eager_state = dispatcher.eager.call(compiled, inputs)
     except Exception:
-        # PyTorch refuses this call (a bad index, a condition the forward asserts): so must we. The
-        # variant stays unchecked, its next call checked again: discarded, one bad batch sent every
-        # later call of its signature to PyTorch, silently
+        # PyTorch refuses this call (a bad index, an assertion): so must we; the variant stays
+        # unchecked for its next call (discarded, one bad batch sent its signature to PyTorch)
         raise
     after = rng_states(compiled.device)
     paths = labelled_output_tensors(eager_out)[0]

@@ -39,9 +39,8 @@ from .batches import (
 from .handwritten import NanoGPT, TransformerTranslator, WordLSTM, nanogpt_batch, translation_batch
 
 FAMILIES = ("text-encoder", "decoder", "enc-dec", "vision", "cnn", "audio", "timm", "torchvision")
-# timm's CNNs downsample 32x: at 32x32 their last stages see 1x1 maps, where train-mode BatchNorm
-# over a batch of 2 normalizes 2 values to +-1 and its float32 gradient is noise times 1/|x1-x2|
-# (eager's own gradient is then further from float64 than the gradient's size). 64x64 keeps 2x2.
+# timm's CNNs downsample 32x: at 32x32 their last BatchNorms normalize 2 values (1x1 maps, batch 2) to +-1,
+# a float32 gradient of noise times 1/|x1-x2|, further from float64 than its size. 64x64 keeps 2x2.
 CNN_IMAGE = 64
 
 
@@ -201,10 +200,8 @@ def _text_encoders() -> list[ZooEntry]:
         E("esm-mlm", "text-encoder", hf("EsmForMaskedLM", "EsmConfig", **ENC, position_embedding_type="rotary",
                                         pad_token_id=0, mask_token_id=3, token_dropout=True),
           mlm_batch(token_types=False), note="token dropout: embeddings rescaled by each row's masked fraction"),
-        E("xlm-mlm", "text-encoder",
-          hf("XLMWithLMHeadModel", "XLMConfig", vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4,
-             max_position_embeddings=128), mlm_batch(token_types=False),
-          note="asserts lengths.max().item() <= slen: a run-time assertion on a value read from a tensor"),
+        E("xlm-mlm", "text-encoder", hf("XLMWithLMHeadModel", "XLMConfig", vocab_size=VOCAB, emb_dim=32, n_layers=2,
+          n_heads=4), mlm_batch(token_types=False), note="asserts lengths.max().item() <= slen, slices x[:, -n:]"),
         E("mobilebert-mlm", "text-encoder",
           hf("MobileBertForMaskedLM", "MobileBertConfig", **ENC, embedding_size=16, intra_bottleneck_size=16,
              true_hidden_size=16, num_feedforward_networks=2), mlm_batch()),
