@@ -8,6 +8,7 @@ attribute, an input) fails in eager too and is reported as not applicable.
 
     python scripts/everyday.py                                  # bert-cls, every scenario
     python scripts/everyday.py --models llama,resnet --scenarios to_double,batch_sizes
+    python scripts/everyday.py --via backend                    # torch.compile(model, backend=...) instead
 
 Verdicts: ``OK`` (losses and gradients within ``--rtol`` of eager relative to each tensor's largest
 value, or 1e-3 of the scenario's largest where that is more; parameters within ``--param-atol``),
@@ -30,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tvmbridge import add_tvm_dispatch  # noqa: E402
+from tvmbridge import add_tvm_dispatch, compile_backend  # noqa: E402
+from tvmbridge.dynamo.backend import Backend  # noqa: E402
 from tvmbridge.tools.zoo.models import ZooEntry, get  # noqa: E402
 
 Record = list  # losses and gradients in order, then "params", then the final parameters
@@ -87,7 +89,7 @@ def param_replace(e, m, opt, rec):
 def load_state(e, m, opt, rec):
     _step(e, m, opt, _batch(e), 1, rec)
     torch.manual_seed(9)
-    m.load_state_dict(e.build().state_dict())
+    getattr(m, "_orig_mod", m).load_state_dict(e.build().state_dict())  # torch.compile's wrapper: its own keys
     _step(e, m, opt, _batch(e, seed=1), 2, rec)
 
 
@@ -399,19 +401,34 @@ def judge_low_precision(got: Record, want: Record, exact: Record, rtol: float) -
     return ("OK" if ok else "DIFF"), f"from float32: bridge within {max(ours):.1e}, eager within {max(theirs):.1e}"
 
 
-def run_scenario(model_name: str, name: str, rtol: float, param_atol: float) -> str:
+def _calls(model: torch.nn.Module, backend: Backend | None) -> str:
+    """How many calls ran compiled and how many PyTorch (summed over the backend's graphs)."""
+    if backend is None:
+        log = model._tvm_dispatch.log
+        return f"compiled {log.calls_tvm}, PyTorch {log.calls_fallback}"
+    logs = [g.dispatcher.log for g in backend.graphs]
+    tvm, eager = sum(g.calls_tvm for g in logs), sum(g.calls_fallback for g in logs)
+    return f"{len(logs)} graphs: compiled {tvm}, PyTorch {eager}; {len(backend.refused)} graphs refused"
+
+
+def run_scenario(model_name: str, name: str, rtol: float, param_atol: float, via: str = "dispatch") -> str:
     e = get(model_name)
     torch.manual_seed(0)
     model = e.build().train()
     ref = copy.deepcopy(model)
     twin = copy.deepcopy(model) if name in FLOAT32_TWIN else None  # its float32 steps, for a bfloat16 scenario
-    add_tvm_dispatch(model)
+    backend = None
+    if via == "backend":  # as a user of torch.compile writes it: the compiled wrapper is what trains
+        torch._dynamo.reset()
+        backend = compile_backend()
+        tvm: torch.nn.Module = torch.compile(model, backend=backend)  # type: ignore[assignment]
+    else:
+        tvm = add_tvm_dispatch(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, error = _run(e, model, name)
+        got, error = _run(e, tvm, name)
     want, eager_error = _run(e, ref, name)
-    log = model._tvm_dispatch.log
-    calls = f"compiled {log.calls_tvm}, PyTorch {log.calls_fallback}"
+    calls = _calls(model, backend)
     said = sorted({str(w.message).split("\n")[0][:150] for w in caught if "tvmbridge" in str(w.message)})
     if eager_error is not None:
         return f"{model_name:12s} {name:16s} N/A     eager raises {eager_error[:100]}"
@@ -431,11 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--param-atol", type=float, default=2e-4, help="two AdamW steps of lr 1e-3 on noise-level signs")
+    ap.add_argument("--via", choices=("dispatch", "backend"), default="dispatch",
+                    help="add_tvm_dispatch (default) or torch.compile(model, backend=tvmbridge.compile_backend())")
     args = ap.parse_args(argv)
     verdicts = []
     for model_name in args.models.split(","):
         for name in args.scenarios.split(","):
-            line = run_scenario(model_name, name, args.rtol, args.param_atol)
+            line = run_scenario(model_name, name, args.rtol, args.param_atol, args.via)
             verdicts.append(line.split()[2])
             print(line, flush=True)
     print({v: verdicts.count(v) for v in sorted(set(verdicts))})

@@ -304,6 +304,30 @@ def test_compile_backend_options_reach_the_graphs() -> None:
             compiled(torch.randn(3, 8))
 
 
+def test_a_deep_copy_of_a_compiled_model_trains_as_eager() -> None:
+    """timm's ModelEmaV2 deep-copies the model it is given, compiled or not."""
+    backend = tvmbridge.compile_backend()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(5, 8)
+    _step(compiled, 0, x)
+    twin = copy.deepcopy(compiled)
+    assert twin._orig_mod is not model and next(twin.parameters()) is not next(model.parameters())
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        for p in ref.parameters():
+            p.mul_(0.5)
+    ref.zero_grad()
+    twin.zero_grad()
+    with _strict():
+        torch.testing.assert_close(_step(twin, 1, x), _step(ref, 1, x))
+    _assert_same_grads(twin._orig_mod, ref)
+    _all_compiled(backend)
+
+
 class Tower(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -191,6 +191,12 @@ class Backend:
         lines = [f"graph {i}: {g.explain()}" for i, g in enumerate(graphs, 1)]
         return "\n".join(lines + [f"not compiled: {why}" for why in refused])
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Backend:
+        """The backend itself: ``copy.deepcopy`` of a model compiled with it (timm's ``ModelEmaV2``,
+        a checkpointed best model) copies dynamo's context, which holds the backend; graphs the
+        copy compiles are kept with the others'."""
+        return self
+
     def reset(self) -> None:
         """Forget the graphs (``torch._dynamo.reset()`` calls this: its compiled code is gone)."""
         with self._lock:
