@@ -461,6 +461,26 @@ def test_the_registered_name_takes_options() -> None:
         torch.compile(copy.deepcopy(ref), backend="tvmbridge", options={"no_such_option": 1})(hidden, mask)
 
 
+def test_inductors_modes_compile_as_the_default_and_say_so() -> None:
+    """A user coming from inductor passes ``mode``: a known one compiles (with a warning naming what
+    stands for it here), another is an error naming the modes; a backend object takes no options."""
+    from tvmbridge.dynamo import backend as backend_module
+
+    backend_module._said_modes.discard("max-autotune")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    with pytest.warns(UserWarning, match="tuning_db"):
+        got = _step(torch.compile(model, backend="tvmbridge", mode="max-autotune"), 0, x)
+    torch.testing.assert_close(got, _step(ref, 0, x))
+    _assert_same_grads(model, ref)
+    with pytest.raises(Exception, match="not a mode tvmbridge knows"):
+        torch.compile(copy.deepcopy(ref), backend="tvmbridge", mode="max-speed")(x)
+    with pytest.raises(Exception, match=r"compile_backend\(\*\*\{'verify': False\}\)"):
+        torch.compile(copy.deepcopy(ref), backend=tvmbridge.compile_backend(), options={"verify": False})(x)
+
+
 def test_autocast_around_the_compiled_model_is_compiled_in() -> None:
     """Called under torch.autocast: the graph's casts are traced under it and the net (bfloat16
     tolerances) accepts the result; a call without autocast is another variant, in float32."""

@@ -30,6 +30,37 @@ from .split import grad_modes, needs_split, split
 # converted runs PyTorch (with a warning) instead of failing the user's torch.compile.
 BACKEND_DEFAULTS: dict[str, Any] = {"fallback": True}
 
+# torch.compile's ``mode`` names inductor's choices; the bridge compiles the same way under each,
+# and says what stands for the one that asks for more (``max-autotune``: a tuned database).
+MODES: dict[str, str] = {
+    "reduce-overhead": "",
+    "max-autotune": "tune ahead with `python -m tvmbridge tune` and pass options={'tuning_db': <its directory>}",
+    "max-autotune-no-cudagraphs": "",
+}
+MODES["max-autotune-no-cudagraphs"] = MODES["max-autotune"]
+_said_modes: set[str] = set()
+
+
+def check_mode(mode: str | None) -> None:
+    """A ``torch.compile(mode=...)`` the backend takes: known modes compile as the default does (said
+    once per mode, with what gives the mode's effect here); another is an error naming them."""
+    if mode is None or mode == "default":
+        return
+    if mode not in MODES:
+        raise ValueError(
+            f"torch.compile(mode={mode!r}) is not a mode tvmbridge knows; it takes 'default', "
+            f"{', '.join(repr(m) for m in MODES)} (all compile alike) and CompileOptions fields as options={{...}}"
+        )
+    if mode not in _said_modes:
+        _said_modes.add(mode)
+        how = f": {MODES[mode]}" if MODES[mode] else ""
+        warnings.warn(
+            f"tvmbridge compiles torch.compile(mode={mode!r}) as the default mode (modes choose inductor's "
+            f"settings){how}",
+            UserWarning,
+            stacklevel=caller_stacklevel(),
+        )
+
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm``'s graph (node names and meta kept) over the same attributes."""
@@ -157,7 +188,20 @@ class Backend:
         self.refused: list[str] = []  # why each graph that runs PyTorch as a whole does
         self._lock = threading.Lock()
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        """What dynamo runs for ``gm`` (``mode``/``options``: torch.compile's, passed on to a backend object)."""
+        check_mode(mode)
+        if options:
+            raise ValueError(
+                "torch.compile(backend=<a tvmbridge backend object>, options=...): the object's options are "
+                f"fixed when it is made: tvmbridge.compile_backend(**{options!r})"
+            )
         try:
             inline_bodies(gm)
             if needs_split(gm):
@@ -220,11 +264,15 @@ def compile_backend(options: CompileOptions | None = None, **overrides: Any) -> 
 
 
 def tvmbridge(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable[..., Any]:
     """The backend registered as ``"tvmbridge"``: ``torch.compile(model, backend="tvmbridge",
-    options={"memory_budget": 0.3})`` passes ``options`` as :class:`CompileOptions` fields."""
-    return _backend_for(options or {})(gm, example_inputs)
+    options={"memory_budget": 0.3})`` passes ``options`` as :class:`CompileOptions` fields;
+    ``mode`` as :func:`check_mode` says."""
+    return _backend_for(options or {})(gm, example_inputs, mode=mode)
 
 
 def _backend_for(options: dict[str, Any]) -> Backend:
