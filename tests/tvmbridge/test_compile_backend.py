@@ -464,9 +464,9 @@ def test_the_registered_name_takes_options() -> None:
 def test_inductors_modes_compile_as_the_default_and_say_so() -> None:
     """A user coming from inductor passes ``mode``: a known one compiles (with a warning naming what
     stands for it here), another is an error naming the modes; a backend object takes no options."""
-    from tvmbridge.dynamo import backend as backend_module
+    from tvmbridge.dynamo.backend import _backend_for
 
-    backend_module._said_modes.discard("max-autotune")
+    _backend_for({})._said_modes.discard("max-autotune")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 3))
     ref = copy.deepcopy(model)

@@ -5,6 +5,7 @@ by themselves; training through them gives PyTorch's outputs and gradients."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -206,8 +207,11 @@ def test_compile_submodules_off_keeps_pytorch_for_all_of_it() -> None:
 
 def test_without_fallback_the_failure_raises_and_nothing_is_dispatched() -> None:
     model = LayerDrop().train()
-    with pytest.raises(ConversionError, match="branches on a tensor's values.*fallback=True.*submodules"):
+    with pytest.raises(ConversionError, match="branches on a tensor's values.*fallback=True.*submodules") as raised:
         add_tvm_dispatch(model, (torch.randn(3, 5, 4),))
+    # the line that branches, and what this one is
+    assert re.search(r"test_submodule_fallback.py:\d+: `if self.training and torch.rand\(\[\]\) < self.layerdrop:`", str(raised.value))
+    assert "LayerDrop" in str(raised.value) and "layerdrop=0.0" in str(raised.value)
     assert all(getattr(m, "_tvm_dispatch", None) is None for m in model.modules())
 
 

@@ -38,12 +38,12 @@ MODES: dict[str, str] = {
     "max-autotune-no-cudagraphs": "",
 }
 MODES["max-autotune-no-cudagraphs"] = MODES["max-autotune"]
-_said_modes: set[str] = set()
 
 
-def check_mode(mode: str | None) -> None:
+def check_mode(mode: str | None, said: set[str]) -> None:
     """A ``torch.compile(mode=...)`` the backend takes: known modes compile as the default does (said
-    once per mode, with what gives the mode's effect here); another is an error naming them."""
+    once per mode and backend, ``said`` holding those said, with what gives the mode's effect here);
+    another is an error naming them."""
     if mode is None or mode == "default":
         return
     if mode not in MODES:
@@ -51,8 +51,8 @@ def check_mode(mode: str | None) -> None:
             f"torch.compile(mode={mode!r}) is not a mode tvmbridge knows; it takes 'default', "
             f"{', '.join(repr(m) for m in MODES)} (all compile alike) and CompileOptions fields as options={{...}}"
         )
-    if mode not in _said_modes:
-        _said_modes.add(mode)
+    if mode not in said:
+        said.add(mode)
         how = f": {MODES[mode]}" if MODES[mode] else ""
         warnings.warn(
             f"tvmbridge compiles torch.compile(mode={mode!r}) as the default mode (modes choose inductor's "
@@ -187,6 +187,7 @@ class Backend:
         self.graphs: list[CompiledGraph] = []
         self.refused: list[str] = []  # why each graph that runs PyTorch as a whole does
         self._lock = threading.Lock()
+        self._said_modes: set[str] = set()  # torch.compile modes warned about (once each)
 
     def __call__(
         self,
@@ -196,7 +197,8 @@ class Backend:
         options: dict[str, Any] | None = None,
     ) -> Callable[..., Any]:
         """What dynamo runs for ``gm`` (``mode``/``options``: torch.compile's, passed on to a backend object)."""
-        check_mode(mode)
+        with self._lock:
+            check_mode(mode, self._said_modes)
         if options:
             raise ValueError(
                 "torch.compile(backend=<a tvmbridge backend object>, options=...): the object's options are "

@@ -60,7 +60,7 @@ from .program_facts import (
 from .signature import canonical_call, opaque_argument_reason
 from .traced_layouts import keep_traced_layouts
 from .untraced_autograd import untraced_autograd_seen
-from .value_hints import value_free_hints, value_read_named
+from .value_hints import data_dependent_hint, value_free_hints, value_read_named
 
 
 class Deferred:
@@ -234,12 +234,7 @@ def _export(
             elif "Cache" in str(exc):  # transformers' key/value caches
                 hint = "; the model builds a key/value cache: train with use_cache=False"
             elif "data-dependent" in str(exc):
-                hint = (
-                    "; the forward branches on a tensor's values (a Python `if` on a tensor, `.item()`, a "
-                    "check such as F.gaussian_nll_loss's `torch.any(var < 0)`), which compiled code cannot: "
-                    "move it out of forward, or pass fallback=True: PyTorch then runs this module's own code and its "
-                    "submodules compile by themselves"
-                )
+                hint = data_dependent_hint(exc)
             raise ConversionError(
                 "trace", f"torch.export could not trace {type(module).__name__}: {describe(exc)}{hint}"
             ) from exc

@@ -15,6 +15,8 @@ batch sizes), the trace fails, and the functions below name the cause in the err
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import threading
 from collections.abc import Iterator
 
@@ -108,3 +110,35 @@ def _packed_sequence_in(exc: BaseException) -> bool:
             tb = tb.tb_next
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _branch_site(exc: BaseException) -> tuple[str, str] | None:
+    """(``file:line``, source line) of the user's code whose branch torch.export could not decide,
+    from the message torch gives a data-dependent guard ("The following call raised this error")."""
+    text = str(exc)
+    at = text.find("The following call raised this error:")
+    if at < 0:
+        return None
+    lines = text[at:].splitlines()[1:3]
+    found = re.match(r'\s*File "([^"]+)", line (\d+)', lines[0]) if lines else None
+    if found is None:
+        return None
+    code = lines[1].strip() if len(lines) > 1 else ""
+    return f"{os.path.basename(found.group(1))}:{found.group(2)}", code
+
+
+def data_dependent_hint(exc: BaseException) -> str:
+    """What to do about a branch on a tensor's values, naming the line that branches where torch says."""
+    site = _branch_site(exc)
+    where = f" (at {site[0]}: `{site[1]}`)" if site else ""
+    hint = (
+        f"; the forward branches on a tensor's values{where} (a Python `if` on a tensor, `.item()`, a check "
+        "such as F.gaussian_nll_loss's `torch.any(var < 0)`), which compiled code cannot: move it out of forward, "
+        "or pass fallback=True: PyTorch then runs this module's own code and its submodules compile by themselves"
+    )
+    if site and "layerdrop" in site[1].lower():
+        hint += (
+            "; this one is LayerDrop (a random draw decides whether a layer runs in training): a config's "
+            "*layerdrop=0.0 compiles the model whole"
+        )
+    return hint

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .upstream import leaves_upstream
+
 # relative to the tensor's largest magnitude; float noise of a whole model stays well inside
 RTOL = {torch.float64: 1e-7, torch.float32: 1e-3, torch.bfloat16: 4e-2, torch.float16: 2e-2}
 ATOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
@@ -59,11 +61,14 @@ def own_inputs(tensors: list[torch.Tensor], num_user: int) -> list[torch.Tensor]
     with the hooked gradient and discarded, the hook run twice where the reference stands in).
     State made by a graph outside the call (old-style weight_norm's ``weight``, made from the
     parameters ``weight_g`` and ``weight_v`` before each call) is a leaf of its own: the call's
-    gradients stop at it, and autograd takes them on through that graph once, after the call."""
+    gradients stop at it, and autograd takes them on through that graph once, after the call.
+    A leaf the call's arguments were themselves computed from is an alias as well
+    (``upstream.leaves_upstream``: an LM head's weight tied to the embedding)."""
+    tied = leaves_upstream(tensors[:num_user], tensors[num_user:])
     seen: dict[int, torch.Tensor] = {}
     return [
         seen.setdefault(id(t), t.view_as(t) if i < num_user or t.grad_fn is None else t.detach().requires_grad_())
-        if t.requires_grad and (i < num_user or t.grad_fn is not None or t._backward_hooks)
+        if t.requires_grad and (i < num_user or t.grad_fn is not None or t._backward_hooks or id(t) in tied)
         else t
         for i, t in enumerate(tensors)
     ]
