@@ -236,6 +236,21 @@ def input_gradient(e, m, opt, rec):
 
 
 @scenario
+def embeds_outside(e, m, opt, rec):
+    """The caller embeds (prompt tuning, FreeLB's adversarial steps): the embedding's weight, tied
+    to the head, reaches the loss through the call's input and inside it."""
+    for seed in (1, 2):
+        batch = _batch(e, seed=seed)
+        torch.manual_seed(seed)
+        emb = m.get_input_embeddings()(batch.pop("input_ids"))
+        out = m(inputs_embeds=emb + 0.01 * torch.randn_like(emb), **batch)
+        out.loss.backward()
+        rec += [out.loss.detach(), *_grads(m)]
+        opt.step()
+        opt.zero_grad()
+
+
+@scenario
 def seq_lengths(e, m, opt, rec):
     for i, n in enumerate([16, 9, 23, 16, 5]):  # a loader padding each batch to its longest row
         _step(e, m, opt, _batch(e, n=n, seed=i), i, rec)

@@ -5,8 +5,10 @@ only the call's own path to that parameter: autograd carries the input's gradien
 earlier use itself."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -28,12 +30,13 @@ class TiedLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def _strict():
-    w = warnings.catch_warnings()
-    w.__enter__()
-    warnings.simplefilter("error", VerificationWarning)
-    warnings.simplefilter("error", FallbackWarning)
-    return w
+@contextlib.contextmanager
+def _strict() -> Iterator[None]:
+    """A discarded variant or a call that ran PyTorch fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VerificationWarning)
+        warnings.simplefilter("error", FallbackWarning)
+        yield
 
 
 def test_a_head_tied_to_the_embedding_before_it_trains_as_eager() -> None:
@@ -42,9 +45,8 @@ def test_a_head_tied_to_the_embedding_before_it_trains_as_eager() -> None:
     ref = copy.deepcopy(model)
     add_tvm_dispatch(model.head)  # the net on (the default): its check differentiates PyTorch's head
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
-    strict = _strict()
-    try:
-        for step in range(3):
+    with _strict():
+        for _ in range(3):
             ids, labels = torch.randint(0, 20, (2, 5)), torch.randint(0, 20, (2, 5))
             for m, opt in zip((model, ref), opts):
                 opt.zero_grad()
@@ -53,8 +55,6 @@ def test_a_head_tied_to_the_embedding_before_it_trains_as_eager() -> None:
             torch.testing.assert_close(model.body[0].weight.grad, ref.body[0].weight.grad)
             for opt in opts:
                 opt.step()
-    finally:
-        strict.__exit__(None, None, None)
     log = model.head._tvm_dispatch.log
     assert log.calls_tvm == 3 and log.calls_fallback == 0
 
@@ -75,3 +75,35 @@ def test_a_block_applied_to_its_own_output_under_a_gradient_penalty() -> None:
         grads.append([*gw, *torch.autograd.grad(penalty, list(m.parameters()))])
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want)
+
+
+class EmbedsLM(torch.nn.Module):
+    """transformers' ``model(inputs_embeds=model.get_input_embeddings()(ids))``: the caller embeds
+    (prompt tuning, adversarial training in embedding space) with the weight the tied head reads."""
+
+    def __init__(self, vocab: int = 20, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.body = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, inputs_embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.body(inputs_embeds)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_inputs_embedded_by_the_callers_use_of_the_models_own_weight() -> None:
+    torch.manual_seed(0)
+    model = EmbedsLM()
+    ref = copy.deepcopy(model)
+    add_tvm_dispatch(model)
+    with _strict():
+        for _ in range(2):
+            ids, labels = torch.randint(0, 20, (2, 5)), torch.randint(0, 20, (2, 5))
+            for m in (model, ref):
+                m.zero_grad()
+                m(m.embed(ids), labels).backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, msg=lambda s, n=name: f"{n}: {s}")
+    assert model._tvm_dispatch.log.calls_tvm == 2
