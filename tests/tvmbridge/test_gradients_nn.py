@@ -503,7 +503,9 @@ def test_a_case_no_formula_covers_is_refused_naming_the_op():
     lambda x: torch.topk(x, 3, dim=-1)[0],
     lambda x: torch.topk(x.softmax(-1), 2, dim=1, largest=False)[0],
     lambda x: torch.topk(x, 2, dim=0)[0] * torch.topk(x, 2, dim=0)[1].to(x.dtype),
-], ids=["values", "smallest", "indices_used"])
+    # DeepSeek-V3's router: order unspecified, so used order-free (a sum, or k=1)
+    lambda x: torch.topk(x, 3, dim=-1, sorted=False)[0].sum(-1, keepdim=True) * torch.topk(x, 1, dim=0, sorted=False)[0],
+], ids=["values", "smallest", "indices_used", "unsorted"])
 def test_topk_gradient_goes_back_where_the_values_were_read(fn):
     """A mixture-of-experts router's top-k weights (Relax has no topk gradient)."""
     check(Fn(fn), X3)

@@ -191,6 +191,56 @@ def test_a_float64_batch_into_a_float32_model_raises_as_pytorch_does() -> None:
         m(torch.randn(5, 6, dtype=torch.float64))  # the compile refuses it, PyTorch raises its own error
 
 
+@pytest.mark.parametrize("bad", [
+    torch.randn(5, 6, dtype=torch.float64),  # a float64 batch: PyTorch refuses the matmul
+    torch.randn(5, 7),  # the wrong width
+    torch.randint(0, 3, (5, 6)),  # integer features
+], ids=["float64", "width", "integers"])
+def test_a_bad_first_call_raises_pytorchs_own_error(bad: torch.Tensor) -> None:
+    """No variant yet and fallback off: the bridge's trace fails too, but the error the user sees
+    is PyTorch's (what the call would raise without the bridge), noting the bridge's."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
+    ref = copy.deepcopy(model)
+    with pytest.raises(RuntimeError) as want:
+        ref(bad)
+    m = add_tvm_dispatch(model)
+    with pytest.raises(type(want.value)) as got:
+        m(bad)
+    assert str(got.value) == str(want.value)
+    assert any("tvmbridge: compiling" in note for note in getattr(got.value, "__notes__", []))
+    good = torch.randn(5, 6)
+    torch.testing.assert_close(m(good), ref(good))  # a good batch after it compiles
+    assert m._tvm_dispatch.log.calls_tvm == 1
+
+
+class _Unconvertible(torch.nn.Module):
+    """PyTorch runs it; the bridge has no converter for ``i1e``; the batch norm's statistics and the
+    dropout's draw are what the probe must leave alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.i1e(torch.nn.functional.dropout(self.bn(self.fc(x)), 0.5))
+
+
+def test_a_call_pytorch_runs_but_the_bridge_cannot_still_says_why_and_changes_nothing() -> None:
+    from tvmbridge.errors import ConversionError
+
+    m = add_tvm_dispatch(_Unconvertible().train())
+    stats = [b.clone() for b in m.buffers()]
+    torch.manual_seed(3)
+    with pytest.raises(ConversionError, match="i1e"):
+        m(torch.randn(5, 6))
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    torch.randn(5, 6)
+    assert torch.equal(after, torch.rand(3))  # the probe drew nothing the caller sees
+    for b, before in zip(m.buffers(), stats):
+        assert torch.equal(b, before)
+
+
 class DropPath(torch.nn.Module):
     """Stochastic depth as timm/ConvNext write it: ``rand`` sized by the batch."""
 

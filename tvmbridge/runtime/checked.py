@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import VerificationWarning, caller_stacklevel, module_name
+from ..errors import AttributeWriteError, ConversionError, VerificationWarning, caller_stacklevel, module_name
 from ..frontend.outputs import labelled_output_tensors
 from .eager import update_targets
 from .function import CompiledCallError
@@ -241,3 +241,29 @@ def _unsettled(dispatcher: Dispatcher, variant: Variant, message: str) -> None:
             VerificationWarning,
             stacklevel=caller_stacklevel(),
         )
+
+
+def pytorchs_error(dispatcher: Dispatcher, failure: ConversionError, args: tuple, kwargs: dict) -> Exception:
+    """The error to raise for a first call that cannot compile (no variant, fallback off): PyTorch's
+    own where PyTorch refuses the call too (a float64 batch into a float32 model, a wrong width,
+    integer features), noting the bridge's failure; else that failure. So a bad input gets the
+    error the call gets without the bridge, not the bridge's account of failing to trace it. The
+    probe leaves the generator and the module's buffers as they were (a BatchNorm's statistics)."""
+    if isinstance(failure, AttributeWriteError):  # PyTorch's call sets what the forward assigns
+        return failure
+    device = next((t.device for t in dispatcher.module.buffers()), torch.device("cpu"))
+    before = rng_states(device)
+    buffers = [(b, b.detach().clone()) for b in dispatcher.module.buffers()]
+    try:
+        with torch.no_grad():
+            dispatcher.eager(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever PyTorch raises is the answer
+        exc.add_note(f"tvmbridge: compiling {module_name(dispatcher.module)} for this call failed too: {failure}")
+        return exc
+    finally:
+        set_rng_states(before, device)
+        with torch.no_grad():
+            for buffer, value in buffers:
+                if buffer.shape == value.shape:
+                    buffer.copy_(value)
+    return failure

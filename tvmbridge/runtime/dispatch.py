@@ -43,7 +43,7 @@ from ..frontend.call_state import replace_buffer
 from ..frontend.signature import opaque_argument_reason
 from ..options import CompileOptions, with_overrides
 from .call_log import CallLog
-from .checked import rng_states, run_checked, set_rng_states
+from .checked import pytorchs_error, rng_states, run_checked, set_rng_states
 from .compiled import CompiledModule
 from .eager import EagerForward, update_targets
 from .function import Call, CompiledCallError, TVMFunction, infer
@@ -237,9 +237,8 @@ class Dispatcher:
     __call__ = torch.compiler.disable(__call__)  # opaque to dynamo: a parent compiles around it
 
     def _compile_for_call(self, args: tuple, kwargs: dict, reason: Mismatch | None) -> Selection:
-        """A new variant for a call no variant fits, or why there is none. A call passing an object
-        (a generation cache) fits no variant, for none is compiled with one: it is told here, off
-        the path of calls that fit."""
+        """A new variant for a call no variant fits, or why there is none (a call passing an object,
+        a generation cache, fits none: told here, off the path of calls that fit)."""
         if (opaque := opaque_argument_reason(args, kwargs)) is not None:
             return Selection.pytorch(Mismatch("an object argument", opaque, recompile=False))
         key, refused = self.variant_set.refusal(args, kwargs, reason)
@@ -254,7 +253,10 @@ class Dispatcher:
                 stacklevel=caller_stacklevel(),
             )
         assert key is not None  # refusal gives the call's key, or why there is none
-        return self.variant_set.compile_for(args, kwargs, key, reason)
+        try:
+            return self.variant_set.compile_for(args, kwargs, key, reason)
+        except ConversionError as exc:  # raised only where no variant compiled and fallback is off
+            raise pytorchs_error(self, exc, args, kwargs)  # noqa: B904 - PyTorch's own where it refuses the call
 
     def execute(
         self,

@@ -1,6 +1,6 @@
-"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, ``min.dim``, stable ``sort``, reductions (and
-``index_select``) over a 0-d tensor, ``linalg_vector_norm`` and ``cdist`` with PyTorch's
-gradient at zeros."""
+"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, ``min.dim``, unsorted ``topk``,
+stable ``sort``, reductions (and ``index_select``) over a 0-d tensor, ``linalg_vector_norm`` and
+``cdist`` with PyTorch's gradient at zeros."""
 
 from __future__ import annotations
 
@@ -55,6 +55,19 @@ def min_dim(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     if not keep:
         values, indices = (bb.emit(relax.op.squeeze(t, axis=[dim])) for t in (values, indices))
     return bb.emit(relax.Tuple([values, indices]))
+
+
+@converter("topk.default")
+def topk(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``topk``, ``sorted=False`` too (the frontend refuses it: DeepSeek-V3's router): PyTorch leaves
+    that order unspecified (its CPU kernel returns the sorted order for some sizes, another for
+    others), so the sorted order is one it may return; the values and indices are the same set."""
+    args, kwargs = args_of(node), kwargs_of(node)
+    x = importer.env[args[0]]
+    k = int(args[1] if len(args) > 1 else kwargs.get("k", 1))
+    dim = int(args[2] if len(args) > 2 else kwargs.get("dim", -1))
+    largest = bool(args[3] if len(args) > 3 else kwargs.get("largest", True))
+    return importer.block_builder.emit(relax.op.topk(x, k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
 
 
 @converter("sort.stable")
