@@ -687,3 +687,34 @@ def test_an_object_argument_runs_pytorch_and_is_never_written_by_a_trace() -> No
     assert any(issubclass(w.category, FallbackWarning) and "Memory object" in str(w.message) for w in caught)
     assert len(mine.seen) == 3 and all(not isinstance(t, torch._subclasses.FakeTensor) for t in mine.seen)
     assert m._tvm_dispatch.calls_tvm == 0
+
+
+class CastsItsRouter(torch.nn.Module):
+    """Switch Transformers' router casts its classifier to the dtype it has, on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier, self.out = torch.nn.Linear(6, 4), torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(torch.float32)
+        gate = self.classifier(x).softmax(-1).max(-1).values
+        return self.out(x) * gate[:, None]
+
+
+def test_a_cast_to_the_dtype_a_submodule_has_is_the_no_op_it_is_in_eager() -> None:
+    """The trace failed on it ("_apply(): Couldn't swap Linear.weight")."""
+    torch.manual_seed(0)
+    model = CastsItsRouter()
+    ref = copy.deepcopy(model)
+    classifier = model.classifier
+    add_tvm_dispatch(model)
+    x = torch.randn(5, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert model.classifier is classifier and model._tvm_dispatch.log.calls_tvm == 1
+    assert torch.nn.Module.to is torch.nn.Module.__dict__["to"] and torch.nn.Module.to.__name__ == "to"

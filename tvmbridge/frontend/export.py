@@ -40,6 +40,7 @@ from .flat_call import FlatCall
 from .host_random import host_random_seen
 from .mixed_dtypes import make_dtype_mixing_explicit
 from .module_hooks import hook_snapshot, hooks_refusal, restore_hooks
+from .noop_casts import noop_casts_kept
 from .outputs import OutputLayout, unflatten_output
 from .program_facts import (
     check_outputs,
@@ -217,6 +218,7 @@ def _export(
                 untraced_autograd_seen() as untraced,
                 host_random_seen() as host_random,
                 value_free_hints(),
+                noop_casts_kept(),
                 torch.enable_grad(),
                 _no_attribute_writes(module),
             ):
