@@ -169,3 +169,21 @@ def test_a_write_through_data_is_refused_with_the_form_that_compiles() -> None:
         torch.testing.assert_close(model(x), ref(x))
     torch.testing.assert_close(model.ema, ref.ema)
     assert model._tvm_dispatch.calls_tvm == 3
+
+
+def test_a_data_dependent_branch_is_named_by_its_line_in_either_of_torchs_messages() -> None:
+    """torch names the branching line in a "following call" block, or only as "Caused by: (path:line
+    in f)" (transformers' LED), relative to a directory on sys.path; a torch-internal cause is
+    not the user's line."""
+    import json
+
+    from tvmbridge.frontend.value_hints import data_dependent_hint
+
+    path = json.__file__
+    line = 1 + next(i for i, t in enumerate(open(path).read().splitlines()) if t.startswith("def dumps("))
+    relative = "json/" + path.rsplit("/", 1)[1]
+    hint = data_dependent_hint(RuntimeError(f"guard failed\nCaused by: ({relative}:{line} in dumps)\nmore"))
+    assert f"at __init__.py:{line}: `def dumps(" in hint
+    block = 'The following call raised this error:\n  File "/x/model.py", line 7, in forward\n    if h.sum() > 0:'
+    assert "at model.py:7: `if h.sum() > 0:`" in data_dependent_hint(RuntimeError("Caused by: (_export/non_strict_utils.py:1 in f)\n" + block))
+    assert "(at" not in data_dependent_hint(RuntimeError("Caused by: (torch/_refs/__init__.py:3 in f)"))

@@ -15,8 +15,10 @@ batch sizes), the trace fails, and the functions below name the cause in the err
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -114,23 +116,28 @@ def _packed_sequence_in(exc: BaseException) -> bool:
 
 def _branch_site(exc: BaseException) -> tuple[str, str] | None:
     """(``file:line``, source line) of the user's code whose branch torch.export could not decide,
-    from the message torch gives a data-dependent guard ("The following call raised this error")."""
+    from the message torch gives a data-dependent guard: its "The following call raised this
+    error" block, or else its "Caused by: (path:line in function)" where that is not torch's own."""
     text = str(exc)
     at = text.find("The following call raised this error:")
-    if at < 0:
+    if at >= 0:
+        lines = text[at:].splitlines()[1:3]
+        found = re.match(r'\s*File "([^"]+)", line (\d+)', lines[0]) if lines else None
+        if found is not None:
+            code = lines[1].strip() if len(lines) > 1 else ""
+            return f"{os.path.basename(found.group(1))}:{found.group(2)}", code
+    caused = re.search(r"Caused by: \(([^()]+?):(\d+) in \w+\)", text)
+    if caused is None or caused.group(1).startswith("torch/") or "/torch/" in caused.group(1):
         return None
-    lines = text[at:].splitlines()[1:3]
-    found = re.match(r'\s*File "([^"]+)", line (\d+)', lines[0]) if lines else None
-    if found is None:
-        return None
-    code = lines[1].strip() if len(lines) > 1 else ""
-    return f"{os.path.basename(found.group(1))}:{found.group(2)}", code
+    path, line = caused.group(1), int(caused.group(2))
+    full = next((os.path.join(b, path) for b in sys.path if os.path.isfile(os.path.join(b, path))), path)
+    return f"{os.path.basename(path)}:{line}", linecache.getline(full, line).strip()
 
 
 def data_dependent_hint(exc: BaseException) -> str:
     """What to do about a branch on a tensor's values, naming the line that branches where torch says."""
     site = _branch_site(exc)
-    where = f" (at {site[0]}: `{site[1]}`)" if site else ""
+    where = (f" (at {site[0]}: `{site[1]}`)" if site[1] else f" (at {site[0]})") if site else ""
     hint = (
         f"; the forward branches on a tensor's values{where} (a Python `if` on a tensor, `.item()`, a check "
         "such as F.gaussian_nll_loss's `torch.any(var < 0)`), which compiled code cannot: move it out of forward, "
