@@ -15,6 +15,7 @@ from tvmbridge.backend.flatten_hazard import flatten_hazard
 from ..helpers import Fn
 from .test_gradients_nn import randn
 
+COS, SIN = randn(16, 4, seed=3), randn(16, 4, seed=4)  # a rotary table: one angle per position and pair
 CASES = {
     "max_pool1d_2": (lambda x: F.max_pool1d(x, 2), (3, 4, 8)),
     "max_pool1d_2_wide": (lambda x: F.max_pool1d(x, 2), (3, 4, 80)),
@@ -29,6 +30,12 @@ CASES = {
     "pad_then_even_slice": (lambda x: F.pad(x, (1, 0))[..., ::2].exp(), (3, 5, 6)),
     "pixel_unshuffle": (lambda x: F.pixel_unshuffle(F.pad(x, (1, 1, 1, 1)), 2), (2, 2, 4, 6)),
     "upsample_then_shift": (lambda x: F.interpolate(x, scale_factor=2)[..., 1:-1, 1:-1], (2, 2, 3, 5)),
+    # DeepSeek-V3's interleaved rotary on the rotary part of heads split from one row: the gradient,
+    # inlined into one kernel, places at ``(d % 24 - 17) // 2``, a split made inside the index
+    "interleaved_rotary": (lambda x: (lambda r: r[..., 0::2] * COS - r[..., 1::2] * SIN)(
+        x.view(2, 16, 4, 24).transpose(1, 2)[..., 16:]), (32, 96)),
+    "interleaved_rotary_cat": (lambda x: (lambda r: torch.cat([r[..., 0::2] * COS - r[..., 1::2] * SIN, r[..., 1::2] * COS + r[..., 0::2] * SIN], -1))(
+        torch.split(x.view(2, 16, 4, 24).transpose(1, 2), [16, 8], -1)[1]), (32, 96)),
 }
 
 
@@ -78,6 +85,21 @@ def _placements():
                 out[v0, v1] = g[v0, (v1 + 2) // 2 - 1]
 
     return fused, nested, aligned
+
+
+def test_a_split_made_inside_the_index_is_a_hazard():
+    """No fused loop, but the index splits its own variable (``v1 % 24``) and divides the part with
+    an odd offset: inlined elementwise schedules make this, and the kernel came back wrong."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def inner(g: T.Buffer((2, 4), "float64"), out: T.Buffer((2, 24), "float64")):
+        for i, j in T.grid(2, 24):
+            with T.sblock("place"):
+                v0, v1 = T.axis.remap("SS", [i, j])
+                out[v0, v1] = T.if_then_else(17 <= v1 % 12 * 2, g[v0, (v1 % 12 - 9) // 2], T.float64(0))
+
+    assert "split of its own" in flatten_hazard(inner)
 
 
 def test_a_tuned_schedule_with_the_hazard_is_not_applied(monkeypatch):

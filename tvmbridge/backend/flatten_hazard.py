@@ -68,8 +68,6 @@ def _constant_term(expr: tvm.ir.Expr) -> int:
 def _block_hazard(realize: s_tir.SBlockRealize) -> str | None:
     block = realize.block
     split = {iv.var for iv, value in zip(block.iter_vars, realize.iter_values, strict=True) if _has_division(value)}
-    if not split:
-        return None
     for node in _nodes(block.body):
         if not isinstance(node, (tirx.FloorDiv, tirx.FloorMod)) or not isinstance(node.b, tirx.IntImm):
             continue
@@ -78,6 +76,8 @@ def _block_hazard(realize: s_tir.SBlockRealize) -> str | None:
             continue
         if any(isinstance(n, tirx.Var) and n in split for n in _nodes(node.a)):
             return f"block {block.name_hint!r} divides {node.a} by {divisor} over a fused loop"
+        if _has_division(node.a):  # the split made inside the index itself: ``(v % 24 - 17) // 2``
+            return f"block {block.name_hint!r} divides {node.a} by {divisor} over a split of its own"
     return None
 
 
