@@ -32,12 +32,8 @@ BACKEND_DEFAULTS: dict[str, Any] = {"fallback": True}
 
 # torch.compile's ``mode`` names inductor's choices; the bridge compiles the same way under each,
 # and says what stands for the one that asks for more (``max-autotune``: a tuned database).
-MODES: dict[str, str] = {
-    "reduce-overhead": "",
-    "max-autotune": "tune ahead with `python -m tvmbridge tune` and pass options={'tuning_db': <its directory>}",
-    "max-autotune-no-cudagraphs": "",
-}
-MODES["max-autotune-no-cudagraphs"] = MODES["max-autotune"]
+_TUNED = "tune ahead with `python -m tvmbridge tune` and pass options={'tuning_db': <its directory>}"
+MODES: dict[str, str] = {"reduce-overhead": "", "max-autotune": _TUNED, "max-autotune-no-cudagraphs": _TUNED}
 
 
 def check_mode(mode: str | None, said: set[str]) -> None:

@@ -64,7 +64,9 @@ def topk(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     others), so the sorted order is one it may return; the values and indices are the same set."""
     args, kwargs = args_of(node), kwargs_of(node)
     x = importer.env[args[0]]
-    k = int(args[1] if len(args) > 1 else kwargs.get("k", 1))
+    k = args[1] if len(args) > 1 else kwargs.get("k", 1)
+    if not isinstance(k, int):
+        raise UnsupportedOpError("convert", "torch.topk with k known only at run time", op="topk.default")
     dim = int(args[2] if len(args) > 2 else kwargs.get("dim", -1))
     largest = bool(args[3] if len(args) > 3 else kwargs.get("largest", True))
     return importer.block_builder.emit(relax.op.topk(x, k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
