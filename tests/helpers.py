@@ -5,13 +5,15 @@ and run with the same RNG seed and the same output gradient (:func:`run_step`).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
+from collections.abc import Iterator
 
 import torch
 
 from analysis.models import bert_layer as zoo_bert_layer
 from analysis.models import bert_layer_inputs
-
 
 # Small sizes of the zoo's profiler models, for tests that run them for real.
 SMALL_SIZES = {
@@ -122,3 +124,14 @@ class TwoOutputs(torch.nn.Module):
     def forward(self, x, scale: float = 2.0):
         h = torch.tanh(self.a(x))
         return h * scale, torch.nn.functional.gelu(self.b(x), approximate="tanh").softmax(-1)
+
+
+@contextlib.contextmanager
+def strict_net() -> Iterator[None]:
+    """Any discarded variant (the net caught a wrong result) or fallback fails the test."""
+    from tvmbridge import FallbackWarning, VerificationWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VerificationWarning)
+        warnings.simplefilter("error", FallbackWarning)
+        yield

@@ -3,11 +3,9 @@ with PyTorch's loss and every gradient, in the ways users compile (whole models,
 ``dynamic=True``, ``fullgraph=True``, checkpointing, no_grad regions, BatchNorm's buffers)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import warnings
-from typing import Iterator
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from tvmbridge import FallbackWarning, VerificationWarning
 from tvmbridge.dynamo import Backend
 
 from ..helpers import bert_inputs, bert_layer
+from ..helpers import strict_net as _strict
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,15 +26,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-@contextlib.contextmanager
-def _strict() -> Iterator[None]:
-    """Any discarded variant (the net caught a wrong result) or fallback fails the test."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", VerificationWarning)
-        warnings.simplefilter("error", FallbackWarning)
-        yield
 
 
 def _step(model: nn.Module, seed: int, *args, **kwargs) -> torch.Tensor:

@@ -5,14 +5,13 @@ only the call's own path to that parameter: autograd carries the input's gradien
 earlier use itself."""
 from __future__ import annotations
 
-import contextlib
 import copy
-import warnings
-from collections.abc import Iterator
 
 import torch
 
-from tvmbridge import FallbackWarning, VerificationWarning, add_tvm_dispatch
+from tvmbridge import add_tvm_dispatch
+
+from ..helpers import strict_net as _strict
 
 
 class TiedLM(torch.nn.Module):
@@ -28,15 +27,6 @@ class TiedLM(torch.nn.Module):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.body(self.embed(ids)))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-@contextlib.contextmanager
-def _strict() -> Iterator[None]:
-    """A discarded variant or a call that ran PyTorch fails the test."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", VerificationWarning)
-        warnings.simplefilter("error", FallbackWarning)
-        yield
 
 
 def test_a_head_tied_to_the_embedding_before_it_trains_as_eager() -> None:

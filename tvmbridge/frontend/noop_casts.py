@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .trace_patches import ScopedPatch
-
-_local = threading.local()
 
 
 def _changes_nothing(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -36,7 +32,7 @@ def _changes_nothing(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
 
 def _module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
     """``nn.Module.to``, returning the module itself in a tracing thread where nothing would change."""
-    if getattr(_local, "depth", 0) and _changes_nothing(self, args, kwargs):
+    if _PATCH.here and _changes_nothing(self, args, kwargs):
         return self
     return _PATCH.original(self, *args, **kwargs)
 
@@ -44,13 +40,6 @@ def _module_to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Mod
 _PATCH = ScopedPatch(torch.nn.Module, "to", _module_to)
 
 
-@contextlib.contextmanager
-def noop_casts_kept() -> Iterator[None]:
+def noop_casts_kept() -> contextlib.AbstractContextManager[None]:
     """The block (a trace in this thread) keeps casts that change nothing as no-ops."""
-    _PATCH.enter()
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-        _PATCH.exit()
+    return _PATCH.scope()

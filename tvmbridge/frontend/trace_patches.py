@@ -9,7 +9,9 @@ replacement reads) and passes every other call to the original.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -23,6 +25,23 @@ class ScopedPatch:
         self.original = owner.__dict__[name] if self.own else getattr(owner, name)
         self.lock = threading.Lock()
         self.active = 0
+        self.local = threading.local()  # how many scopes this thread is in
+
+    @property
+    def here(self) -> bool:
+        """Whether this thread is inside :meth:`scope` (the replacement acts only then)."""
+        return getattr(self.local, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """The block (a trace in this thread) runs with the replacement installed and acting."""
+        self.enter()
+        self.local.depth = getattr(self.local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self.local.depth -= 1
+            self.exit()
 
     def enter(self) -> None:
         """One more trace running: the first installs the replacement."""

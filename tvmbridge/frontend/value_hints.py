@@ -19,20 +19,16 @@ import linecache
 import os
 import re
 import sys
-import threading
-from collections.abc import Iterator
 
 import torch
 from torch.nn.modules import transformer
 
 from .trace_patches import ScopedPatch
 
-_local = threading.local()
-
 
 def _detect_is_causal_mask(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
     """``transformer._detect_is_causal_mask``, value-free in the threads that trace."""
-    if getattr(_local, "depth", 0):
+    if _PATCH.here:
         return is_causal is True
     return _PATCH.original(mask, is_causal, size)
 
@@ -40,16 +36,9 @@ def _detect_is_causal_mask(mask: torch.Tensor | None, is_causal: bool | None = N
 _PATCH = ScopedPatch(transformer, "_detect_is_causal_mask", _detect_is_causal_mask)
 
 
-@contextlib.contextmanager
-def value_free_hints() -> Iterator[None]:
+def value_free_hints() -> contextlib.AbstractContextManager[None]:
     """The block (a trace in this thread) runs the value-free detections above."""
-    _PATCH.enter()
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-        _PATCH.exit()
+    return _PATCH.scope()
 
 
 def value_read_named(module: torch.nn.Module, exc: BaseException) -> str:
