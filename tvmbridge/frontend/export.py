@@ -61,6 +61,13 @@ from .program_facts import (
 from .signature import canonical_call, opaque_argument_reason
 from .traced_layouts import keep_traced_layouts
 from .untraced_autograd import untraced_autograd_seen
+from .value_branches import (
+    UnsampledBranchError,
+    branches_as_sampled,
+    quiet_value_reads,
+    sampled_branches_refusal,
+    unguarded_decision,
+)
 from .value_hints import data_dependent_hint, value_free_hints, value_read_named
 
 
@@ -222,9 +229,7 @@ def _export(
                 torch.enable_grad(),
                 _no_attribute_writes(module),
             ):
-                ep = torch.export.export(
-                    flat, args=inputs, strict=False, dynamic_shapes=_dynamic_shapes(len(inputs), dynamic or {})
-                )
+                ep = _export_or_sample_branches(module, flat, inputs, dynamic)
         except AttributeWriteError:
             raise
         except Exception as exc:  # noqa: BLE001 - torch raises many types here
@@ -235,6 +240,9 @@ def _export(
                 hint = f"; {hint}"
             elif "Cache" in str(exc):  # transformers' key/value caches
                 hint = "; the model builds a key/value cache: train with use_cache=False"
+            elif isinstance(exc, UnsampledBranchError):
+                hint = f"{data_dependent_hint(exc.first)}; {exc.reason} cannot be compiled as the sample took it"
+                exc = exc.first
             elif "data-dependent" in str(exc):
                 hint = data_dependent_hint(exc)
             raise ConversionError(
@@ -243,6 +251,31 @@ def _export(
     refusal = untraced.refusal(type(module).__name__) or host_random.refusal(type(module).__name__)
     if refusal is not None:
         raise ConversionError("trace", refusal)
+    return ep
+
+
+def _export_or_sample_branches(
+    module: torch.nn.Module, flat: FlatCall, inputs: tuple, dynamic: dict[int, frozenset[int]] | None
+) -> ExportedProgram:
+    """``torch.export`` of the flat call; where it fails on a branch on a tensor's values that
+    PyTorch's own code does not explain, the trace again with that branch as the sample took it,
+    guarded at run time (``value_branches``), if that program is safe to compile."""
+    shapes = _dynamic_shapes(len(inputs), dynamic or {})
+    with quiet_value_reads():
+        try:
+            return torch.export.export(flat, args=inputs, strict=False, dynamic_shapes=shapes)
+        except Exception as exc:  # noqa: BLE001 - torch raises many types here
+            if "data-dependent" not in str(exc) or value_read_named(module, exc):
+                raise
+            first = exc
+        try:
+            with branches_as_sampled(list({t.device for t in inputs})) as decisions:
+                ep = torch.export.export(flat, args=inputs, strict=False, dynamic_shapes=shapes)
+        except Exception:  # noqa: BLE001 - the first failure is the one to explain
+            raise first from None
+    refusal = unguarded_decision(decisions) or sampled_branches_refusal(ep)
+    if refusal is not None:
+        raise UnsampledBranchError(first, refusal)
     return ep
 
 

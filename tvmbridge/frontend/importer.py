@@ -31,6 +31,7 @@ from .converters.random import DROPOUT_OPS, convert_random, is_random
 from .export import TracedModule
 from .provenance import origins
 from .sites import RandomSite
+from .value_branches import feeds_only_assertions
 
 
 @dataclass(frozen=True)
@@ -130,9 +131,16 @@ class BridgeImporter(ExportedProgramImporter):
     def _item(self, node: torch.fx.Node) -> relax.Expr:
         """``t.item()`` as the frontend reads it, and the tensor it read, kept for conditions on
         the value (``converters.indexing.assert_scalar``)."""
+        source = self.env[node.args[0]]
+        if feeds_only_assertions(node) and source.ty.dtype not in ("int64", "int32", "int16", "int8", "uint8"):
+            # a bool or float read that only decides a branch (``value_branches``): a symbol the
+            # assertions name, read back as its tensor (a float compared as a float)
+            wide = "float64" if "float" in str(source.ty.dtype) else "int64"
+            value = tvm.tirx.Var(f"{node.name}_value", wide)
+            self.item_tensors[value] = self.block_builder.emit(relax.op.reshape(relax.op.astype(source, wide), [1]))
+            return value
         value = super()._item(node)
         if isinstance(value, tvm.tirx.Var):
-            source = self.env[node.args[0]]
             self.item_tensors[value] = self.block_builder.emit(relax.op.reshape(relax.op.astype(source, "int64"), [1]))
         return value
 

@@ -87,24 +87,22 @@ def run_checked(
             shaken=functools.partial(again, full_precision=False),
         )
     set_rng_states(before, compiled.device)
-    found: str | None  # what went wrong, if anything
+    found: str | None = None  # what went wrong, if anything
+    flags_hold = True
     try:
         outs = dispatcher.execute(variant, fitted, needs_grad, before, args, kwargs, check)
     except CompiledCallError as exc:  # PyTorch's result stands
         found = f"the compiled code failed on its first call ({exc})"
     else:
+        flags_hold = call_flags_hold(traced, outs)
+    if found is None and flags_hold:
         pairs = [(where, outs[i], want) for i, (where, want) in enumerate(paths)]
         pairs += [
             (label, outs[n_user + j], want)
             for j, ((label, _), want) in enumerate(zip(update_targets(compiled, fitted.tensors), eager_state))
         ]
-        discrepancy = worst(pairs, precision)
-        if discrepancy is not None and discrepancy.excess != float("inf"):
-            discrepancy = _outputs_rejudged(dispatcher, compiled, inputs, before, pairs, precision)
-        found = (
-            None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
-        )
-    if found is None and not call_flags_hold(traced, outs):  # PyTorch ran it without raising: its result stands
+        found = _outputs_disagree(dispatcher, compiled, inputs, before, pairs, precision)
+    if not flags_hold:  # a value check failed (not this variant's call): PyTorch's result stands, unjudged
         dispatcher.log.fell_back(dispatcher.module, VALUE_CHECK_FAILED, dispatcher.options.warn_on_fallback)
     elif found is None:
         variant.trust.outputs_agreed(needs_grad)
@@ -116,6 +114,21 @@ def run_checked(
         for (_, tensor), new in zip(update_targets(compiled, fitted.tensors), eager_state):
             tensor.copy_(new)
     return eager_out
+
+
+def _outputs_disagree(
+    dispatcher: Dispatcher,
+    compiled: Any,
+    inputs: list[torch.Tensor],
+    rng: dict[str, torch.Tensor],
+    pairs: list,
+    precision: torch.dtype | None,
+) -> str | None:
+    """How the first call's outputs disagree with PyTorch's (beyond the call's own noise), or None."""
+    discrepancy = worst(pairs, precision)
+    if discrepancy is not None and discrepancy.excess != float("inf"):
+        discrepancy = _outputs_rejudged(dispatcher, compiled, inputs, rng, pairs, precision)
+    return None if discrepancy is None else f"its outputs disagreed with PyTorch's on its first call: {discrepancy}"
 
 
 def _outputs_rejudged(

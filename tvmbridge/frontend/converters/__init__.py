@@ -7,6 +7,7 @@ silently wrong for training, and refuse what they cannot convert exactly:
 * ``normalization``: BatchNorm in the arithmetic of ATen's CPU kernel (train and eval), group norm;
 * ``linear``: matmul, addmm, linear and convolution in the input's dtype;
 * ``indexing``: embedding, gather, take, ``x[idx]``, select, with range checks;
+* ``assertions``: run-time checks on values (range checks, asserts, branches as sampled) as flags;
 * ``scatter``: ``x[idx] = v``, ``index_add``/``index_copy``/``index_fill``, ``scatter(_add)``, ``put``,
   ``masked_scatter``;
 * ``layout``: slices, ``slice_scatter``, repeat, squeeze, cat, arange, empty, pad, detach at traced shapes;
@@ -25,6 +26,7 @@ as a third argument). ``registry`` tells more.
 from __future__ import annotations
 
 from . import (
+    assertions,
     elementwise,
     experts,
     indexing,
@@ -53,6 +55,7 @@ FAMILIES = (
     recurrent,
     experts,
     scatter,
+    assertions,
 )
 
 __all__ = ["CONVERTERS", "Converter", "FAMILIES", "bind", "converter"]

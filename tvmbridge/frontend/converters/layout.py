@@ -1,5 +1,6 @@
 """Layout ops at the shapes the trace gave them: slices, ``slice_scatter``, ``repeat``, ``squeeze``,
-``cat``, ``arange``, ``empty``, ``constant_pad_nd``, and ``detach`` (which stops the gradient).
+``cat``, ``arange``, ``empty``, ``constant_pad_nd``, ``as_strided``, and ``detach`` (which stops
+the gradient).
 
 Symbolic sizes stay in shapes (``importer.prim``), where every pass and schedule downstream reads
 them, rather than in the clamps and scalar arguments TVM's converters write, which Relax cannot
@@ -12,10 +13,12 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from tvm import relax
 from tvm.relax.op.grad import no_grad
 
+from ...errors import UnsupportedOpError
 from .registry import args_of, converter, kwargs_of
 
 if TYPE_CHECKING:
@@ -234,3 +237,50 @@ def constant_pad(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
     if not any(widths):
         return bb.emit(relax.op.astype(x, str(x.ty.dtype)))
     return bb.emit(relax.op.nn.pad(x, widths, "constant", 0.0 if value is None else value))
+
+
+@converter("as_strided.default")
+def as_strided_read(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``as_strided`` (Longformer/LED's overlapping attention chunks, taken from a transposed view)
+    as one ``take`` of the input's elements at the positions the strides name in its storage,
+    computed at compile time (its gradient the take's scatter-add, which sums overlapping windows
+    as PyTorch does). Only where that storage holds the input's own elements, each once (a dense
+    layout in any axis order), and every position is inside it; else refused."""
+    args, kwargs = args_of(node), kwargs_of(node)
+    given = {**dict(zip(("self", "size", "stride", "storage_offset"), args)), **kwargs}
+    source, size, stride = given["self"].meta.get("val"), given["size"], given["stride"]
+    numbers = [*size, *stride, given.get("storage_offset") or 0]
+    numbers += [*source.shape, *source.stride()] if source is not None else [None]
+    if source is None or not all(type(n) is int for n in numbers):
+        raise UnsupportedOpError("convert", "as_strided at symbolic sizes", op="as_strided")
+    element_at = _storage_to_element(list(source.shape), list(source.stride()))
+    offset = given.get("storage_offset")
+    start = 0 if offset is None else offset - source.storage_offset()
+    positions = _strided_positions(start, list(size), list(stride))
+    if element_at is None or (positions.size and (positions.min() < 0 or positions.max() >= source.numel())):
+        raise UnsupportedOpError(
+            "convert", "as_strided over a tensor whose storage holds more than its own elements", op="as_strided"
+        )
+    bb = importer.block_builder
+    flat = bb.emit(relax.op.reshape(importer.env[given["self"]], [source.numel()]))
+    return bb.emit(relax.op.take(flat, relax.const(element_at[positions], "int64"), axis=0))
+
+
+def _strided_positions(start: int, size: list[int], stride: list[int]) -> np.ndarray:
+    """``start + sum(i_k * stride_k)`` over every index of ``size``."""
+    positions = np.full(size, start, dtype="int64")
+    for axis, (n, step) in enumerate(zip(size, stride)):
+        positions += (np.arange(n, dtype="int64") * step).reshape([-1 if a == axis else 1 for a in range(len(size))])
+    return positions
+
+
+def _storage_to_element(shape: list[int], stride: list[int]) -> np.ndarray | None:
+    """For each storage position a tensor of ``shape``/``stride`` spans, its element's row-major
+    index; None where the layout is not dense (a gap, or an element stored twice)."""
+    numel = int(np.prod(shape, dtype="int64"))
+    stored = _strided_positions(0, shape, stride).reshape(-1)
+    if numel == 0 or not np.array_equal(np.sort(stored), np.arange(numel)):
+        return None
+    element_at = np.empty(numel, dtype="int64")
+    element_at[stored] = np.arange(numel, dtype="int64")
+    return element_at

@@ -1,4 +1,4 @@
-"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, ``min.dim``, unsorted ``topk``,
+"""Reductions the frontend lacks or gets wrong: ``amax``/``amin``, ``any``, ``min.dim``, unsorted ``topk``,
 stable ``sort``, reductions (and ``index_select``) over a 0-d tensor, ``linalg_vector_norm`` and
 ``cdist`` with PyTorch's gradient at zeros."""
 
@@ -111,6 +111,16 @@ def prod(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
         return bb.emit(relax.op.prod(relax.op.reshape(source, [-1]), axis=[0]))
     keep = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     return bb.emit(relax.op.prod(source, axis=[int(args[1])], keepdims=keep))
+
+
+@converter("any.default")
+def any_element(importer: BridgeImporter, node: torch.fx.Node) -> relax.Expr:
+    """``torch.any(x)`` over every element (``F.gaussian_nll_loss``'s ``torch.any(var < 0)``), which
+    the frontend lacks: whether any is nonzero, as a 0-d bool."""
+    x, bb = importer.env[args_of(node)[0]], importer.block_builder
+    nonzero = x if str(x.ty.dtype) == "bool" else bb.emit(relax.op.not_equal(x, relax.const(0, str(x.ty.dtype))))
+    flat = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(nonzero, "int8")), [-1]))
+    return bb.emit(relax.op.astype(bb.emit(relax.op.max(flat, axis=[0])), "bool"))
 
 
 @converter("sum.dim_IntList", "mean.dim", wraps_default=True)
