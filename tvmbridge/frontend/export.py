@@ -241,7 +241,7 @@ def _export(
             elif "Cache" in str(exc):  # transformers' key/value caches
                 hint = "; the model builds a key/value cache: train with use_cache=False"
             elif isinstance(exc, UnsampledBranchError):
-                hint = f"{data_dependent_hint(exc.first)}; {exc.reason} cannot be compiled as the sample took it"
+                hint = f"{data_dependent_hint(exc.first)}; {exc.reason}"
                 exc = exc.first
             elif "data-dependent" in str(exc):
                 hint = data_dependent_hint(exc)
@@ -271,11 +271,12 @@ def _export_or_sample_branches(
         try:
             with branches_as_sampled(list({t.device for t in inputs})) as decisions:
                 ep = torch.export.export(flat, args=inputs, strict=False, dynamic_shapes=shapes)
-        except Exception:  # noqa: BLE001 - the first failure is the one to explain
-            raise first from None
+        except Exception as second:  # noqa: BLE001 - the first failure is the one to explain, then this
+            reason = f"traced as the sample took it, the trace stopped at {describe(second)}"
+            raise UnsampledBranchError(first, reason) from second
     refusal = unguarded_decision(decisions) or sampled_branches_refusal(ep)
     if refusal is not None:
-        raise UnsampledBranchError(first, refusal)
+        raise UnsampledBranchError(first, f"{refusal} cannot be compiled as the sample took it")
     return ep
 
 

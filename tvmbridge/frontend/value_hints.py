@@ -128,9 +128,10 @@ def data_dependent_hint(exc: BaseException) -> str:
     site = _branch_site(exc)
     where = (f" (at {site[0]}: `{site[1]}`)" if site[1] else f" (at {site[0]})") if site else ""
     hint = (
-        f"; the forward branches on a tensor's values{where} (a Python `if` on a tensor, `.item()`, a check "
-        "such as F.gaussian_nll_loss's `torch.any(var < 0)`), which compiled code cannot: move it out of forward, "
-        "or pass fallback=True: PyTorch then runs this module's own code and its submodules compile by themselves"
+        f"; the forward branches on a tensor's values{where} (a Python `if` on a tensor, `.item()`), which "
+        "compiled code keeps only as the sample took it, guarded at run time, and only on a bool or integer read: "
+        "move it out of forward, or pass fallback=True: PyTorch then runs this module's own code and its "
+        "submodules compile by themselves"
     )
     if site and "layerdrop" in site[1].lower():
         hint += (
