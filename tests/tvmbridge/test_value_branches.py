@@ -64,6 +64,7 @@ def test_a_validation_branch_compiles_and_a_bad_call_raises_as_pytorch_does() ->
     with warnings.catch_warnings(), pytest.raises(ValueError, match="Label values must be < vocab_size"):
         warnings.simplefilter("ignore", FallbackWarning)
         model(x, torch.tensor([0, 1, 2, 3, 5, 0]))
+    assert (model._tvm_dispatch.calls_tvm, model._tvm_dispatch.calls_fallback) == (1, 1)
 
 
 @pytest.mark.parametrize("sample_sign", [1.0, -1.0])
@@ -90,6 +91,7 @@ def test_a_call_that_branches_the_other_way_runs_pytorch(sample_sign: float) -> 
             torch.testing.assert_close(g, w)
         ran_pytorch = model._tvm_dispatch.calls_fallback > fallbacks
         assert ran_pytorch == (branches(x) != branches(sample)), x
+    assert model._tvm_dispatch.calls_tvm + model._tvm_dispatch.calls_fallback == len(calls)
 
 
 def test_a_loss_that_checks_its_input_compiles() -> None:

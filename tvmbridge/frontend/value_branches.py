@@ -91,10 +91,10 @@ def branches_as_sampled(devices: list[torch.device]) -> Iterator[list]:
 
 def unguarded_decision(decisions: list) -> str | None:
     """A decision torch cannot guard at run time, or None: one on a float read (``x.max().item() >
-    2.5``) leaves no assertion in the program (its symbols are ``zuf*``), only integer and
-    boolean reads (``u*``) do."""
+    2.5``) leaves no assertion in the program (its symbols are ``zuf*``); only integer and
+    boolean reads (``u*``), with input sizes (``s*``), do."""
     for expr in decisions:
-        if any(not str(s).startswith("u") for s in getattr(expr, "free_symbols", ())):
+        if any(not str(s).startswith(("u", "s")) for s in getattr(expr, "free_symbols", ())):
             return f"a branch on a float value read from a tensor ({expr})"
     return None
 

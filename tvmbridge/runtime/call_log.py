@@ -53,6 +53,12 @@ class CallLog:
                 stacklevel=caller_stacklevel(),
             )
 
+    def compiled_call_refused(self, variant: Variant) -> None:
+        """A compiled call whose value checks failed (PyTorch ran it): not counted as compiled."""
+        with self.lock:
+            self.calls_tvm -= 1
+            variant.calls -= 1
+
     def pytorch_gradients(self, message: str) -> None:
         """Count a backward whose gradients are PyTorch's (a compiled forward's check undecided)."""
         with self.lock:

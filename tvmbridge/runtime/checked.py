@@ -103,6 +103,7 @@ def run_checked(
         ]
         found = _outputs_disagree(dispatcher, compiled, inputs, before, pairs, precision)
     if not flags_hold:  # a value check failed (not this variant's call): PyTorch's result stands, unjudged
+        dispatcher.log.compiled_call_refused(variant)
         dispatcher.log.fell_back(dispatcher.module, VALUE_CHECK_FAILED, dispatcher.options.warn_on_fallback)
     elif found is None:
         variant.trust.outputs_agreed(needs_grad)

@@ -231,6 +231,7 @@ class Dispatcher:
         if not call_flags_hold(variant.compiled.traced, outs):  # PyTorch raises (or, where it does not, computes)
             if rng is not None:
                 set_rng_states(rng, variant.compiled.device)
+            self.log.compiled_call_refused(variant)
             return self.fallback(VALUE_CHECK_FAILED, args, kwargs)
         return self.finish(variant.compiled, fitted.tensors, outs)
 
