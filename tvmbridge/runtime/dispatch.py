@@ -92,8 +92,7 @@ def _unfit_anywhere(module: torch.nn.Module, args: tuple, kwargs: dict) -> Misma
 
 
 class Dispatcher:
-    """The module's ``forward`` while dispatched: each call runs the variant ``variant_set``
-    selects, compiles one, or runs PyTorch (``eager``); ``log`` counts and explains."""
+    """The module's ``forward`` while dispatched: the variant ``variant_set`` selects, a new one, or PyTorch."""
 
     def __init__(self, module: torch.nn.Module, sample: tuple[tuple, dict] | None, options: CompileOptions) -> None:
         self.module, self.sample, self.options = module, sample, options
