@@ -10,6 +10,7 @@ import pytest
 import torch
 import tvm
 from tvm import relax, tirx
+from tvm.target.codegen import llvm_get_vector_width
 
 from tvmbridge import devices
 from tvmbridge.backend import build, cpu_schedules
@@ -496,3 +497,47 @@ def test_a_kernel_below_pytorch_s_grain_stays_serial(monkeypatch):
         assert ("T.parallel" in tir) == parallel and "T.vectorized" in tir, tir
         x = _x(shape)
         np.testing.assert_allclose(_run(mod, x), _softmax(x * x), rtol=1e-5, atol=1e-6)
+
+
+def _channel_sums(x: relax.Expr) -> relax.Expr:
+    """A train-mode BatchNorm's statistic: float64 sums over N, H, W per channel."""
+    return relax.op.sum(relax.op.astype(x, "float64"), axis=[0, 2, 3], keepdims=True)
+
+
+@pytest.mark.parametrize("shape", [(4, 8, 16, 16), (3, 5, 5, 3)], ids=["vector-multiple", "ragged-map"])
+def test_per_channel_sums_over_n_h_w_are_vector_partial_sums(shape):
+    """A sum over N, H and W keeping C: lanes of partial sums along H x W (an rfactor block),
+    channels in parallel, where H x W is a whole number of vectors; a map that is not (5 x 3)
+    keeps the serial rule. The sums equal numpy's float64 sums either way."""
+    mod = _module(shape, _channel_sums)
+    tir = _kernels(mod)
+    with TARGET:
+        lanes = max(llvm_get_vector_width(TARGET), 128) // 64  # float64 partial sums
+    if (shape[2] * shape[3]) % lanes == 0 and shape[2] * shape[3] >= 2 * lanes:
+        assert "_rf" in tir and "T.vectorized" in tir and "T.parallel" in tir, tir
+    else:
+        assert "_rf" not in tir, tir
+    x = _x(shape)
+    np.testing.assert_allclose(_run(mod, x), x.astype("float64").sum((0, 2, 3), keepdims=True), rtol=1e-12)
+
+
+def test_a_channel_sum_of_a_product_reads_both_operands_in_vectors():
+    """BatchNorm's backward: sum over N, H, W of grad * (x - mean), the mean a per-channel operand."""
+
+    def body(x):
+        mean = relax.op.mean(x, axis=[0, 2, 3], keepdims=True)
+        return relax.op.sum(
+            relax.op.astype(relax.op.multiply(x, relax.op.subtract(x, mean)), "float64"), axis=[0, 2, 3]
+        )
+
+    mod = _module((2, 4, 8, 8), body)
+    assert "_rf" in _kernels(mod)
+    x = _x((2, 4, 8, 8))
+    want = (x * (x - x.mean((0, 2, 3), keepdims=True))).astype("float64").sum((0, 2, 3))
+    np.testing.assert_allclose(_run(mod, x), want, rtol=1e-5)
+
+
+def test_a_sum_whose_contiguous_axis_is_kept_is_not_a_channel_reduction():
+    """NHWC-like: the innermost axis is kept; the column rule's, no rfactor."""
+    mod = _module((4, 16, 64), lambda x: relax.op.sum(x, axis=[0, 1]))
+    assert "_rf" not in _kernels(mod)

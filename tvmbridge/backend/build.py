@@ -32,6 +32,7 @@ from ..kernels.barrier import drop_barriers, register_barrier
 from ..kernels.conv import register_convs
 from ..kernels.gemm import register_gemms
 from . import codegen, executable_cache
+from .cast_per_consumer import CastPerConsumer
 from .fresh_results import fresh_constant_results
 from .fusion_bounds import bound_fusion_search
 from .legalize_memo import MemoizedLegalization
@@ -133,6 +134,8 @@ def lower(
         # a dead binding (a rounding Float32Opmath elided: the bfloat16 copy of a float32 value
         # the next op reads in float32) is a consumer to FuseOps: its producer was written out
         # instead of fused into the op that reads it (a bfloat16 GELU's erf, exp, adds alone)
+        relax.transform.DeadCodeElimination(),
+        *([CastPerConsumer] if fuse else []),  # a cast read by several kernels: computed in each
         relax.transform.DeadCodeElimination(),
         relax.transform.LegalizeOps(MemoizedLegalization(_LEGALIZE_FIXES).table()),
         drop_scope_pragmas,

@@ -29,8 +29,11 @@ Symbolic sizes (a variant serving every sequence length): an elementwise kernel 
 is always parallel, vectorized along a static innermost axis; a row reduction over a symbolic
 row length keeps a serial sum per row, rows in parallel.
 
-Rules are tried in order: ``RowReduction``, ``dlight.cpu.Reduction``, then ``Elementwise``,
-``Elementwise(fuse=False)`` and ``SpatialParallel``.
+And one for per-channel sums (:mod:`.channel_reduction`): :class:`ChannelReduction`, a sum over
+N, H and W keeping C (BatchNorm's statistics and gradients) in vector partial sums along H x W.
+
+Rules are tried in order: ``RowReduction``, ``ChannelReduction``, ``dlight.cpu.Reduction``, then
+``Elementwise``, ``Elementwise(fuse=False)`` and ``SpatialParallel``.
 
 How many threads run a parallel loop is the TVM runtime's choice, made once per process
 (``devices.prepare_cpu_runtime``); where it is one, the schedules' gain is vectorization and loop
@@ -51,6 +54,7 @@ from tvm.s_tir.dlight.cpu.base import CPUScheduleRule
 from tvm.target import Target
 
 from ..ir import first_schedule
+from .channel_reduction import ChannelReduction
 from .elementwise_rule import Elementwise, selects_between_reads, static_numel, vector_lanes
 from .flatten_hazard import FlattenSafe
 from .inline_budget import kept_as_blocks
@@ -263,6 +267,7 @@ def cpu_rules() -> list[CPUScheduleRule]:
     scalar reductions, and dense matmuls are offloaded.)"""
     rules = [
         ReductionKernels(RowReduction()),
+        ReductionKernels(WithinInlineBudget(ChannelReduction()), single_output=True),
         ReductionKernels(WithinInlineBudget(dlight.cpu.Reduction()), single_output=True),
         Elementwise(),
         Elementwise(fuse=False),  # where the fused schedule has a flatten hazard

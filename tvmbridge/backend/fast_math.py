@@ -4,7 +4,9 @@ LLVM lowers ``erf`` and ``exp`` to scalar libm calls, which cannot be vectorized
 ``topi.fast_erf`` and friends are polynomial approximations a few float32 ulps from libm (the
 README gives the measured speed and error), far below float32 training noise. So on float32 only:
 ``nn.gelu`` is written as ``x/2 (1 + erf(x/sqrt2))``, ``erf``, ``exp``, ``tanh`` and
-``softmax`` use the fast kernels, and ``log_softmax`` is written out with the fast ``exp``.
+``softmax`` use the fast kernels, ``sigmoid`` is ``1 / (1 + exp(-x))`` with the fast ``exp`` (as
+ATen's vectorized CPU kernel writes it; a SiLU network's largest elementwise kernels otherwise),
+and ``log_softmax`` is written out with the fast ``exp``.
 Float64 (where the checker compares against PyTorch at 1e-10) is never touched. It is the last
 Relax step before legalization, after the split: the graphs the analyses see are unchanged.
 Turn it off with ``add_tvm_dispatch(..., fast_math=False)``.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import math
 
 import tvm
-from tvm import relax, topi
+from tvm import relax, te, topi
 from tvm.relax import Call, Expr, expr_functor
 from tvm.relax.transform.fast_math import FastMathCodeGenerator
 
@@ -27,8 +29,17 @@ def _gelu_fast(x):
     return topi.multiply(topi.multiply(x, 0.5), topi.add(inner, 1.0))
 
 
+def _sigmoid_fast(x):
+    """``1 / (1 + exp(-x))``; ``fast_exp`` clamps its argument to float32's range, so a very
+    negative ``x`` gives a tiny positive value where libm's gives 0 or a subnormal."""
+    e = topi.fast_exp(topi.negative(x))
+    one = tvm.tirx.const(1.0, x.dtype)
+    return te.compute(x.shape, lambda *i: one / (one + e(*i)), name="sigmoid", tag="elemwise")
+
+
 _FAST = {
     "relax.exp": topi.fast_exp,
+    "relax.sigmoid": _sigmoid_fast,
     "relax.erf": topi.fast_erf,
     "relax.tanh": topi.fast_tanh,
     "relax.nn.softmax": topi.nn.fast_softmax,
@@ -63,7 +74,7 @@ class _Float32FastMath(FastMathCodeGenerator._cls):
             and isinstance(call.args[0].ty.shape, relax.ShapeExpr)
         ):
             return _log_softmax(self.builder_, relax.PyExprMutator.visit_expr(self, call.args[0]), int(call.attrs.axis))
-        if name in ("relax.exp", "relax.erf", "relax.tanh", "relax.nn.softmax", "relax.nn.gelu"):
+        if name in _FAST:
             x = call.args[0]
             # TE needs the shape written out (a symbolic value may carry only a shape variable)
             if str(x.ty.dtype) == "float32" and isinstance(x.ty.shape, relax.ShapeExpr):

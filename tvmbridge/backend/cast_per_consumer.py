@@ -1,0 +1,122 @@
+"""A cast read by several kernels, computed in each of them instead of written out once.
+
+``FuseOps`` fuses a value into its consumers only when all of them fall in one group: a value read
+by two kernels is written out whole and read back by both. Casts are where that costs most: a
+train-mode BatchNorm sums its float32 input in float64 (as ATen's CPU kernel accumulates), and the
+float64 copy is read by the sum and again by the normalization, so every BatchNorm wrote and read
+a tensor twice the size of its input (a standalone ``cast`` kernel per BatchNorm, forward and
+backward). Each fusable consumer now gets its own cast of the source, which ``FuseOps`` fuses into
+it; the cast costs one instruction per element where the copy cost its bytes three times. A
+consumer that cannot fuse (a library call: an offloaded GEMM or convolution) and a function output
+keep the one shared cast. Run before legalization, on the Relax ops themselves.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..ir import is_op
+
+_UNFUSABLE_PREFIX = "relax.call_"  # call_tir, call_pure_packed, call_dps_packed: kernels already, or library calls
+
+
+def _fusable(value: relax.Expr) -> bool:
+    """A Relax operator call that legalization turns into a kernel ``FuseOps`` may fuse a cast into."""
+    return (
+        isinstance(value, relax.Call)
+        and isinstance(value.op, tvm.ir.Op)
+        and value.op.name.startswith("relax.")
+        and not value.op.name.startswith(_UNFUSABLE_PREFIX)
+    )
+
+
+def _widens(cast: relax.Call) -> bool:
+    """A cast to a type at least as wide as its source: each consumer then reads the narrower
+    source. A narrowing cast stays shared (its consumers would read the wider source instead:
+    a float64 BatchNorm output read as float64 by both the activation and its gradient)."""
+    source = cast.args[0].ty
+    return (
+        isinstance(source, relax.TensorType)
+        and source.dtype is not None
+        and (tvm.DataType(str(cast.ty.dtype)).bits >= tvm.DataType(str(source.dtype)).bits)
+    )
+
+
+def _reads(value: relax.Expr) -> list[relax.Var]:
+    """The variables a call reads directly (its arguments, and the fields of tuple arguments)."""
+    if not isinstance(value, relax.Call):
+        return []
+    out: list[relax.Var] = []
+    for arg in value.args:
+        if isinstance(arg, relax.Var):
+            out.append(arg)
+        elif isinstance(arg, relax.Tuple):
+            out.extend(f for f in arg.fields if isinstance(f, relax.Var))
+    return out
+
+
+def _with_arg(value: relax.Call, old: relax.Var, new: relax.Var) -> relax.Call:
+    def swap(arg: relax.Expr) -> relax.Expr:
+        if isinstance(arg, relax.Tuple):
+            return relax.Tuple([new if f.same_as(old) else f for f in arg.fields])
+        return new if arg.same_as(old) else arg
+
+    return relax.Call(value.op, [swap(a) for a in value.args], value.attrs, value.ty_args)
+
+
+def _shared_casts(block: relax.DataflowBlock) -> set[relax.Var]:
+    """Casts bound in ``block`` that are read by more than one binding (or by one and the
+    block's outputs) and by at least one that can fuse them."""
+    casts = {b.var for b in block.bindings if is_op(b.value, "relax.astype") and _widens(b.value)}
+    readers: dict[relax.Var, list[relax.Expr]] = {v: [] for v in casts}
+    for b in block.bindings:
+        for var in dict.fromkeys(_reads(b.value)):
+            if var in readers:
+                readers[var].append(b.value)
+    outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
+    return {
+        v
+        for v, values in readers.items()
+        if any(_fusable(x) for x in values) and (len(values) > 1 or (values and v in outputs))
+    }
+
+
+def cast_per_consumer(func: relax.Function) -> relax.Function:
+    """``func`` with each shared cast (:func:`_shared_casts`) bound again before each fusable
+    consumer; the original binding stays for the others (dead code where there are none)."""
+    body = func.body
+    if (
+        not isinstance(body, relax.SeqExpr)
+        or len(body.blocks) != 1
+        or not isinstance(body.blocks[0], relax.DataflowBlock)
+    ):
+        return func
+    block = body.blocks[0]
+    shared = _shared_casts(block)
+    if not shared:
+        return func
+    cast_of = {b.var: b.value for b in block.bindings if b.var in shared}
+    bindings: list[relax.Binding] = []
+    for b in block.bindings:
+        value = b.value
+        if _fusable(value):
+            for var in dict.fromkeys(v for v in _reads(value) if v in shared):
+                copy = relax.DataflowVar(f"{var.name}_here", var.ty)
+                bindings.append(relax.VarBinding(copy, cast_of[var]))
+                value = _with_arg(value, var, copy)
+        bindings.append(b if value.same_as(b.value) else relax.VarBinding(b.var, value))
+    new_body = relax.SeqExpr([relax.DataflowBlock(bindings)], body.body)
+    return relax.Function(func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmbridge.CastPerConsumer")
+def CastPerConsumer(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:  # noqa: N802
+    """:func:`cast_per_consumer` on every Relax function."""
+    out = mod.clone()
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            new = cast_per_consumer(func)
+            if not new.same_as(func):
+                out[gv] = new
+    return out
