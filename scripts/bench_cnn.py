@@ -74,7 +74,9 @@ def step_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callabl
     return step
 
 
-def differences(model: torch.nn.Module, eager: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+def differences(
+    model: torch.nn.Module, eager: torch.nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, float]:
     """Largest loss and gradient differences of one step from the same weights."""
     out = []
     for m in (model, eager):
@@ -106,8 +108,18 @@ def bench_model(name: str, batch: int, image: int, runs: int, warmup: int, ablat
     for k, ts in times.items():
         median = statistics.median(ts)
         loss, grad = diffs.get(k, (0.0, 0.0))
-        rows.append({"model": name, "batch": batch, "image": image, "variant": k, "ms": median * 1e3,
-                     "vs_eager": median / eager, "loss_diff": loss, "grad_diff": grad})
+        rows.append(
+            {
+                "model": name,
+                "batch": batch,
+                "image": image,
+                "variant": k,
+                "ms": median * 1e3,
+                "vs_eager": median / eager,
+                "loss_diff": loss,
+                "grad_diff": grad,
+            }
+        )
     return rows
 
 
@@ -123,11 +135,24 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     machine = machine_line()
-    rows = [r for name in args.models.split(",") for r in bench_model(name, args.batch, args.image, args.runs, args.warmup, args.ablate)]
-    lines = [machine, roofline_header((torch.float32,)), f"interleaved medians of {args.runs} train steps after {args.warmup} warm-up", "",
-             "| model | batch, image | variant | step ms | vs eager | loss diff | largest grad diff |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['batch']}, {r['image']}px | {r['variant']} | {r['ms']:.1f} | {r['vs_eager']:.2f}x | "
-              f"{r['loss_diff']:.1e} | {r['grad_diff']:.1e} |" for r in rows]
+    rows = [
+        r
+        for name in args.models.split(",")
+        for r in bench_model(name, args.batch, args.image, args.runs, args.warmup, args.ablate)
+    ]
+    lines = [
+        machine,
+        roofline_header((torch.float32,)),
+        f"interleaved medians of {args.runs} train steps after {args.warmup} warm-up",
+        "",
+        "| model | batch, image | variant | step ms | vs eager | loss diff | largest grad diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['batch']}, {r['image']}px | {r['variant']} | {r['ms']:.1f} | {r['vs_eager']:.2f}x | "
+        f"{r['loss_diff']:.1e} | {r['grad_diff']:.1e} |"
+        for r in rows
+    ]
     write_results(args.out, machine, rows, "\n".join(lines))
 
 
