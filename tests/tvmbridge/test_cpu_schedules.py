@@ -541,3 +541,31 @@ def test_a_sum_whose_contiguous_axis_is_kept_is_not_a_channel_reduction():
     """NHWC-like: the innermost axis is kept; the column rule's, no rfactor."""
     mod = _module((4, 16, 64), lambda x: relax.op.sum(x, axis=[0, 1]))
     assert "_rf" not in _kernels(mod)
+
+
+def _reductions_over_the_last_axis():
+    import itertools
+
+    for shape in [(2, 3, 8, 8), (2, 3, 4, 4, 8), (3, 5, 16)]:
+        for k in range(1, len(shape)):
+            for axes in itertools.combinations(range(len(shape)), k):
+                if axes[-1] == len(shape) - 1:
+                    yield shape, list(axes)
+
+
+@pytest.mark.parametrize("shape,axes", list(_reductions_over_the_last_axis()))
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_every_reduction_over_the_contiguous_axis_computes_what_numpy_does(shape, axes, op):
+    """Whichever rule takes it (row, channel or serial), a reduction over any set of axes that
+    ends in the contiguous one, of a float64 product (a BatchNorm gradient's form) or a plain max,
+    with kept axes before, between and after the reduced ones."""
+
+    def body(x):
+        if op == "sum":
+            wide = relax.op.astype(x, "float64")
+            return relax.op.sum(relax.op.multiply(wide, wide), axis=axes, keepdims=True)
+        return relax.op.max(x, axis=axes)
+
+    x = _x(shape)
+    want = (x.astype("float64") ** 2).sum(tuple(axes), keepdims=True) if op == "sum" else x.max(tuple(axes))
+    np.testing.assert_allclose(_run(_module(shape, body), x), want, rtol=1e-12 if op == "sum" else 0)
