@@ -60,7 +60,7 @@ def test_the_lowered_module_computes_the_same() -> None:
         exe = tvm.compile(lower(_module("float32", "float64"), target), target=target)
     total, product = (o.numpy() for o in relax.VirtualMachine(exe, tvm.cpu())["main"](tvm.runtime.tensor(x)))
     wide = x.astype("float64")
-    np.testing.assert_array_equal(total, wide.sum(axis=0))
+    np.testing.assert_allclose(total, wide.sum(axis=0), rtol=1e-12)  # the order of the sum may differ
     np.testing.assert_array_equal(product, wide * wide)
 
 
@@ -77,3 +77,43 @@ def test_library_calls_and_outputs_keep_the_shared_cast() -> None:
     assert packed.args[1].same_as(shared)  # the library call reads the one cast
     assert any(f.same_as(shared) for f in bindings[-1].value.fields)  # and so does the output
     assert _casts(mod) == 3
+
+
+def _expression_module(source: str) -> tvm.IRModule:
+    """BatchNorm's backward form: ``p = astype(g) * (astype(x) - mean)`` (``mean`` a per-column
+    float64 operand), read by a sum and by an elementwise product."""
+    bb = relax.BlockBuilder()
+    g = relax.Var("g", relax.TensorType((8, 16), source))
+    x = relax.Var("x", relax.TensorType((8, 16), source))
+    mean = relax.Var("mean", relax.TensorType((1, 16), "float64"))
+    with bb.function("main", [g, x, mean]):
+        with bb.dataflow():
+            centered = bb.emit(relax.op.subtract(relax.op.astype(x, "float64"), mean))
+            p = bb.emit(relax.op.multiply(relax.op.astype(g, "float64"), centered))
+            total = bb.emit(relax.op.sum(p, axis=[0]))
+            scaled = bb.emit(relax.op.multiply(p, mean))
+            out = bb.emit_output(relax.Tuple([total, scaled]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_arithmetic_on_widened_values_goes_into_each_consumer_too() -> None:
+    target = tvm.target.Target("llvm")
+    lowered = lower(_expression_module("float32"), target)
+    assert _written(lowered).count(((8, 16), "float64")) == 1  # the scaled output only, not p
+    rng = np.random.default_rng(1)
+    g, x = (rng.standard_normal((8, 16)).astype("float32") for _ in range(2))
+    mean = rng.standard_normal((1, 16))
+    with target:
+        exe = tvm.compile(lowered, target=target)
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    total, scaled = (o.numpy() for o in vm["main"](*(tvm.runtime.tensor(a) for a in (g, x, mean))))
+    p = g.astype("float64") * (x.astype("float64") - mean)
+    np.testing.assert_allclose(total, p.sum(axis=0), rtol=1e-12)
+    np.testing.assert_array_equal(scaled, p * mean)
+
+
+def test_arithmetic_on_values_already_wide_stays_shared() -> None:
+    """float64 inputs: nothing is widened, the product is written once and read twice."""
+    lowered = lower(_expression_module("float64"), tvm.target.Target("llvm"))
+    assert _written(lowered).count(((8, 16), "float64")) == 2

@@ -9,15 +9,26 @@ backward). Each fusable consumer now gets its own cast of the source, which ``Fu
 it; the cast costs one instruction per element where the copy cost its bytes three times. A
 consumer that cannot fuse (a library call: an offloaded GEMM or convolution) and a function output
 keep the one shared cast. Run before legalization, on the Relax ops themselves.
+
+The same holds one level up: arithmetic on widened values (BatchNorm's backward computes
+``grad * (x - mean)`` in float64, read by a sum and by the input gradient) is a float64 tensor
+written out whole. Such an expression (``add``, ``subtract``, ``multiply``, ``divide``,
+``negative`` over widening casts and broadcast operands, at most :data:`MAX_DEPTH` deep, wider
+than every full-size tensor it reads) is bound again, with its casts, before each fusable
+consumer; broadcast operands (a per-channel mean) stay shared.
 """
 
 from __future__ import annotations
 
+import math
+
 import tvm
 from tvm import relax
 
-from ..ir import is_op
+from ..ir import is_op, static_shape
 
+_ARITHMETIC = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.negative"}
+MAX_DEPTH = 3  # operations in a recomputed expression, counted along its longest path
 _UNFUSABLE_PREFIX = "relax.call_"  # call_tir, call_pure_packed, call_dps_packed: kernels already, or library calls
 
 
@@ -65,11 +76,54 @@ def _with_arg(value: relax.Call, old: relax.Var, new: relax.Var) -> relax.Call:
     return relax.Call(value.op, [swap(a) for a in value.args], value.attrs, value.ty_args)
 
 
-def _shared_casts(block: relax.DataflowBlock) -> set[relax.Var]:
-    """Casts bound in ``block`` that are read by more than one binding (or by one and the
-    block's outputs) and by at least one that can fuse them."""
-    casts = {b.var for b in block.bindings if is_op(b.value, "relax.astype") and _widens(b.value)}
-    readers: dict[relax.Var, list[relax.Expr]] = {v: [] for v in casts}
+def _bits(ty: relax.StructInfo) -> int | None:
+    dtype = getattr(ty, "dtype", None)
+    return None if dtype is None or str(dtype) == "" else tvm.DataType(str(dtype)).bits
+
+
+def _numel(var: relax.Expr) -> int | None:
+    shape = static_shape(var)
+    return None if shape is None else math.prod(shape)
+
+
+def _broadcast_operand(arg: relax.Expr, size: int) -> bool:
+    """A constant, or a tensor smaller than the result (read by every element: computed once)."""
+    n = _numel(arg)
+    return isinstance(arg, tvm.ir.expr.Constant) or (n is not None and n < size)
+
+
+def _source_bits(var: relax.Var, bound: dict[relax.Var, relax.Expr], depth: int) -> int | None:
+    """The widest dtype (bits) of the full-size tensors ``var`` is computed from, where ``var`` is
+    a widening cast or arithmetic over such values and broadcast operands; else None."""
+    value = bound.get(var)
+    if value is None:
+        return None
+    if is_op(value, "relax.astype"):
+        return _bits(value.args[0].ty) if _widens(value) else None
+    size = _numel(var)
+    if depth == 0 or size is None or not isinstance(value, relax.Call):
+        return None
+    if getattr(value.op, "name", "") not in _ARITHMETIC:
+        return None
+    widest = 0
+    for arg in value.args:
+        if _broadcast_operand(arg, size):
+            continue
+        bits = _source_bits(arg, bound, depth - 1) if isinstance(arg, relax.Var) else None
+        if bits is None:
+            return None
+        widest = max(widest, bits)
+    out = _bits(var.ty)
+    return widest if out is not None and widest < out else None
+
+
+def _shared_widenings(block: relax.DataflowBlock) -> set[relax.Var]:
+    """Widened values (casts, and arithmetic over them: :func:`_source_bits`) bound in ``block``
+    that are read by more than one binding (or by one and the block's outputs) and by at least one
+    that can fuse them."""
+    bound = {b.var: b.value for b in block.bindings}
+    widened = {v for v in bound if _source_bits(v, bound, MAX_DEPTH) is not None}
+    readers: dict[relax.Var, list[relax.Expr]] = {v: [] for v in widened}
     for b in block.bindings:
         for var in dict.fromkeys(_reads(b.value)):
             if var in readers:
@@ -82,9 +136,23 @@ def _shared_casts(block: relax.DataflowBlock) -> set[relax.Var]:
     }
 
 
+def _bind_again(var: relax.Var, bound: dict[relax.Var, relax.Expr], into: list[relax.Binding], depth: int) -> relax.Var:
+    """A fresh binding of ``var``'s widening expression (its casts and arithmetic, not its
+    broadcast operands), appended to ``into``; the fresh variable."""
+    value = bound[var]
+    if not is_op(value, "relax.astype"):
+        size = _numel(var)
+        assert size is not None and isinstance(value, relax.Call) and depth > 0  # as _source_bits checked
+        args = [a if _broadcast_operand(a, size) else _bind_again(a, bound, into, depth - 1) for a in value.args]
+        value = relax.Call(value.op, args, value.attrs, value.ty_args)
+    fresh = relax.DataflowVar(f"{var.name}_here", var.ty)
+    into.append(relax.VarBinding(fresh, value))
+    return fresh
+
+
 def cast_per_consumer(func: relax.Function) -> relax.Function:
-    """``func`` with each shared cast (:func:`_shared_casts`) bound again before each fusable
-    consumer; the original binding stays for the others (dead code where there are none)."""
+    """``func`` with each shared widened value (:func:`_shared_widenings`) bound again before each
+    fusable consumer; the original binding stays for the others (dead code where there are none)."""
     body = func.body
     if (
         not isinstance(body, relax.SeqExpr)
@@ -93,18 +161,16 @@ def cast_per_consumer(func: relax.Function) -> relax.Function:
     ):
         return func
     block = body.blocks[0]
-    shared = _shared_casts(block)
+    shared = _shared_widenings(block)
     if not shared:
         return func
-    cast_of = {b.var: b.value for b in block.bindings if b.var in shared}
+    bound = {b.var: b.value for b in block.bindings}
     bindings: list[relax.Binding] = []
     for b in block.bindings:
         value = b.value
         if _fusable(value):
             for var in dict.fromkeys(v for v in _reads(value) if v in shared):
-                copy = relax.DataflowVar(f"{var.name}_here", var.ty)
-                bindings.append(relax.VarBinding(copy, cast_of[var]))
-                value = _with_arg(value, var, copy)
+                value = _with_arg(value, var, _bind_again(var, bound, bindings, MAX_DEPTH))
         bindings.append(b if value.same_as(b.value) else relax.VarBinding(b.var, value))
     new_body = relax.SeqExpr([relax.DataflowBlock(bindings)], body.body)
     return relax.Function(func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span)
