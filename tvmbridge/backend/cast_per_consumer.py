@@ -25,7 +25,7 @@ import math
 import tvm
 from tvm import relax
 
-from ..ir import is_op, static_shape
+from ..ir import is_op, static_shape, with_vars
 
 _ARITHMETIC = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.negative"}
 MAX_DEPTH = 3  # operations in a recomputed expression, counted along its longest path
@@ -52,28 +52,6 @@ def _widens(cast: relax.Call) -> bool:
         and source.dtype is not None
         and (tvm.DataType(str(cast.ty.dtype)).bits >= tvm.DataType(str(source.dtype)).bits)
     )
-
-
-def _reads(value: relax.Expr) -> list[relax.Var]:
-    """The variables a call reads directly (its arguments, and the fields of tuple arguments)."""
-    if not isinstance(value, relax.Call):
-        return []
-    out: list[relax.Var] = []
-    for arg in value.args:
-        if isinstance(arg, relax.Var):
-            out.append(arg)
-        elif isinstance(arg, relax.Tuple):
-            out.extend(f for f in arg.fields if isinstance(f, relax.Var))
-    return out
-
-
-def _with_arg(value: relax.Call, old: relax.Var, new: relax.Var) -> relax.Call:
-    def swap(arg: relax.Expr) -> relax.Expr:
-        if isinstance(arg, relax.Tuple):
-            return relax.Tuple([new if f.same_as(old) else f for f in arg.fields])
-        return new if arg.same_as(old) else arg
-
-    return relax.Call(value.op, [swap(a) for a in value.args], value.attrs, value.ty_args)
 
 
 def _bits(ty: relax.StructInfo) -> int | None:
@@ -125,7 +103,7 @@ def _shared_widenings(block: relax.DataflowBlock) -> set[relax.Var]:
     widened = {v for v in bound if _source_bits(v, bound, MAX_DEPTH) is not None}
     readers: dict[relax.Var, list[relax.Expr]] = {v: [] for v in widened}
     for b in block.bindings:
-        for var in dict.fromkeys(_reads(b.value)):
+        for var in dict.fromkeys(relax.analysis.free_vars(b.value)):
             if var in readers:
                 readers[var].append(b.value)
     outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
@@ -169,8 +147,8 @@ def cast_per_consumer(func: relax.Function) -> relax.Function:
     for b in block.bindings:
         value = b.value
         if _fusable(value):
-            for var in dict.fromkeys(v for v in _reads(value) if v in shared):
-                value = _with_arg(value, var, _bind_again(var, bound, bindings, MAX_DEPTH))
+            for var in dict.fromkeys(v for v in relax.analysis.free_vars(value) if v in shared):
+                value = with_vars(value, {var: _bind_again(var, bound, bindings, MAX_DEPTH)})
         bindings.append(b if value.same_as(b.value) else relax.VarBinding(b.var, value))
     new_body = relax.SeqExpr([relax.DataflowBlock(bindings)], body.body)
     return relax.Function(func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span)
