@@ -28,6 +28,8 @@ from tvm import relax
 from ..ir import is_op, static_shape, with_vars
 
 _ARITHMETIC = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.negative"}
+_WIDENING_OPS = _ARITHMETIC | {"relax.astype"}
+_LEAVES = (tvm.ir.expr.Constant, relax.ShapeExpr, tvm.ir.expr.StringImm)  # arguments that read no variable
 MAX_DEPTH = 3  # operations in a recomputed expression, counted along its longest path
 _UNFUSABLE_PREFIX = "relax.call_"  # call_tir, call_pure_packed, call_dps_packed: kernels already, or library calls
 
@@ -59,35 +61,48 @@ def _bits(ty: relax.StructInfo) -> int | None:
     return None if dtype is None or str(dtype) == "" else tvm.DataType(str(dtype)).bits
 
 
-def _numel(var: relax.Expr) -> int | None:
-    shape = static_shape(var)
-    return None if shape is None else math.prod(shape)
+def _numel(var: relax.Expr, sizes: dict[relax.Expr, int | None]) -> int | None:
+    """Elements of a static-shaped tensor, else None; memoized in ``sizes`` (reading a shape
+    through the FFI, element by element, was most of the pass's time)."""
+    if var not in sizes:
+        shape = static_shape(var)
+        sizes[var] = None if shape is None else math.prod(shape)
+    return sizes[var]
 
 
-def _broadcast_operand(arg: relax.Expr, size: int) -> bool:
+def _broadcast_operand(arg: relax.Expr, size: int, sizes: dict[relax.Expr, int | None]) -> bool:
     """A constant, or a tensor smaller than the result (read by every element: computed once)."""
-    n = _numel(arg)
+    n = _numel(arg, sizes)
     return isinstance(arg, tvm.ir.expr.Constant) or (n is not None and n < size)
 
 
-def _source_bits(var: relax.Var, bound: dict[relax.Var, relax.Expr], depth: int) -> int | None:
+def _op_name(value: relax.Expr) -> str:
+    """The operator a binding calls (``""`` for anything else)."""
+    op = value.op if isinstance(value, relax.Call) else None
+    return op.name if isinstance(op, tvm.ir.Op) else ""
+
+
+def _source_bits(
+    var: relax.Var, bound: dict[relax.Var, relax.Expr], depth: int, sizes: dict[relax.Expr, int | None]
+) -> int | None:
     """The widest dtype (bits) of the full-size tensors ``var`` is computed from, where ``var`` is
     a widening cast or arithmetic over such values and broadcast operands; else None."""
     value = bound.get(var)
     if value is None:
         return None
-    if is_op(value, "relax.astype"):
+    name = _op_name(value)
+    if name == "relax.astype":
         return _bits(value.args[0].ty) if _widens(value) else None
-    size = _numel(var)
-    if depth == 0 or size is None or not isinstance(value, relax.Call):
+    if depth == 0 or name not in _ARITHMETIC:
         return None
-    if getattr(value.op, "name", "") not in _ARITHMETIC:
+    size = _numel(var, sizes)
+    if size is None:
         return None
     widest = 0
     for arg in value.args:
-        if _broadcast_operand(arg, size):
+        if _broadcast_operand(arg, size, sizes):
             continue
-        bits = _source_bits(arg, bound, depth - 1) if isinstance(arg, relax.Var) else None
+        bits = _source_bits(arg, bound, depth - 1, sizes) if isinstance(arg, relax.Var) else None
         if bits is None:
             return None
         widest = max(widest, bits)
@@ -95,15 +110,34 @@ def _source_bits(var: relax.Var, bound: dict[relax.Var, relax.Expr], depth: int)
     return widest if out is not None and widest < out else None
 
 
-def _shared_widenings(block: relax.DataflowBlock) -> set[relax.Var]:
+def _read_vars(value: relax.Expr) -> list[relax.Var]:
+    """The variables a binding reads, each once. A call in normal form reads variables, tuples of
+    them and constants, read here directly: a free-variable analysis per binding was most of the
+    pass's time. Anything else goes to that analysis."""
+    if not isinstance(value, relax.Call):
+        return list(dict.fromkeys(relax.analysis.free_vars(value)))
+    found: list[relax.Var] = []
+    for arg in value.args:
+        for leaf in arg.fields if isinstance(arg, relax.Tuple) else [arg]:
+            if isinstance(leaf, relax.Var):
+                found.append(leaf)
+            elif not isinstance(leaf, _LEAVES):
+                return list(dict.fromkeys(relax.analysis.free_vars(value)))
+    return list(dict.fromkeys(found))
+
+
+def _shared_widenings(block: relax.DataflowBlock, sizes: dict[relax.Expr, int | None]) -> set[relax.Var]:
     """Widened values (casts, and arithmetic over them: :func:`_source_bits`) bound in ``block``
     that are read by more than one binding (or by one and the block's outputs) and by at least one
     that can fuse them."""
     bound = {b.var: b.value for b in block.bindings}
-    widened = {v for v in bound if _source_bits(v, bound, MAX_DEPTH) is not None}
+    candidates = [v for v, value in bound.items() if _op_name(value) in _WIDENING_OPS]
+    widened = {v for v in candidates if _source_bits(v, bound, MAX_DEPTH, sizes) is not None}
+    if not widened:
+        return set()
     readers: dict[relax.Var, list[relax.Expr]] = {v: [] for v in widened}
     for b in block.bindings:
-        for var in dict.fromkeys(relax.analysis.free_vars(b.value)):
+        for var in _read_vars(b.value):
             if var in readers:
                 readers[var].append(b.value)
     outputs = {b.var for b in block.bindings if not isinstance(b.var, relax.DataflowVar)}
@@ -114,14 +148,23 @@ def _shared_widenings(block: relax.DataflowBlock) -> set[relax.Var]:
     }
 
 
-def _bind_again(var: relax.Var, bound: dict[relax.Var, relax.Expr], into: list[relax.Binding], depth: int) -> relax.Var:
+def _bind_again(
+    var: relax.Var,
+    bound: dict[relax.Var, relax.Expr],
+    into: list[relax.Binding],
+    depth: int,
+    sizes: dict[relax.Expr, int | None],
+) -> relax.Var:
     """A fresh binding of ``var``'s widening expression (its casts and arithmetic, not its
     broadcast operands), appended to ``into``; the fresh variable."""
     value = bound[var]
     if not is_op(value, "relax.astype"):
-        size = _numel(var)
+        size = _numel(var, sizes)
         assert size is not None and isinstance(value, relax.Call) and depth > 0  # as _source_bits checked
-        args = [a if _broadcast_operand(a, size) else _bind_again(a, bound, into, depth - 1) for a in value.args]
+        args = [
+            a if _broadcast_operand(a, size, sizes) else _bind_again(a, bound, into, depth - 1, sizes)
+            for a in value.args
+        ]
         value = relax.Call(value.op, args, value.attrs, value.ty_args)
     fresh = relax.DataflowVar(f"{var.name}_here", var.ty)
     into.append(relax.VarBinding(fresh, value))
@@ -139,7 +182,8 @@ def cast_per_consumer(func: relax.Function) -> relax.Function:
     ):
         return func
     block = body.blocks[0]
-    shared = _shared_widenings(block)
+    sizes: dict[relax.Expr, int | None] = {}
+    shared = _shared_widenings(block, sizes)
     if not shared:
         return func
     bound = {b.var: b.value for b in block.bindings}
@@ -147,8 +191,8 @@ def cast_per_consumer(func: relax.Function) -> relax.Function:
     for b in block.bindings:
         value = b.value
         if _fusable(value):
-            for var in dict.fromkeys(v for v in relax.analysis.free_vars(value) if v in shared):
-                value = with_vars(value, {var: _bind_again(var, bound, bindings, MAX_DEPTH)})
+            for var in [v for v in _read_vars(value) if v in shared]:
+                value = with_vars(value, {var: _bind_again(var, bound, bindings, MAX_DEPTH, sizes)})
         bindings.append(b if value.same_as(b.value) else relax.VarBinding(b.var, value))
     new_body = relax.SeqExpr([relax.DataflowBlock(bindings)], body.body)
     return relax.Function(func.params, new_body, func.ret_ty, func.is_pure, func.attrs, func.span)
