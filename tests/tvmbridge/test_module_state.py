@@ -349,6 +349,56 @@ def test_a_cache_dict_filled_in_place_in_eval_is_filled_by_pytorch_and_read_by_o
     assert m._tvm_dispatch.variants[1].calls == 3  # the second call of each eval phase
 
 
+def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_again(monkeypatch) -> None:
+    """A validation pass of one batch between epochs: every eval call finds the cache ``train()``
+    emptied. Each runs PyTorch (the cache filled as eager fills it) without a trace, never refused
+    for good as "assigns on every call"; a later phase of two eval calls compiles the eval variant."""
+    from tvmbridge.runtime.variant_set import VariantSet
+
+    attempts = []
+    compile_variant = VariantSet.compile_variant
+    monkeypatch.setattr(VariantSet, "compile_variant", lambda *a, **k: attempts.append(1) or compile_variant(*a, **k))
+    torch.manual_seed(0)
+    ref = EvalCache()
+    m = add_tvm_dispatch(copy.deepcopy(ref), verify=False)
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (m, ref)]
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for evals in (1, 1, 1, 2):
+            outs = []
+            for mod, opt in zip((m, ref), opts):
+                mod.train()
+                mod(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mod.eval()
+                with torch.no_grad():
+                    outs.append([mod(x) for _ in range(evals)])
+            for got, want in zip(*outs):
+                torch.testing.assert_close(got, want)
+            assert all(type(t) is torch.Tensor for t in m.cache.values())
+    messages = [str(w.message) for w in caught]
+    assert not any("on every call" in s for s in messages)
+    assert any("hold again what they held" in s and "EvalCache.cache" in s for s in messages)
+    assert "calls: 5 compiled, 4 PyTorch" in m._tvm_dispatch.explain(), m._tvm_dispatch.explain()
+    assert len(attempts) == 3  # train; the first eval (deferred); the last phase's second eval call
+    assert [v.label.split(":")[0] for v in m._tvm_dispatch.variants] == ["train", "eval"]
+    assert m._tvm_dispatch.variants[1].calls == 1
+
+
+def test_an_attribute_assigned_anew_each_call_is_still_refused_after_the_deferral() -> None:
+    """What separates the two: a counter holds another value after PyTorch's call, an emptied
+    cache the value it held before it."""
+    m = add_tvm_dispatch(PlainCounter(), verify=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m(torch.randn(3, 4))  # the first trace assigns: PyTorch runs the call
+    m.calls = 5  # set from outside between calls: still another value than the trace met first
+    with pytest.raises(ConversionError, match="on every call .*PlainCounter.calls"):
+        m(torch.randn(3, 4))
+
+
 class HeldLeaf(torch.nn.Module):
     """A leaf that requires grad kept as a plain attribute (not registered): PyTorch gives it a
     gradient; compiled in as a constant, it had none (silently wrong)."""

@@ -117,6 +117,35 @@ def changed_attributes(module: torch.nn.Module, before: Attributes) -> list[str]
     return sorted(changed)
 
 
+_GONE = object()
+
+
+def attribute_states(module: torch.nn.Module, labels: list[str]) -> tuple | None:
+    """What the attributes :func:`changed_attributes` labelled hold now, to compare with another
+    moment: plain values by value, containers by their type and keys (a cache emptied again
+    reads as it did before it was filled), other objects by identity and version. None where a
+    label no longer names an attribute of a submodule."""
+    modules = dict(module.named_modules())
+    states: list[tuple] = []
+    for label in labels:
+        path, _, name = label.rpartition(".")
+        owner = modules.get(path, module if path == type(module).__name__ else None)
+        if owner is None:
+            return None
+        value = vars(owner).get(name, _GONE)
+        if value is _GONE:
+            states.append(("gone",))
+        elif is_plain(value):
+            states.append(("plain", type(value), repr(value)))
+        elif isinstance(value, dict):
+            states.append((type(value), tuple(map(repr, value))))
+        elif isinstance(value, MUTABLE):
+            states.append((type(value), len(value)))
+        else:
+            states.append(("object", id(value), getattr(value, "_version", None)))
+    return tuple(states)
+
+
 def restore_attributes(module: torch.nn.Module, before: Attributes) -> None:
     """Put back the attributes :func:`module_attributes` recorded (and drop ones added since)."""
     modules = {id(m): m for m in module.modules()}

@@ -19,6 +19,7 @@ import torch
 from analysis.tensors import tensor_leaves
 
 from ..errors import AttributeWriteError, ConversionError, RecompileWarning, module_name
+from ..frontend.call_state import attribute_states
 from ..options import CompileOptions
 from ..pipeline.parts import INFER, TRAIN
 from .compiled import CompiledModule, compile_training
@@ -101,7 +102,8 @@ class VariantSet:
         # structural failures by _sizeless key, once PyTorch ran the failed call fine (the call was valid)
         self.sizeless_failures: dict[tuple, Mismatch] = {}
         self.unconfirmed: dict[str, tuple] = {}  # failure's Mismatch.key -> its _sizeless key, until then
-        self.deferred: set[tuple] = set()  # call keys whose trace assigned module attributes once
+        # call keys whose trace assigned module attributes once -> (those attributes, what they held)
+        self.deferred: dict[tuple, tuple[list[str], tuple | None] | None] = {}
         self.deferred_pending = False  # a call was deferred since the last call a variant ran
         self.last = 0  # the variant the last compiled call ran: tried first
         self.dynamic_failure: ConversionError | None = None  # why the last symbolic compile failed
@@ -130,7 +132,7 @@ class VariantSet:
             if fit.fitted is not None:
                 self.last = i
                 if self.deferred_pending:  # deferring helped (a cache filled): it may again, once emptied
-                    self.deferred.discard(self.key(args, kwargs))
+                    self.deferred.pop(self.key(args, kwargs), None)
                     self.deferred_pending = False  # the call after a deferral only: a key costs a state walk
                 return Selection.run(variants[i], fit.fitted)
             assert fit.reason is not None  # a fit has its tensors or a reason
@@ -164,10 +166,14 @@ class VariantSet:
         """A new variant for a call no variant fits. A failure raises when nothing has compiled
         yet and ``fallback`` is off; else it is remembered and the call runs PyTorch."""
         if reason is not None and reason.emptied and key not in self.deferred:  # PyTorch's call fills it
-            self.deferred.add(key)
+            self.deferred[key] = None
             self.deferred_pending = True
             said = f"compiling deferred: {reason.message}; PyTorch runs this call"
             return Selection.pytorch(Mismatch("cache emptied", said, recompile=False))
+        emptied = self.emptied_again(key)
+        if emptied is not None:
+            self.deferred_pending = True
+            return Selection.pytorch(Mismatch("cache emptied", emptied, recompile=False))
         try:
             variant = self.compile_variant(
                 args, kwargs, reason.message if reason else "first call", self.dynamic_dims(args, kwargs)
@@ -178,7 +184,8 @@ class VariantSet:
                 if not self.variants and not self.options.fallback:
                     raise again from exc
                 return Selection.pytorch(self.remember_failure(key, again))
-            self.deferred.add(key)
+            with TRACING.reading():
+                self.deferred[key] = (exc.names, attribute_states(self.module, exc.names))
             self.deferred_pending = True
             return Selection.pytorch(Mismatch("attributes assigned", f"compiling deferred: {exc}", recompile=False))
         except ConversionError as exc:
@@ -186,7 +193,7 @@ class VariantSet:
                 raise
             self.split_into_submodules(exc)
             return Selection.pytorch(self.remember_failure(key, exc))
-        self.deferred.discard(key)  # deferring helped (a cache filled): it may again, once emptied
+        self.deferred.pop(key, None)  # deferring helped (a cache filled): it may again, once emptied
         with TRACING.reading():
             fit = variant.fit(self.module, self.signature, args, kwargs)
         if fit.fitted is None:
@@ -194,6 +201,25 @@ class VariantSet:
             return Selection.pytorch(fit.reason)
         self.last = self.variants.index(variant)
         return Selection.run(variant, fit.fitted)
+
+    def emptied_again(self, key: tuple) -> str | None:
+        """Why a deferred call is deferred again without a trace, or None: the attributes its
+        trace assigned hold what they held then (a cache the forward fills, emptied again since
+        PyTorch's call filled it: LeViT's attention biases, which ``train()`` clears; with one
+        eval call between training phases every such call finds it empty). A forward that
+        assigns on every call (a counter, ``self.last = y``) left them changed: traced again."""
+        entry = self.deferred.get(key)
+        if entry is None or entry[1] is None:
+            return None
+        names, states = entry
+        with TRACING.reading():
+            if attribute_states(self.module, names) != states:
+                return None
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        return (
+            f"compiling deferred: {shown} hold again what they held before PyTorch's call filled them "
+            "(emptied since, as train() empties a cache); PyTorch runs this call"
+        )
 
     def split_into_submodules(self, exc: ConversionError) -> list[str]:
         """After a compile failure, the module's submodules dispatched by themselves where the
