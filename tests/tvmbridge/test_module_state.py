@@ -387,6 +387,34 @@ def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_agai
     assert m._tvm_dispatch.variants[1].calls == 1
 
 
+@pytest.mark.parametrize("evals", [(2, 1, 1, 1), (1, 2, 1, 1, 2)], ids=["two_then_one", "mixed"])
+def test_eval_phases_of_one_call_after_an_eval_variant_exists_are_never_refused(evals) -> None:
+    """The eval variant compiled in a phase of two calls; later phases of one call each find the
+    cache emptied, run PyTorch, and the key is never refused as assigning on every call."""
+    torch.manual_seed(0)
+    ref = EvalCache()
+    m = add_tvm_dispatch(copy.deepcopy(ref), verify=False)
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (m, ref)]
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in evals:
+            outs = []
+            for mod, opt in zip((m, ref), opts):
+                mod.train()
+                mod(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mod.eval()
+                with torch.no_grad():
+                    outs.append([mod(x) for _ in range(n)])
+            for got, want in zip(*outs):
+                torch.testing.assert_close(got, want)
+    assert not any("on every call" in str(w.message) for w in caught)
+    assert not m._tvm_dispatch.failures
+    assert f"calls: {len(evals) + sum(n - 1 for n in evals)} compiled" in m._tvm_dispatch.explain()
+
+
 def test_an_attribute_assigned_anew_each_call_is_still_refused_after_the_deferral() -> None:
     """What separates the two: a counter holds another value after PyTorch's call, an emptied
     cache the value it held before it."""

@@ -179,7 +179,7 @@ class VariantSet:
                 args, kwargs, reason.message if reason else "first call", self.dynamic_dims(args, kwargs)
             )
         except AttributeWriteError as exc:  # once per key: traced again after PyTorch's call
-            if key in self.deferred:
+            if self.deferred.get(key) is not None:  # traced before (not only deferred for an emptied cache)
                 again = AttributeWriteError(exc.names, every_call=True, hint=exc.hint)
                 if not self.variants and not self.options.fallback:
                     raise again from exc
