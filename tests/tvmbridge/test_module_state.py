@@ -750,3 +750,21 @@ def test_an_output_that_is_an_input_is_that_input(via):
     torch.testing.assert_close(m.total, ref.total)
     for (name, a), b in zip(m.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_attribute_states_compare_an_emptied_cache_equal_and_a_counter_or_hook_not() -> None:
+    from tvmbridge.frontend.call_state import attribute_states
+
+    m = torch.nn.Sequential(EvalCache())
+    labels = ["0.cache"]
+    empty = attribute_states(m, labels)
+    m[0].cache["cpu"] = torch.ones(4)
+    assert attribute_states(m, labels) != empty  # filled
+    m[0].train()  # a new empty dict
+    assert attribute_states(m, labels) == empty
+    m[0].calls = 1
+    one = attribute_states(m, ["0.calls"])
+    m[0].calls = 2
+    assert attribute_states(m, ["0.calls"]) != one
+    assert attribute_states(m, ["0 forward hooks"]) is None  # a hook, not an attribute: not compared
+    assert attribute_states(m, ["Sequential.training"]) == attribute_states(m, ["Sequential.training"])

@@ -124,13 +124,13 @@ def attribute_states(module: torch.nn.Module, labels: list[str]) -> tuple | None
     """What the attributes :func:`changed_attributes` labelled hold now, to compare with another
     moment: plain values by value, containers by their type and keys (a cache emptied again
     reads as it did before it was filled), other objects by identity and version. None where a
-    label no longer names an attribute of a submodule."""
+    label names no attribute of a submodule (a hook a forward installed: unknown, not compared)."""
     modules = dict(module.named_modules())
     states: list[tuple] = []
     for label in labels:
         path, _, name = label.rpartition(".")
         owner = modules.get(path, module if path == type(module).__name__ else None)
-        if owner is None:
+        if owner is None or not name.isidentifier():  # not an attribute: a hook the call installed
             return None
         value = vars(owner).get(name, _GONE)
         if value is _GONE:
