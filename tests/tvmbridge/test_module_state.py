@@ -349,7 +349,18 @@ def test_a_cache_dict_filled_in_place_in_eval_is_filled_by_pytorch_and_read_by_o
     assert m._tvm_dispatch.variants[1].calls == 3  # the second call of each eval phase
 
 
-def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_again(monkeypatch) -> None:
+class EvalCacheClearedInPlace(EvalCache):
+    """The same cache emptied with ``clear()``: the dict object stays, its entries go."""
+
+    def train(self, mode: bool = True) -> EvalCacheClearedInPlace:
+        torch.nn.Module.train(self, mode)
+        if mode:
+            self.cache.clear()
+        return self
+
+
+@pytest.mark.parametrize("make", [EvalCache, EvalCacheClearedInPlace], ids=["replaced", "cleared"])
+def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_again(monkeypatch, make) -> None:
     """A validation pass of one batch between epochs: every eval call finds the cache ``train()``
     emptied. Each runs PyTorch (the cache filled as eager fills it) without a trace, never refused
     for good as "assigns on every call"; a later phase of two eval calls compiles the eval variant."""
@@ -359,7 +370,7 @@ def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_agai
     compile_variant = VariantSet.compile_variant
     monkeypatch.setattr(VariantSet, "compile_variant", lambda *a, **k: attempts.append(1) or compile_variant(*a, **k))
     torch.manual_seed(0)
-    ref = EvalCache()
+    ref = make()
     m = add_tvm_dispatch(copy.deepcopy(ref), verify=False)
     opts = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (m, ref)]
     x = torch.randn(3, 4)
@@ -380,7 +391,7 @@ def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_agai
             assert all(type(t) is torch.Tensor for t in m.cache.values())
     messages = [str(w.message) for w in caught]
     assert not any("on every call" in s for s in messages)
-    assert any("hold again what they held" in s and "EvalCache.cache" in s for s in messages)
+    assert any("hold again what they held" in s and f"{make.__name__}.cache" in s for s in messages)
     assert "calls: 5 compiled, 4 PyTorch" in m._tvm_dispatch.explain(), m._tvm_dispatch.explain()
     assert len(attempts) == 3  # train; the first eval (deferred); the last phase's second eval call
     assert [v.label.split(":")[0] for v in m._tvm_dispatch.variants] == ["train", "eval"]
