@@ -40,6 +40,11 @@ class UnsupportedOpError(ConversionError):
     """An operator has no converter or no gradient."""
 
 
+def listed_names(names: list[str], most: int = 4) -> str:
+    """The first ``most`` names, then ``...`` where there are more: how messages name attributes."""
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
 class AttributeWriteError(ConversionError):
     """The traced forward assigned module attributes (a counter, a cache filled on first use),
     which compiled code would not do. The trace's assignments are undone; PyTorch runs the call
@@ -47,7 +52,7 @@ class AttributeWriteError(ConversionError):
 
     def __init__(self, names: list[str], every_call: bool = False, hint: str = "") -> None:
         self.names, self.hint = names, hint
-        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        shown = listed_names(names)
         if every_call:
             message = (
                 f"forward assigns module attributes on every call ({shown}), which compiled code would not: "

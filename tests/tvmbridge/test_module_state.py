@@ -314,21 +314,19 @@ class EvalCache(torch.nn.Module):
         return self.lin(x) + self.cache["cpu"]
 
 
-def test_a_cache_dict_filled_in_place_in_eval_is_filled_by_pytorch_and_read_by_one_variant(monkeypatch) -> None:
-    from tvmbridge.runtime.variant_set import VariantSet
-
-    attempts = []
-    compile_variant = VariantSet.compile_variant
-    monkeypatch.setattr(VariantSet, "compile_variant", lambda *a, **k: attempts.append(1) or compile_variant(*a, **k))
+def _phases_against_eager(make: type[EvalCache], evals: tuple[int, ...]) -> tuple[torch.nn.Module, list[str]]:
+    """Per phase, on a dispatched model and an eager copy: ``train()``, an SGD step, ``eval()``
+    and ``n`` no_grad calls, every eval output compared (the cache as trained) and the cache
+    never holding a tracer's fake tensor; the dispatched model and the warnings' messages."""
     torch.manual_seed(0)
-    ref = EvalCache()
+    ref = make()
     m = add_tvm_dispatch(copy.deepcopy(ref), verify=False)
     opts = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (m, ref)]
     x = torch.randn(3, 4)
-    outs: dict[int, list[torch.Tensor]] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(3):
+        for n in evals:
+            outs = []
             for mod, opt in zip((m, ref), opts):
                 mod.train()
                 mod(x).square().sum().backward()
@@ -336,15 +334,30 @@ def test_a_cache_dict_filled_in_place_in_eval_is_filled_by_pytorch_and_read_by_o
                 opt.zero_grad()
                 mod.eval()
                 with torch.no_grad():
-                    outs[id(mod)] = [mod(x) for _ in range(2)]
+                    outs.append([mod(x) for _ in range(n)])
             assert all(type(t) is torch.Tensor for t in m.cache.values())  # never a tracer's fake
-            for got, want in zip(outs[id(m)], outs[id(ref)]):
-                torch.testing.assert_close(got, want)  # each eval: the cache as trained
-    deferred = [str(w.message) for w in caught if "compiling deferred" in str(w.message)]
+            for got, want in zip(*outs):
+                torch.testing.assert_close(got, want)
+    return m, [str(w.message) for w in caught]
+
+
+def _count_compile_attempts(monkeypatch) -> list[int]:
+    from tvmbridge.runtime.variant_set import VariantSet
+
+    attempts: list[int] = []
+    compile_variant = VariantSet.compile_variant
+    monkeypatch.setattr(VariantSet, "compile_variant", lambda *a, **k: attempts.append(1) or compile_variant(*a, **k))
+    return attempts
+
+
+def test_a_cache_dict_filled_in_place_in_eval_is_filled_by_pytorch_and_read_by_one_variant(monkeypatch) -> None:
+    attempts = _count_compile_attempts(monkeypatch)
+    m, messages = _phases_against_eager(EvalCache, (2, 2, 2))
+    deferred = [s for s in messages if "compiling deferred" in s]
     assert deferred and "EvalCache.cache" in deferred[0]
     assert any("was emptied" in d for d in deferred)  # PyTorch refills it: no trace, no compile
     assert len(attempts) == 3  # train; eval (deferred, the trace filled the cache), eval
-    assert not any("on every call" in str(w.message) for w in caught)  # not refused for good
+    assert not any("on every call" in s for s in messages)  # not refused for good
     assert [v.label.split(":")[0] for v in m._tvm_dispatch.variants] == ["train", "eval"]  # the cache an input
     assert m._tvm_dispatch.variants[1].calls == 3  # the second call of each eval phase
 
@@ -364,32 +377,8 @@ def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_agai
     """A validation pass of one batch between epochs: every eval call finds the cache ``train()``
     emptied. Each runs PyTorch (the cache filled as eager fills it) without a trace, never refused
     for good as "assigns on every call"; a later phase of two eval calls compiles the eval variant."""
-    from tvmbridge.runtime.variant_set import VariantSet
-
-    attempts = []
-    compile_variant = VariantSet.compile_variant
-    monkeypatch.setattr(VariantSet, "compile_variant", lambda *a, **k: attempts.append(1) or compile_variant(*a, **k))
-    torch.manual_seed(0)
-    ref = make()
-    m = add_tvm_dispatch(copy.deepcopy(ref), verify=False)
-    opts = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (m, ref)]
-    x = torch.randn(3, 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for evals in (1, 1, 1, 2):
-            outs = []
-            for mod, opt in zip((m, ref), opts):
-                mod.train()
-                mod(x).square().sum().backward()
-                opt.step()
-                opt.zero_grad()
-                mod.eval()
-                with torch.no_grad():
-                    outs.append([mod(x) for _ in range(evals)])
-            for got, want in zip(*outs):
-                torch.testing.assert_close(got, want)
-            assert all(type(t) is torch.Tensor for t in m.cache.values())
-    messages = [str(w.message) for w in caught]
+    attempts = _count_compile_attempts(monkeypatch)
+    m, messages = _phases_against_eager(make, (1, 1, 1, 2))
     assert not any("on every call" in s for s in messages)
     assert any("hold again what they held" in s and f"{make.__name__}.cache" in s for s in messages)
     assert "calls: 5 compiled, 4 PyTorch" in m._tvm_dispatch.explain(), m._tvm_dispatch.explain()
@@ -402,26 +391,8 @@ def test_one_eval_call_between_training_phases_runs_pytorch_without_tracing_agai
 def test_eval_phases_of_one_call_after_an_eval_variant_exists_are_never_refused(evals) -> None:
     """The eval variant compiled in a phase of two calls; later phases of one call each find the
     cache emptied, run PyTorch, and the key is never refused as assigning on every call."""
-    torch.manual_seed(0)
-    ref = EvalCache()
-    m = add_tvm_dispatch(copy.deepcopy(ref), verify=False)
-    opts = [torch.optim.SGD(mod.parameters(), lr=0.5) for mod in (m, ref)]
-    x = torch.randn(3, 4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for n in evals:
-            outs = []
-            for mod, opt in zip((m, ref), opts):
-                mod.train()
-                mod(x).square().sum().backward()
-                opt.step()
-                opt.zero_grad()
-                mod.eval()
-                with torch.no_grad():
-                    outs.append([mod(x) for _ in range(n)])
-            for got, want in zip(*outs):
-                torch.testing.assert_close(got, want)
-    assert not any("on every call" in str(w.message) for w in caught)
+    m, messages = _phases_against_eager(EvalCache, evals)
+    assert not any("on every call" in s for s in messages)
     assert not m._tvm_dispatch.failures
     assert f"calls: {len(evals) + sum(n - 1 for n in evals)} compiled" in m._tvm_dispatch.explain()
 

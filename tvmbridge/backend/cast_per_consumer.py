@@ -25,7 +25,7 @@ import math
 import tvm
 from tvm import relax
 
-from ..ir import is_op, static_shape, with_vars
+from ..ir import static_shape, with_vars
 
 _ARITHMETIC = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.negative"}
 _WIDENING_OPS = _ARITHMETIC | {"relax.astype"}
@@ -72,8 +72,10 @@ def _numel(var: relax.Expr, sizes: dict[relax.Expr, int | None]) -> int | None:
 
 def _broadcast_operand(arg: relax.Expr, size: int, sizes: dict[relax.Expr, int | None]) -> bool:
     """A constant, or a tensor smaller than the result (read by every element: computed once)."""
+    if isinstance(arg, tvm.ir.expr.Constant):
+        return True
     n = _numel(arg, sizes)
-    return isinstance(arg, tvm.ir.expr.Constant) or (n is not None and n < size)
+    return n is not None and n < size
 
 
 def _op_name(value: relax.Expr) -> str:
@@ -158,7 +160,7 @@ def _bind_again(
     """A fresh binding of ``var``'s widening expression (its casts and arithmetic, not its
     broadcast operands), appended to ``into``; the fresh variable."""
     value = bound[var]
-    if not is_op(value, "relax.astype"):
+    if _op_name(value) != "relax.astype":
         size = _numel(var, sizes)
         assert size is not None and isinstance(value, relax.Call) and depth > 0  # as _source_bits checked
         args = [

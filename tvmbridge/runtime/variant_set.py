@@ -18,7 +18,7 @@ import torch
 
 from analysis.tensors import tensor_leaves
 
-from ..errors import AttributeWriteError, ConversionError, RecompileWarning, module_name
+from ..errors import AttributeWriteError, ConversionError, RecompileWarning, listed_names, module_name
 from ..frontend.call_state import attribute_states
 from ..options import CompileOptions
 from ..pipeline.parts import INFER, TRAIN
@@ -215,9 +215,8 @@ class VariantSet:
         with TRACING.reading():
             if attribute_states(self.module, names) != states:
                 return None
-        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         return (
-            f"compiling deferred: {shown} hold again what they held before PyTorch's call filled them "
+            f"compiling deferred: {listed_names(names)} hold again what they held before PyTorch's call filled them "
             "(emptied since, as train() empties a cache); PyTorch runs this call"
         )
 
